@@ -1,0 +1,31 @@
+"""imgtrain: train image classifiers with data-parallel PyTorch on Ray.
+
+Every CLI verb is one function here:
+    imgtrain.prepare(...)   -> dataset manifest       (imgtrain data prepare)
+    imgtrain.train(cfg)     -> RunResult              (imgtrain train)
+    imgtrain.load_run(...)  -> RunResult              (imgtrain runs show)
+    imgtrain.list_runs(...) -> list[RunResult]        (imgtrain runs list)
+"""
+
+from imgtrain.config import TrainConfig
+from imgtrain.errors import ImgtrainError
+from imgtrain.runs import RunResult, list_runs, load_run
+
+__version__ = "0.1.0"
+
+
+def train(cfg: TrainConfig, display=None) -> RunResult:
+    """Train (or resume) ``cfg.name``. See ``imgtrain.trainer.train``."""
+    from imgtrain.trainer import train as _train
+
+    return _train(cfg, display=display)
+
+
+def prepare(source: str, out_dir, **options) -> dict:
+    """Prepare a data set directory. See ``imgtrain.data.parquet.prepare``."""
+    from imgtrain.data.parquet import prepare as _prepare
+
+    return _prepare(source, out_dir, **options)
+
+
+__all__ = ["TrainConfig", "ImgtrainError", "RunResult", "train", "prepare", "load_run", "list_runs"]

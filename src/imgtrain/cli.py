@@ -1,0 +1,196 @@
+"""The command line: one function per verb, each a thin layer over the Python API.
+
+Every user error is printed as one line, ``error: ...``, with exit status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from imgtrain.errors import ImgtrainError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Train image classifiers with data-parallel PyTorch on Ray.")
+data_app = typer.Typer(no_args_is_help=True, help="Prepare data sets.")
+runs_app = typer.Typer(no_args_is_help=True, help="Inspect runs.")
+app.add_typer(data_app, name="data")
+app.add_typer(runs_app, name="runs")
+console = Console()
+
+STORAGE_HELP = "Where runs live (local or shared path)."
+
+
+@data_app.command("prepare")
+def data_prepare(
+    source: str = typer.Argument(..., help="mnist-sample | mnist | folder | parquet"),
+    out_dir: Path = typer.Argument(..., help="Directory to write the prepared data set to."),
+    source_path: Optional[Path] = typer.Option(None, "--source", help="Input: IDX dir, image folder or Parquet."),
+    download: bool = typer.Option(False, "--download", help="mnist: download with torchvision (needs internet)."),
+    image_column: str = typer.Option("image", help="parquet: the image column."),
+    label_column: str = typer.Option("label", help="parquet: the label column."),
+    channels: Optional[int] = typer.Option(None, help="folder: 1 (grayscale) or 3 (RGB); default: detect."),
+    size: Optional[str] = typer.Option(None, help="folder: resize every image to HxW, e.g. 28x28."),
+    test_fraction: float = typer.Option(0.2, help="Share held out for testing when the source has no split."),
+    seed: int = typer.Option(0, help="Seed of the split and the row order."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing data set in OUT_DIR."),
+):
+    """Convert a source into a prepared data set (manifest.json + train/ and test/ Parquet)."""
+    from imgtrain.data.parquet import describe, prepare
+
+    hw = _parse_size(size) if size else None
+    manifest = prepare(
+        source, out_dir, source_path=source_path, download=download, image_column=image_column,
+        label_column=label_column, channels=channels, size=hw, test_fraction=test_fraction,
+        seed=seed, overwrite=overwrite,
+    )
+    console.print(describe(manifest), highlight=False)
+    console.print(f"prepared data set: {out_dir.resolve()}", highlight=False)
+
+
+def _parse_size(text: str) -> tuple[int, int]:
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+        if h > 0 and w > 0:
+            return h, w
+    except ValueError:
+        pass
+    raise ImgtrainError(f"--size {text!r} is not HxW with positive integers, e.g. 28x28")
+
+
+@app.command("train")
+def train_cmd(
+    data: Optional[Path] = typer.Option(None, help="Prepared data set directory (not needed to resume)."),
+    name: str = typer.Option(..., help="Run name; the same name again resumes the run."),
+    workers: int = typer.Option(2, help="Data-parallel workers."),
+    gpu: bool = typer.Option(False, "--gpu/--cpu", help="One GPU per worker, or CPUs only."),
+    epochs: int = typer.Option(20, help="Passes over the training split."),
+    batch_size: int = typer.Option(128, help="Global batch size, split across workers."),
+    lr: float = typer.Option(3e-3, help="Peak learning rate (AdamW, one-cycle)."),
+    weight_decay: float = typer.Option(0.05, help="AdamW weight decay."),
+    augment: bool = typer.Option(True, "--augment/--no-augment", help="Random affine augmentation."),
+    seed: int = typer.Option(0, help="Seed for init, shuffling and augmentation."),
+    ingest: str = typer.Option("ray-data", help="ray-data (Ray Data shards) or torch (DataLoader)."),
+    backend: str = typer.Option("ray", help="ray (Ray Train workers) or local (one plain PyTorch process)."),
+    storage: str = typer.Option("./runs", help=STORAGE_HELP),
+    address: Optional[str] = typer.Option(None, help="Join this Ray cluster (e.g. auto); default: start one."),
+    dashboard: bool = typer.Option(False, "--dashboard", help="Start the Ray dashboard (local cluster)."),
+    max_failures: int = typer.Option(0, help="Worker failures to retry from the latest checkpoint."),
+    cpus_per_worker: float = typer.Option(1.0, help="Logical CPUs each worker reserves in Ray."),
+    threads_per_worker: int = typer.Option(0, help="torch threads per worker; 0 = cores / workers."),
+    limit_train_batches: int = typer.Option(0, help="Smoke mode: batches per epoch per worker (0 = all)."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress display."),
+    json_out: bool = typer.Option(False, "--json", help="Print the finished run as JSON."),
+):
+    """Train a ResNet-18 on a prepared data set with Ray Train (or resume the run NAME)."""
+    import imgtrain
+    from imgtrain.config import TrainConfig
+    from imgtrain.display import TrainingDisplay
+
+    cfg = TrainConfig(
+        data=str(data) if data else "", name=name, workers=workers, use_gpu=gpu, epochs=epochs,
+        batch_size=batch_size, lr=lr, weight_decay=weight_decay, augment=augment, seed=seed,
+        ingest=ingest, backend=backend, storage=storage, address=address, max_failures=max_failures,
+        dashboard=dashboard,
+        cpus_per_worker=cpus_per_worker, threads_per_worker=threads_per_worker,
+        limit_train_batches=limit_train_batches,
+    )
+    result = imgtrain.train(cfg, display=TrainingDisplay(console, quiet=quiet or json_out))
+    if json_out:
+        print(json.dumps(result.to_json(), indent=2))
+        return
+    acc = result.final_accuracy
+    console.print(
+        f"finished {result.name}: test accuracy {acc:.2%}" if acc is not None else f"finished {result.name}",
+        highlight=False,
+    )
+    console.print(f"run directory: {result.path}", highlight=False)
+    if result.best_checkpoint:
+        console.print(f"best checkpoint: {result.best_checkpoint}", highlight=False)
+
+
+@runs_app.command("list")
+def runs_list(storage: str = typer.Option("./runs", help=STORAGE_HELP),
+              json_out: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """List the runs in STORAGE."""
+    from imgtrain.runs import list_runs
+
+    found = list_runs(storage)
+    if json_out:
+        print(json.dumps([r.to_json() for r in found], indent=2))
+        return
+    if not found:
+        console.print(f"no runs in {storage}", highlight=False)
+        return
+    table = Table("name", "status", "epochs", "best val acc", "last val acc", "path")
+    for r in found:
+        best = r.to_json()["best_val_accuracy"]
+        table.add_row(
+            r.name, r.status, f"{len(r.history)}/{r.config.get('epochs')}",
+            f"{best:.2%}" if best is not None else "-",
+            f"{r.final_accuracy:.2%}" if r.final_accuracy is not None else "-", str(r.path),
+        )
+    console.print(table)
+
+
+@runs_app.command("show")
+def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP),
+              json_out: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """Show one run: status, per-epoch metrics, checkpoints."""
+    from imgtrain.display import epoch_line
+    from imgtrain.runs import load_run
+
+    r = load_run(storage, name)
+    if json_out:
+        print(json.dumps(r.to_json(), indent=2))
+        return
+    console.print(f"[bold]{r.name}[/bold]  status: {r.status}  ({r.path})", highlight=False)
+    if r.error:
+        console.print(f"error: {r.error}", highlight=False)
+    cfg = r.config
+    console.print(
+        f"data {cfg.get('data')}  backend {cfg.get('backend')}  ingest {cfg.get('ingest')}  "
+        f"workers {cfg.get('workers')}  batch {cfg.get('batch_size')}  lr {cfg.get('lr')}", highlight=False,
+    )
+    for rec in r.history:
+        console.print(epoch_line(rec, cfg.get("epochs", 0)), highlight=False)
+    console.print(f"best checkpoint:   {r.best_checkpoint}", highlight=False)
+    console.print(f"latest checkpoint: {r.latest_checkpoint}", highlight=False)
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except ImgtrainError as e:
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        Console(stderr=True).print("interrupted; run the same command again to resume")
+        sys.exit(130)
+    except _click_errors() as e:  # unknown options, missing arguments: click's one-line message
+        e.show()
+        sys.exit(e.exit_code)
+    except _click_abort():
+        sys.exit(1)
+
+
+def _click_errors():
+    import click
+
+    return click.ClickException
+
+
+def _click_abort():
+    import click
+
+    return click.exceptions.Abort
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Starting or joining Ray, planning its CPUs, and keeping its noise out of the terminal.
+
+Two waits that never end in plain Ray Train are turned into errors here, before training starts:
+  * two 1-CPU workers on a 2-CPU machine leave no CPU for Ray Data's read tasks: the job
+    waits forever. We keep CPUs free for ingest and refuse plans that do not fit.
+  * ``use_gpu=True`` on a cluster without enough GPUs waits forever for placement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from imgtrain.config import TrainConfig
+from imgtrain.errors import ImgtrainError
+
+INGEST_CPUS = 1  # logical CPUs kept free for Ray Data's read and split tasks
+RAY_LOGGERS = ("ray", "ray.train", "ray.data", "ray.tune", "ray.serve")
+
+
+@dataclass
+class Cluster:
+    started_here: bool
+    dashboard_url: str | None
+    session_logs: Path | None
+
+
+def required_cpus(cfg: TrainConfig) -> float:
+    return cfg.workers * cfg.cpus_per_worker + (INGEST_CPUS if cfg.ingest == "ray-data" else 0)
+
+
+def connect(cfg: TrainConfig, log_file: Path | None = None) -> Cluster:
+    """Join ``cfg.address`` or start a private local cluster sized for the plan."""
+    import ray
+
+    route_ray_logs(log_file)
+    if ray.is_initialized():  # a cluster this process already joined (library use, tests)
+        return Cluster(False, None, _session_logs())
+    # Worker output stays in the session's log files (linked from the run's logs/).
+    kwargs = dict(log_to_driver=False, configure_logging=False, include_dashboard=cfg.dashboard)
+    try:
+        if cfg.address:
+            ctx = ray.init(address=cfg.address, **kwargs)
+        else:
+            # Logical CPUs: enough for every worker plus ingest. Threads are set per worker,
+            # so logical CPUs above the physical count do not oversubscribe the cores.
+            num_cpus = max(os.cpu_count() or 1, math.ceil(required_cpus(cfg)) + 1)
+            ctx = ray.init(address="local", num_cpus=num_cpus, **kwargs)
+    except ConnectionError as e:
+        raise ImgtrainError(f"cannot reach the Ray cluster at {cfg.address!r}: {e}") from None
+    url = getattr(ctx, "dashboard_url", None)
+    return Cluster(True, f"http://{url}" if url else None, _session_logs())
+
+
+def check_resources(cfg: TrainConfig) -> None:
+    """Refuse, in seconds, a plan the cluster cannot place (instead of waiting forever)."""
+    import ray
+
+    total = ray.cluster_resources()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    if cfg.use_gpu and gpus < cfg.workers:
+        raise ImgtrainError(
+            f"asked for {cfg.workers} GPU worker(s) but the Ray cluster has {gpus:g} GPU(s); "
+            "use --cpu, fewer --workers, or a cluster with GPUs"
+        )
+    need = required_cpus(cfg)
+    if cpus < need:
+        raise ImgtrainError(
+            f"asked for {cfg.workers} worker(s) x {cfg.cpus_per_worker:g} CPU plus {INGEST_CPUS} CPU kept for "
+            f"data ingest = {need:g} CPUs, but the Ray cluster has {cpus:g}; use fewer --workers"
+        )
+    biggest = max((n["Resources"].get("CPU", 0.0) for n in nodes), default=0.0)
+    if biggest < cfg.cpus_per_worker:
+        raise ImgtrainError(
+            f"each worker needs {cfg.cpus_per_worker:g} CPUs on one node, the largest node has {biggest:g}"
+        )
+
+
+def route_ray_logs(log_file: Path | None) -> None:
+    """Send Ray's driver-side Python logging to the run's log file instead of the terminal."""
+    if log_file is None:
+        return
+    handler = logging.FileHandler(log_file)
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in RAY_LOGGERS:
+        logger = logging.getLogger(name)
+        for h in list(logger.handlers):
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                logger.removeHandler(h)
+        for h in list(logger.handlers):  # the previous run's file, in a long-lived process
+            if isinstance(h, logging.FileHandler):
+                logger.removeHandler(h)
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+@contextlib.contextmanager
+def stderr_to(path: Path):
+    """Point file descriptor 2 at ``path`` for the duration (C++ and raylet output included)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _session_logs() -> Path | None:
+    try:
+        import ray._private.worker as worker
+
+        return Path(worker._global_node.get_session_dir_path()) / "logs"
+    except Exception:  # joined through ray:// or internals moved: the link is a convenience only
+        return None
+
+
+def shutdown(cluster: Cluster) -> None:
+    import ray
+
+    if cluster.started_here and ray.is_initialized():
+        ray.shutdown()

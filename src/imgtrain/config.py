@@ -1,0 +1,171 @@
+"""Training configuration: one typed dataclass, defaults in code, flags only override.
+
+The worker boundary is a plain dict (``dataclasses.asdict``) turned back into a
+``TrainConfig`` at once on the other side (``TrainConfig(**d)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from imgtrain.errors import ImgtrainError
+
+BACKENDS = ("ray", "local")
+INGESTS = ("ray-data", "torch")
+
+# Fields that may change when an existing run is resumed; any other difference means a
+# different experiment and is refused (issue 4 adds --overwrite).
+RESUMABLE_FIELDS = (
+    "epochs", "workers", "use_gpu", "address", "storage", "log_every_steps", "dashboard",
+    "max_failures", "threads_per_worker", "cpus_per_worker", "limit_train_batches",
+)
+
+
+@dataclass
+class TrainConfig:
+    data: str = ""
+    """Prepared data set directory (``imgtrain data prepare ...``)."""
+    name: str = ""
+    """Run name; the run lives in ``{storage}/{name}``. Same name again resumes."""
+    storage: str = "./runs"
+    """Where runs live: a local path, a shared filesystem path, or an s3:// / gs:// URI."""
+
+    backend: str = "ray"
+    """``ray``: Ray Train workers. ``local``: the same loop in one plain PyTorch process."""
+    ingest: str = "ray-data"
+    """``ray-data``: get_dataset_shard + iter_torch_batches. ``torch``: DataLoader + DistributedSampler."""
+    workers: int = 2
+    """Number of data-parallel training workers (Ray backend)."""
+    use_gpu: bool = False
+    """One GPU per worker. Fails fast when the cluster has too few GPUs."""
+    cpus_per_worker: float = 1.0
+    """Logical CPUs each worker reserves in Ray. Threads are set separately (threads_per_worker)."""
+    threads_per_worker: int = 0
+    """torch intra-op threads per worker; 0 = this node's cores divided by workers on it."""
+    address: str | None = None
+    """Ray cluster address (``auto``, ``ray://host:10001``); None starts a local cluster."""
+    dashboard: bool = False
+    """Start the Ray dashboard with a local cluster (about ten more processes; off to start fast)."""
+
+    epochs: int = 20
+    """Passes over the training split."""
+    batch_size: int = 128
+    """Global batch size, split across workers. When it does not divide, the first
+    ``batch_size % workers`` ranks take one extra sample, so the global batch is exact."""
+    lr: float = 3e-3
+    """Peak learning rate of the one-cycle schedule (AdamW)."""
+    weight_decay: float = 0.05
+    """AdamW decoupled weight decay."""
+    warmup_fraction: float = 0.15
+    """Share of steps spent warming the LR up to its peak (one-cycle pct_start)."""
+    label_smoothing: float = 0.1
+    """Cross-entropy label smoothing; helps a small data set generalise."""
+    augment: bool = True
+    """Random affine augmentation (rotate, scale, shift) on whole batches, training only."""
+    max_rotate_deg: float = 10.0
+    """Largest random rotation, degrees."""
+    max_shift: float = 0.1
+    """Largest random shift, as a fraction of the image size."""
+    max_scale: float = 0.1
+    """Largest random zoom in or out, as a fraction."""
+    seed: int = 0
+    """Seeds model init, shuffling and augmentation."""
+
+    eval_batch_size: int = 500
+    """Batch size per worker for validation (no gradients, so larger is fine)."""
+    log_every_steps: int = 10
+    """Rank 0 sends a progress record to the driver every N steps (no barrier)."""
+    num_to_keep: int = 1
+    """Checkpoints kept, ranked by validation accuracy; the latest is always kept in addition."""
+    max_failures: int = 0
+    """Worker-group failures Ray Train retries from the latest checkpoint before giving up."""
+    limit_train_batches: int = 0
+    """Smoke mode: stop each epoch after N batches per worker (0 = whole epoch)."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def effective_workers(self) -> int:
+        return 1 if self.backend == "local" else self.workers
+
+
+def config_fields() -> list[tuple[str, object, str]]:
+    """(name, default, one-line description) for every field, for help and docs."""
+    docs = _field_docs()
+    return [(f.name, f.default, docs.get(f.name, "")) for f in dataclasses.fields(TrainConfig)]
+
+
+def _field_docs() -> dict[str, str]:
+    # Field docstrings are not kept at run time; read them from the source once.
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check every field; raise one ImgtrainError listing every problem found."""
+    issues = []
+    if not cfg.name:
+        issues.append("--name is required (the run is stored under {storage}/{name})")
+    elif "/" in cfg.name or cfg.name.startswith("."):
+        issues.append(f"--name {cfg.name!r} must be a plain name without '/' or a leading '.'")
+    if cfg.backend not in BACKENDS:
+        issues.append(f"--backend {cfg.backend!r} is not one of {', '.join(BACKENDS)}")
+    if cfg.ingest not in INGESTS:
+        issues.append(f"--ingest {cfg.ingest!r} is not one of {', '.join(INGESTS)}")
+    if cfg.workers < 1:
+        issues.append(f"--workers must be at least 1, got {cfg.workers}")
+    if cfg.epochs < 1:
+        issues.append(f"--epochs must be at least 1, got {cfg.epochs}")
+    if cfg.batch_size < 1:
+        issues.append(f"--batch-size must be at least 1, got {cfg.batch_size}")
+    elif cfg.batch_size < cfg.effective_workers():
+        issues.append(
+            f"--batch-size {cfg.batch_size} is smaller than --workers {cfg.workers}: "
+            "every worker needs at least one sample per step; raise the batch size or use fewer workers"
+        )
+    if not cfg.lr > 0:
+        issues.append(f"--lr must be positive, got {cfg.lr}")
+    if cfg.weight_decay < 0:
+        issues.append(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
+    if not 0 <= cfg.warmup_fraction < 1:
+        issues.append(f"warmup_fraction must be in [0, 1), got {cfg.warmup_fraction}")
+    if not 0 <= cfg.label_smoothing < 1:
+        issues.append(f"label_smoothing must be in [0, 1), got {cfg.label_smoothing}")
+    if cfg.cpus_per_worker <= 0:
+        issues.append(f"cpus_per_worker must be positive, got {cfg.cpus_per_worker}")
+    if cfg.threads_per_worker < 0:
+        issues.append(f"threads_per_worker must be >= 0, got {cfg.threads_per_worker}")
+    if cfg.max_failures < -1:
+        issues.append(f"--max-failures must be >= 0 (or -1 for unlimited), got {cfg.max_failures}")
+    if cfg.eval_batch_size < 1 or cfg.log_every_steps < 1 or cfg.num_to_keep < 1:
+        issues.append("eval_batch_size, log_every_steps and num_to_keep must be at least 1")
+    if cfg.limit_train_batches < 0:
+        issues.append(f"limit_train_batches must be >= 0, got {cfg.limit_train_batches}")
+    if issues:
+        raise ImgtrainError("invalid configuration: " + "; ".join(issues))
+
+
+def per_worker_batch_sizes(global_batch: int, world_size: int) -> list[int]:
+    """Split a global batch across ranks: equal shares, the remainder to the first ranks.
+
+    >>> per_worker_batch_sizes(128, 3)
+    [43, 43, 42]
+    """
+    base, extra = divmod(global_batch, world_size)
+    return [base + (1 if rank < extra else 0) for rank in range(world_size)]
+
+
+def changed_fields(old: dict, new: dict) -> list[str]:
+    """Fields that differ between a stored run config and a new request, resumable ones excepted."""
+    return sorted(
+        k for k in new if k not in RESUMABLE_FIELDS and k in old and old[k] != new[k]
+    )

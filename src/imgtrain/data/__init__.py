@@ -1,0 +1,1 @@
+"""Data sets: sources -> prepared Parquet dataset directory -> Ray Data / torch tensors."""

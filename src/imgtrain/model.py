@@ -1,0 +1,81 @@
+"""The model and the batch-tensor preprocessing shared by training and inference."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchvision.models import resnet18
+
+ARCHITECTURE = "resnet18"
+
+
+def build_resnet18(in_channels: int = 1, num_classes: int = 10) -> nn.Module:
+    """torchvision ResNet-18 with the tutorial's conv1 override for ``in_channels``.
+
+    Kept layer-for-layer identical to the Ray tutorial's ``build_model()`` so that its own
+    inference code loads our ``model.pt`` unchanged.
+    """
+    model = resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(
+        in_channels, 64, kernel_size=(7, 7), stride=(2, 2), padding=(3, 3), bias=False
+    )
+    return model
+
+
+def model_args(manifest: dict) -> dict:
+    """What rebuilds the model, stored beside the weights in every checkpoint."""
+    return {
+        "architecture": ARCHITECTURE,
+        "in_channels": int(manifest["channels"]),
+        "num_classes": int(manifest["num_classes"]),
+    }
+
+
+def build_from_args(args: dict) -> nn.Module:
+    if args.get("architecture") != ARCHITECTURE:
+        raise ValueError(f"unknown architecture {args.get('architecture')!r}")
+    return build_resnet18(args["in_channels"], args["num_classes"])
+
+
+def to_model_input(images: torch.Tensor, mean: list[float], std: list[float]) -> torch.Tensor:
+    """uint8 images [B, H, W, C] -> normalised float32 [B, C, H, W].
+
+    With mean = std = 0.5 the result is in [-1, 1], the tutorial's ``Normalize((0.5,), (0.5,))``.
+    """
+    x = images.permute(0, 3, 1, 2).to(torch.float32).div_(255.0)
+    m = torch.tensor(mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    return (x - m) / s
+
+
+def random_affine(
+    x: torch.Tensor,
+    generator: torch.Generator,
+    max_rotate_deg: float,
+    max_shift: float,
+    max_scale: float,
+    fill: float = -1.0,
+) -> torch.Tensor:
+    """Random rotation, zoom and shift of a whole batch at once [B, C, H, W] -> same shape.
+
+    One affine_grid + grid_sample call for the batch is far cheaper than per-image PIL
+    transforms (the slow path the tutorial uses). ``fill`` is the background value after
+    normalisation (-1 = black for mean = std = 0.5).
+    """
+    b = x.shape[0]
+    # Random numbers come from a CPU generator so runs are reproducible on any device.
+    r = torch.rand(b, 4, generator=generator).mul_(2).sub_(1)  # [B, 4] in [-1, 1]
+    angle = r[:, 0] * math.radians(max_rotate_deg)
+    scale = 1.0 + r[:, 1] * max_scale
+    shift = r[:, 2:] * (2 * max_shift)  # grid coordinates span [-1, 1], i.e. 2 units
+    cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
+    theta = torch.stack(
+        [torch.stack([cos, -sin, shift[:, 0]], 1), torch.stack([sin, cos, shift[:, 1]], 1)], 1
+    ).to(device=x.device, dtype=x.dtype)  # [B, 2, 3]
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    # grid_sample pads with zeros; shift so that padding lands on the background value.
+    out = F.grid_sample(x - fill, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return out + fill

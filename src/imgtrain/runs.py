@@ -1,0 +1,236 @@
+"""The run directory ``{storage}/{name}/``: config, metrics history, status, checkpoints.
+
+Ray Train owns its checkpoint folders and snapshot files there; imgtrain adds
+  config.json     the resolved TrainConfig
+  metrics.jsonl   one JSON object per line: "start", "step" and "epoch" records. Our own
+                  history, complete even after Ray deletes old checkpoints
+  status.json     running / finished / failed / interrupted, with pid, host and error
+  logs/           driver.log and a link to the Ray session's logs
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from imgtrain import checkpoint as ckpt
+from imgtrain.errors import ImgtrainError
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+STATUS_FILE = "status.json"
+LOGS_DIR = "logs"
+CHECKPOINT_PREFIX = "checkpoint_"
+
+
+def storage_root(storage: str) -> Path:
+    if "://" in storage and not storage.startswith("file://"):
+        # Ray itself can checkpoint to s3:// or gs://, but the run's own files (config,
+        # history, status) are written with local file operations for now.
+        raise ImgtrainError(
+            f"--storage {storage}: only local or shared-filesystem paths (e.g. NFS) are supported so far"
+        )
+    return Path(storage.removeprefix("file://")).expanduser().resolve()
+
+
+def run_path(storage: str, name: str) -> Path:
+    return storage_root(storage) / name
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- config and status
+
+
+def write_config(run_dir: Path, config: dict) -> None:
+    _atomic_write(run_dir / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True))
+
+
+def read_config(run_dir: Path) -> dict | None:
+    path = run_dir / CONFIG_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_status(run_dir: Path, status: str, **extra) -> None:
+    record = {"status": status, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+    record.update(extra)
+    _atomic_write(run_dir / STATUS_FILE, json.dumps(record, indent=2))
+
+
+def read_status(run_dir: Path) -> dict:
+    path = run_dir / STATUS_FILE
+    if not path.is_file():
+        return {"status": "unknown"}
+    status = json.loads(path.read_text())
+    # A driver killed with SIGKILL leaves "running" behind; say what really happened.
+    if status.get("status") == "running" and status.get("host") == socket.gethostname():
+        if not _pid_alive(status.get("pid", -1)):
+            status["status"] = "interrupted"
+    return status
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------- metrics history
+
+
+class MetricsLog:
+    """Append-only ``metrics.jsonl``, written by the driver as records arrive from rank 0.
+
+    When a run restarts from a checkpoint at step S (retry or resume), records past S are
+    dropped first, so every epoch appears exactly once in the history.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / METRICS_FILE
+
+    def append(self, record: dict) -> None:
+        if record.get("kind") == "start":
+            self.truncate_after(record["step"])
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+    def truncate_after(self, step: int) -> None:
+        kept = [r for r in read_metrics(self.path.parent) if r.get("kind") == "start" or r.get("step", 0) <= step]
+        _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a killed driver
+    return records
+
+
+def epoch_history(run_dir: Path) -> list[dict]:
+    """The per-epoch records, one per epoch (the last one written wins)."""
+    by_epoch = {r["epoch"]: r for r in read_metrics(run_dir) if r.get("kind") == "epoch"}
+    return [by_epoch[e] for e in sorted(by_epoch)]
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[Path, dict]]:
+    """Complete checkpoints (valid meta.json) in the run directory, oldest first."""
+    found = []
+    if not run_dir.is_dir():
+        return found
+    for d in run_dir.iterdir():
+        if d.is_dir() and d.name.startswith(CHECKPOINT_PREFIX) and (d / ckpt.META_FILE).is_file():
+            try:
+                found.append((d, ckpt.read_meta(d)))
+            except ImgtrainError:
+                continue
+    return sorted(found, key=lambda item: (item[1].get("step", 0), item[0].name))
+
+
+def best_and_latest(run_dir: Path) -> tuple[Path | None, Path | None]:
+    found = list_checkpoints(run_dir)
+    if not found:
+        return None, None
+    latest = found[-1][0]
+    best = max(found, key=lambda item: (item[1]["metrics"].get("val_accuracy", -1), item[1]["step"]))[0]
+    return best, latest
+
+
+def retain(run_dir: Path, num_to_keep: int) -> None:
+    """Delete old checkpoints (local backend; Ray Train does the same itself): keep the
+    ``num_to_keep`` best by validation accuracy, and always the latest."""
+    import shutil
+
+    found = list_checkpoints(run_dir)
+    if not found:
+        return
+    ranked = sorted(found, key=lambda item: (item[1]["metrics"].get("val_accuracy", -1), item[1]["step"]), reverse=True)
+    keep = {path for path, _ in ranked[:num_to_keep]} | {found[-1][0]}
+    for path, _ in found:
+        if path not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- inspecting runs
+
+
+@dataclass
+class RunResult:
+    """What ``imgtrain.train`` returns, and what ``runs show`` prints."""
+
+    name: str
+    path: Path
+    status: str
+    config: dict
+    history: list[dict] = field(default_factory=list)
+    best_checkpoint: Path | None = None
+    latest_checkpoint: Path | None = None
+    error: str | None = None
+
+    @property
+    def metrics(self):
+        """Per-epoch metrics as a pandas DataFrame (one row per epoch)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.history)
+
+    @property
+    def final_accuracy(self) -> float | None:
+        return self.history[-1]["val_accuracy"] if self.history else None
+
+    def to_json(self) -> dict:
+        keep = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_accuracy",
+                "lr", "epoch_time_s", "images_per_s", "world_size", "checkpoint")
+        return {
+            "name": self.name, "path": str(self.path), "status": self.status,
+            "epochs_completed": len(self.history), "epochs": self.config.get("epochs"),
+            "metrics": [{k: r.get(k) for k in keep} for r in self.history],
+            "best_checkpoint": str(self.best_checkpoint) if self.best_checkpoint else None,
+            "latest_checkpoint": str(self.latest_checkpoint) if self.latest_checkpoint else None,
+            "best_val_accuracy": max((r["val_accuracy"] for r in self.history), default=None),
+            "config": self.config, "error": self.error,
+        }
+
+
+def load_run(storage: str, name: str) -> RunResult:
+    run_dir = run_path(storage, name)
+    config = read_config(run_dir)
+    if config is None:
+        known = ", ".join(sorted(r.name for r in list_runs(storage))) or "none"
+        raise ImgtrainError(f"no run named {name!r} in {storage_root(storage)} (runs there: {known})")
+    status = read_status(run_dir)
+    best, latest = best_and_latest(run_dir)
+    return RunResult(
+        name=name, path=run_dir, status=status.get("status", "unknown"), config=config,
+        history=epoch_history(run_dir), best_checkpoint=best, latest_checkpoint=latest,
+        error=status.get("error"),
+    )
+
+
+def list_runs(storage: str) -> list[RunResult]:
+    root = storage_root(storage)
+    if not root.is_dir():
+        return []
+    runs = [load_run(storage, d.name) for d in sorted(root.iterdir()) if (d / CONFIG_FILE).is_file()]
+    return sorted(runs, key=lambda r: (r.path / CONFIG_FILE).stat().st_mtime)

@@ -1,0 +1,266 @@
+"""The driver: checks the request, prepares the run directory, starts the workers, shows progress.
+
+``train(cfg)`` is the whole ``imgtrain train`` verb. With ``backend="ray"`` it runs
+``train_loop.train_loop_per_worker`` on Ray Train workers; with ``backend="local"`` it runs the
+same loop in this process with plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from imgtrain import cluster as cluster_mod
+from imgtrain import runs
+from imgtrain.config import TrainConfig, changed_fields, validate
+from imgtrain.display import TrainingDisplay
+from imgtrain.errors import ImgtrainError
+
+POLL_S = 0.5
+
+
+def train(cfg: TrainConfig, display: TrainingDisplay | None = None) -> runs.RunResult:
+    """Train (or resume) the run ``cfg.name``; return its result. Raises ImgtrainError on bad input."""
+    from imgtrain.data.parquet import verify_dataset
+
+    validate(cfg)
+    display = display or TrainingDisplay()
+    run_dir = runs.run_path(cfg.storage, cfg.name)
+    stored = runs.read_config(run_dir) if run_dir.is_dir() else None
+    if stored is not None:
+        if not cfg.data:
+            cfg.data = stored["data"]  # `imgtrain train --name X` alone resumes X
+        changed = changed_fields(stored, cfg.to_dict())
+        if changed:
+            diffs = ", ".join(f"{k}: {stored[k]!r} -> {getattr(cfg, k)!r}" for k in changed)
+            raise ImgtrainError(
+                f"run {cfg.name!r} already exists in {run_dir.parent} with a different config ({diffs}); "
+                "choose another --name, or rerun with the original settings to resume it"
+            )
+        done = runs.epoch_history(run_dir)
+        if done and done[-1]["epoch"] + 1 >= cfg.epochs and runs.best_and_latest(run_dir)[1]:
+            display.note(f"run {cfg.name!r} is already complete ({cfg.epochs} epochs); nothing to do")
+            return runs.load_run(cfg.storage, cfg.name)
+    if not cfg.data:
+        raise ImgtrainError("--data is required for a new run (a directory made by `imgtrain data prepare`)")
+    cfg.data = str(Path(cfg.data).expanduser().resolve())
+    manifest = verify_dataset(cfg.data)
+    _make_run_dir(run_dir)
+    runs.write_config(run_dir, cfg.to_dict())
+    runs.write_status(run_dir, "running", started=time.time())
+    if stored is not None:
+        display.note(f"resuming run {cfg.name!r} from {run_dir}")
+
+    try:
+        if cfg.backend == "local":
+            _train_local(cfg, manifest, run_dir, display)
+        else:
+            _train_ray(cfg, manifest, run_dir, display)
+    except KeyboardInterrupt:
+        runs.write_status(run_dir, "interrupted")
+        raise
+    except ImgtrainError as e:
+        runs.write_status(run_dir, "failed", error=str(e))
+        raise
+    except Exception as e:  # an unexpected failure still leaves a truthful status behind
+        runs.write_status(run_dir, "failed", error=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        display.close()
+    result = runs.load_run(cfg.storage, cfg.name)
+    runs.write_status(run_dir, "finished", val_accuracy=result.final_accuracy)
+    result.status = "finished"
+    return result
+
+
+def _make_run_dir(run_dir: Path) -> None:
+    try:
+        (run_dir / runs.LOGS_DIR).mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ImgtrainError(
+            f"cannot write to storage {run_dir.parent}: {e.strerror or e}; choose a writable --storage"
+        ) from None
+
+
+# ---------------------------------------------------------------- Ray Train backend
+
+
+def _train_ray(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDisplay) -> None:
+    # Ray's C++ core and raylet write warnings straight to this process's stderr; they go to
+    # logs/driver.err so the terminal shows only our progress display.
+    logs = run_dir / runs.LOGS_DIR
+    with cluster_mod.stderr_to(logs / "driver.err"):
+        _fit(cfg, manifest, run_dir, display)
+
+
+def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDisplay) -> None:
+    import ray
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from imgtrain.monitor import Monitor
+    from imgtrain.train_loop import train_loop_per_worker
+
+    logs = run_dir / runs.LOGS_DIR
+    cluster = cluster_mod.connect(cfg, logs / "driver.log")
+    try:
+        _link_session_logs(logs, cluster.session_logs)
+        cluster_mod.check_resources(cfg)
+        display.note(f"run {cfg.name}: {run_dir}  (logs: {logs})")
+        if cluster.dashboard_url:
+            display.note(f"Ray dashboard: {cluster.dashboard_url}")
+        monitor = Monitor.remote()
+        datasets = _datasets(cfg)
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config={"cfg": cfg.to_dict(), "manifest": manifest, "monitor": monitor},
+            scaling_config=ray.train.ScalingConfig(
+                num_workers=cfg.workers, use_gpu=cfg.use_gpu,
+                resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})},
+            ),
+            run_config=ray.train.RunConfig(
+                name=cfg.name, storage_path=str(run_dir.parent),
+                failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+                checkpoint_config=ray.train.CheckpointConfig(
+                    num_to_keep=cfg.num_to_keep, checkpoint_score_attribute="val_accuracy",
+                    checkpoint_score_order="max",
+                ),
+            ),
+            datasets=datasets,
+        )
+        with _forward_records(monitor, runs.MetricsLog(run_dir), display):
+            try:
+                trainer.fit()
+            except ray.train.TrainingFailedError as e:
+                raise ImgtrainError(f"training failed: {_root_cause(e)}; logs: {logs}") from None
+    finally:
+        cluster_mod.shutdown(cluster)
+
+
+def _datasets(cfg: TrainConfig):
+    """Ray Data ingest: the train split, sharded across workers by Ray Train."""
+    if cfg.ingest != "ray-data":
+        return None
+    import ray.data
+
+    from imgtrain.data.dataset import ray_dataset
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    return {"train": ray_dataset(cfg.data, "train")}
+
+
+def _root_cause(error: Exception) -> str:
+    failures = getattr(error, "worker_failures", None) or {}
+    for rank, exc in sorted(failures.items()):
+        cause = exc
+        while getattr(cause, "cause", None) is not None:  # RayTaskError wraps the user's exception
+            cause = cause.cause
+        if isinstance(cause, ImgtrainError):
+            return str(cause)
+        lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+        return f"rank {rank}: {type(cause).__name__}: {lines[-1] if lines else ''}"
+    text = str(error).strip().splitlines()
+    return text[-1] if text else type(error).__name__
+
+
+def _link_session_logs(logs: Path, session_logs: Path | None) -> None:
+    link = logs / "ray"
+    if session_logs is None:
+        return
+    with contextlib.suppress(OSError):
+        if link.is_symlink():
+            link.unlink()
+        link.symlink_to(session_logs, target_is_directory=True)
+
+
+@contextlib.contextmanager
+def _forward_records(monitor, log: runs.MetricsLog, display: TrainingDisplay):
+    """While training runs, move records from the monitor actor to metrics.jsonl and the display."""
+    import ray
+
+    stop = threading.Event()
+
+    def deliver():
+        for record in ray.get(monitor.drain.remote(), timeout=30):
+            log.append(record)
+            display.update(record)
+
+    def poll():
+        while not stop.wait(POLL_S):
+            with contextlib.suppress(Exception):
+                deliver()
+
+    thread = threading.Thread(target=poll, name="imgtrain-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        with contextlib.suppress(Exception):
+            deliver()  # the last records sent before fit() returned
+
+
+# ---------------------------------------------------------------- local backend
+
+
+def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDisplay) -> None:
+    """The same loop in this process, no Ray: the tutorial's single-device baseline."""
+    import os
+
+    from imgtrain.data.parquet import read_split
+    from imgtrain.train_loop import Hooks, run_loop
+
+    if cfg.use_gpu and not torch.cuda.is_available():
+        raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
+    device = torch.device("cuda" if cfg.use_gpu else "cpu")
+    torch.set_num_threads(cfg.threads_per_worker or os.cpu_count() or 1)
+    ids, images, labels = map(torch.from_numpy, read_split(cfg.data, "train"))
+    test = [t for t in map(torch.from_numpy, read_split(cfg.data, "test"))]
+    log = runs.MetricsLog(run_dir)
+    display.note(f"run {cfg.name}: {run_dir}  (local backend, {device})")
+
+    def train_batches(epoch: int, local_batch: int):
+        order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(cfg.seed * 1_009 + epoch))
+        for start in range(0, len(order) - local_batch + 1, local_batch):
+            idx = order[start : start + local_batch]
+            yield {"id": ids[idx], "image": images[idx].to(device), "label": labels[idx].to(device)}
+
+    def val_batches():
+        for start in range(0, len(test[0]), cfg.eval_batch_size):
+            sl = slice(start, start + cfg.eval_batch_size)
+            yield {"id": test[0][sl], "image": test[1][sl].to(device), "label": test[2][sl].to(device)}
+
+    @contextlib.contextmanager
+    def restored_checkpoint():
+        found = runs.list_checkpoints(run_dir)
+        yield str(found[-1][0]) if found else None
+
+    def report(metrics: dict, save_dir: str | None, name: str) -> None:
+        import shutil
+
+        target = run_dir / name
+        tmp = run_dir / f".{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(save_dir, tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)  # complete or invisible
+        runs.retain(run_dir, cfg.num_to_keep)
+
+    def send(record: dict) -> None:
+        log.append(record)
+        display.update(record)
+
+    hooks = Hooks(
+        rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device),
+        train_batches=train_batches, val_batches=val_batches, all_reduce_sum=lambda t: t,
+        restored_checkpoint=restored_checkpoint, report=report, send=send,
+    )
+    run_loop(cfg, manifest, hooks)

@@ -1,0 +1,61 @@
+"""Shared fixtures: one real local Ray cluster per test session, and small real data sets."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real local Ray cluster, started once. 4 logical CPUs on 2 cores is fine: workers
+    set their own torch thread counts. Yields the address other processes can join."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    address = ray.get_runtime_context().gcs_address
+    yield address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def sample_raw():
+    """The embedded 5,000 real MNIST digits, split 4,000 / 1,000."""
+    from imgtrain.data.sources import load_mnist_sample
+
+    return load_mnist_sample()
+
+
+def subset(raw, n_train: int, n_test: int):
+    """The first rows of each split (already in seeded random order, so classes are mixed)."""
+    from imgtrain.data.sources import RawDataset, Split
+
+    def take(split, n):
+        return Split(images=split.images[:n], labels=split.labels[:n], ids=split.ids[:n])
+
+    return RawDataset(classes=raw.classes, train=take(raw.train, n_train), test=take(raw.test, n_test))
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory, sample_raw) -> Path:
+    """256 training and 100 test real MNIST digits: enough to exercise every code path fast."""
+    from imgtrain.data.parquet import write_dataset
+
+    out = tmp_path_factory.mktemp("data") / "tiny"
+    write_dataset(subset(sample_raw, 256, 100), out, name="tiny", source="mnist-sample")
+    return out
+
+
+def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the real ``imgtrain`` command in a new process; never hangs the suite."""
+    return subprocess.run(
+        [sys.executable, "-m", "imgtrain.cli", *args], capture_output=True, text=True,
+        timeout=timeout, cwd=cwd, env={**os.environ, "COLUMNS": "200"},
+    )

@@ -1,0 +1,119 @@
+"""Training for real on a local Ray cluster, through the Python API and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from torchvision.models import resnet18
+
+import imgtrain
+from imgtrain import checkpoint as ckpt
+from imgtrain import runs
+from imgtrain.config import TrainConfig
+from imgtrain.display import TrainingDisplay
+from imgtrain.errors import ImgtrainError
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.integration
+
+QUIET = TrainingDisplay(quiet=True)
+
+
+def tiny_config(data, storage, name, **overrides) -> TrainConfig:
+    base = dict(data=str(data), storage=str(storage), name=name, workers=2, epochs=2,
+                batch_size=32, eval_batch_size=50, log_every_steps=2)
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+@pytest.mark.parametrize("ingest", ["ray-data", "torch"])
+def test_two_workers_train_and_write_the_run_directory(ray_cluster, tiny_data, tmp_path, ingest):
+    result = imgtrain.train(tiny_config(tiny_data, tmp_path, f"r-{ingest}", ingest=ingest), display=QUIET)
+
+    assert result.status == "finished"
+    df = result.metrics
+    assert list(df["epoch"]) == [0, 1]
+    assert (df["world_size"] == 2).all()
+    assert (df["val_samples"] == 100).all()  # every test row counted exactly once across ranks
+    assert (df["train_samples"] == 8 * 32).all()  # 256 rows / global batch 32 = 8 whole steps
+    assert df["train_loss"].iloc[1] < df["train_loss"].iloc[0]
+    run_dir = tmp_path / f"r-{ingest}"
+    for name in (runs.CONFIG_FILE, runs.METRICS_FILE, runs.STATUS_FILE, "logs/driver.log"):
+        assert (run_dir / name).is_file(), name
+    kinds = [r["kind"] for r in runs.read_metrics(run_dir)]
+    assert kinds.count("epoch") == 2 and "step" in kinds and kinds[0] == "start"
+    assert result.latest_checkpoint.name == "checkpoint_epoch_0001"
+    meta = ckpt.verify(result.latest_checkpoint)
+    assert meta["metrics"]["val_accuracy"] == df["val_accuracy"].iloc[1]
+    assert meta["model_args"] == {"architecture": "resnet18", "in_channels": 1, "num_classes": 10}
+
+
+def tutorial_build_model() -> nn.Module:
+    model = resnet18(num_classes=10)
+    model.conv1 = nn.Conv2d(in_channels=1, out_channels=64, kernel_size=(7, 7), stride=(2, 2),
+                            padding=(3, 3), bias=False)
+    return model
+
+
+def test_tutorial_inference_code_loads_model_pt(ray_cluster, tiny_data, tmp_path):
+    from imgtrain.data.parquet import read_split
+
+    result = imgtrain.train(tiny_config(tiny_data, tmp_path, "tut", epochs=1), display=QUIET)
+    model = tutorial_build_model()
+    model.load_state_dict(torch.load(result.latest_checkpoint / "model.pt", map_location="cpu",
+                                     weights_only=True))
+    model.eval()
+    _, images, labels = read_split(tiny_data, "test")
+    # The tutorial's preprocessing: ToTensor() then Normalize((0.5,), (0.5,)).
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).float().div(255).sub(0.5).div(0.5)
+    with torch.no_grad():
+        acc = (model(x).argmax(1) == torch.from_numpy(labels)).float().mean().item()
+    assert acc == pytest.approx(result.final_accuracy, abs=1e-6)
+
+
+def test_local_backend_runs_the_same_loop(tiny_data, tmp_path):
+    result = imgtrain.train(tiny_config(tiny_data, tmp_path, "loc", backend="local"), display=QUIET)
+    assert list(result.metrics["world_size"]) == [1, 1]
+    assert result.final_accuracy > 0.2  # far above chance (0.1) after 16 steps on real digits
+    assert [p.name for p, _ in runs.list_checkpoints(result.path)] == sorted(
+        {result.best_checkpoint.name, result.latest_checkpoint.name})
+
+
+def test_same_name_resumes_from_the_latest_checkpoint(ray_cluster, tiny_data, tmp_path):
+    first = imgtrain.train(tiny_config(tiny_data, tmp_path, "res", epochs=1), display=QUIET)
+    assert len(first.history) == 1
+    second = imgtrain.train(tiny_config(tiny_data, tmp_path, "res", epochs=3), display=QUIET)
+    assert [r["epoch"] for r in second.history] == [0, 1, 2]
+    assert second.history[0] == first.history[0]  # epoch 0 was not trained again
+    starts = [r for r in runs.read_metrics(second.path) if r["kind"] == "start"]
+    assert [s["step"] for s in starts] == [0, 8]  # the second run started at step 8
+
+    again = imgtrain.train(tiny_config(tiny_data, tmp_path, "res", epochs=3), display=QUIET)
+    assert again.history == second.history  # already complete: nothing retrained
+
+    with pytest.raises(ImgtrainError, match="different config.*lr"):
+        imgtrain.train(tiny_config(tiny_data, tmp_path, "res", epochs=3, lr=0.5), display=QUIET)
+
+
+def test_cli_train_prints_progress_and_runs_show_json(ray_cluster, tiny_data, tmp_path):
+    storage = tmp_path / "runs"
+    proc = run_cli("train", "--data", str(tiny_data), "--name", "cli", "--epochs", "2",
+                   "--batch-size", "32", "--storage", str(storage), "--address", ray_cluster)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "epoch   1/2" in out and "epoch   2/2" in out and "test accuracy" in out
+    assert "Traceback" not in out + proc.stderr
+    assert "WARNING" not in out + proc.stderr  # Ray's own noise goes to logs/
+
+    shown = run_cli("runs", "show", "cli", "--json", "--storage", str(storage))
+    data = json.loads(shown.stdout)
+    for key in ("name", "status", "epochs_completed", "metrics", "best_checkpoint", "latest_checkpoint"):
+        assert key in data
+    assert data["status"] == "finished" and data["epochs_completed"] == 2
+    assert {"epoch", "train_loss", "val_accuracy"} <= set(data["metrics"][0])
+
+    listed = run_cli("runs", "list", "--storage", str(storage))
+    assert listed.returncode == 0 and "cli" in listed.stdout and "finished" in listed.stdout

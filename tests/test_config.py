@@ -1,0 +1,35 @@
+import pytest
+
+from imgtrain.config import TrainConfig, changed_fields, config_fields, per_worker_batch_sizes, validate
+from imgtrain.errors import ImgtrainError
+
+
+@pytest.mark.parametrize("batch,world", [(128, 1), (128, 2), (128, 3), (7, 7), (100, 6)])
+def test_batch_split_is_exact_and_balanced(batch, world):
+    sizes = per_worker_batch_sizes(batch, world)
+    assert sum(sizes) == batch and len(sizes) == world
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # the remainder goes to the first ranks
+
+
+def test_validate_reports_every_problem_at_once():
+    cfg = TrainConfig(name="", epochs=0, batch_size=1, workers=2, lr=-1, ingest="tfrecord")
+    with pytest.raises(ImgtrainError) as e:
+        validate(cfg)
+    msg = str(e.value)
+    for fragment in ("--name is required", "--epochs", "--batch-size 1 is smaller than --workers 2",
+                     "--lr", "--ingest 'tfrecord'"):
+        assert fragment in msg
+    assert "\n" not in msg
+
+
+def test_defaults_are_valid_and_documented():
+    validate(TrainConfig(name="ok"))
+    fields = config_fields()
+    assert all(doc for _, _, doc in fields), [name for name, _, doc in fields if not doc]
+
+
+def test_resumable_fields_do_not_count_as_a_different_experiment():
+    old = TrainConfig(name="a", epochs=5).to_dict()
+    assert changed_fields(old, TrainConfig(name="a", epochs=9, workers=1).to_dict()) == []
+    assert changed_fields(old, TrainConfig(name="a", lr=0.1).to_dict()) == ["lr"]

