@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")

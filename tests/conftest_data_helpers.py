@@ -82,3 +82,16 @@ def rehash(data_dir: Path) -> None:
     manifest["sha256"] = {rel: hashlib.sha256((Path(data_dir) / rel).read_bytes()).hexdigest()
                           for rel in manifest["sha256"]}
     path.write_text(json.dumps(manifest))
+
+
+def rewrite_columns(path: Path, **columns) -> None:
+    """Replace (or, given None, drop) columns of one written Parquet file and write it back."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    for name, values in columns.items():
+        if values is None:
+            table = table.drop_columns([name])
+        else:
+            table = table.set_column(table.schema.get_field_index(name), name, values)
+    pq.write_table(table, path)

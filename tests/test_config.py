@@ -33,3 +33,14 @@ def test_resumable_fields_do_not_count_as_a_different_experiment():
     old = TrainConfig(name="a", epochs=5).to_dict()
     assert changed_fields(old, TrainConfig(name="a", epochs=9, workers=1).to_dict()) == []
     assert changed_fields(old, TrainConfig(name="a", lr=0.1).to_dict()) == ["lr"]
+
+
+def test_resolve_layers_defaults_stored_config_and_given_options():
+    from imgtrain.config import resolve
+
+    stored = TrainConfig(name="a", lr=0.01, epochs=5).to_dict()
+    cfg = resolve({"name": "a", "epochs": 9, "lr": None}, stored)
+    assert (cfg.lr, cfg.epochs, cfg.batch_size) == (0.01, 9, TrainConfig.batch_size)
+    assert resolve({"name": "b"}).lr == TrainConfig.lr
+    with pytest.raises(ImgtrainError, match="unknown config field"):
+        resolve({"name": "c", "lrr": 1})

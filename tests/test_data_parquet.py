@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tests.conftest_data_helpers import rehash, save_image, tiny_raw
+from tests.conftest_data_helpers import rehash, save_image, tiny_raw, rewrite_columns
 
 from imgtrain.data import parquet, sources
 from imgtrain.errors import ImgtrainError
@@ -198,19 +198,8 @@ def test_verify_catches_truncated_parquet(tiny_dir):
         parquet.read_split(tiny_dir, "test")
 
 
-def _rewrite(path, **columns):
-    """Replace columns of one written file (keeping the others) and write it back."""
-    table = pq.read_table(path)
-    for name, values in columns.items():
-        if values is None:
-            table = table.drop_columns([name])
-        else:
-            table = table.set_column(table.schema.get_field_index(name), name, values)
-    pq.write_table(table, path)
-
-
 def test_verify_catches_missing_column(tiny_dir):
-    _rewrite(tiny_dir / "train" / "part-00002.parquet", image=None)
+    rewrite_columns(tiny_dir / "train" / "part-00002.parquet", image=None)
     rehash(tiny_dir)
     with pytest.raises(ImgtrainError, match="train/part-00002.parquet lacks column\\(s\\) image"):
         parquet.verify_dataset(tiny_dir)
@@ -220,7 +209,7 @@ def test_verify_catches_label_out_of_range(tiny_dir):
     path = tiny_dir / "test" / "part-00001.parquet"
     labels = pq.read_table(path)["label"].to_numpy().copy()
     labels[2] = 4  # num_classes is 4
-    _rewrite(path, label=pa.array(labels))
+    rewrite_columns(path, label=pa.array(labels))
     rehash(tiny_dir)
     with pytest.raises(ImgtrainError, match="test/part-00001.parquet has label 4 outside \\[0, 4\\)"):
         parquet.verify_dataset(tiny_dir)
@@ -230,7 +219,7 @@ def test_verify_catches_wrong_image_shape(tiny_dir):
     from ray.data.extensions.tensor_extension import ArrowTensorArray
 
     path = tiny_dir / "train" / "part-00000.parquet"
-    _rewrite(path, image=ArrowTensorArray.from_numpy(np.zeros((15, 4, 4, 1), np.uint8)))
+    rewrite_columns(path, image=ArrowTensorArray.from_numpy(np.zeros((15, 4, 4, 1), np.uint8)))
     rehash(tiny_dir)
     with pytest.raises(ImgtrainError, match="shape \\[4, 4, 1\\], the manifest says \\[8, 8, 1\\]"):
         parquet.verify_dataset(tiny_dir)

@@ -1,7 +1,8 @@
 """The checkpoint format, used by training (save, resume) and inference (load).
 
 A checkpoint directory holds:
-  model.pt        the unwrapped ``state_dict``; the Ray tutorial's own inference code,
+  model.pt        the unwrapped ``state_dict`` of the model that was evaluated (the moving
+                  average of the weights when EMA is on); the Ray tutorial's own inference code,
                   ``build_model().load_state_dict(torch.load("model.pt", weights_only=True))``, loads it
   train_state.pt  optimizer, scheduler, epoch, step, RNG states: plain types and tensors only,
                   so it loads with ``weights_only=True``
@@ -11,15 +12,13 @@ A checkpoint directory holds:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
 from pathlib import Path
 
-import torch
-
 from imgtrain.errors import ImgtrainError
+from imgtrain.fileutil import atomic_write_text, sha256_file
 
 MODEL_FILE = "model.pt"
 TRAIN_STATE_FILE = "train_state.pt"
@@ -32,31 +31,25 @@ SCHEDULER_KEY = "scheduler"
 EPOCH_KEY = "epoch"  # last completed epoch, 0-based
 STEP_KEY = "step"  # optimizer steps taken so far, across epochs
 RNG_KEY = "rng"  # {"torch": ByteTensor, "augment": ByteTensor}
+TRAIN_WEIGHTS_KEY = "train_weights"  # the raw weights, when model.pt holds their moving average
+EMA_STEPS_KEY = "ema_steps"
 
 
 class CheckpointError(ImgtrainError):
     """A checkpoint is missing, incomplete, tampered with, or of an incompatible model."""
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def save(directory: str | os.PathLike, model_state: dict, train_state: dict, meta: dict) -> Path:
     """Write a checkpoint into ``directory`` (created); meta.json last, with every file's sha256."""
+    import torch
+
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     torch.save(model_state, d / MODEL_FILE)
     torch.save(train_state, d / TRAIN_STATE_FILE)
     meta = dict(meta, format_version=FORMAT_VERSION)
     meta["sha256"] = {name: sha256_file(d / name) for name in (MODEL_FILE, TRAIN_STATE_FILE)}
-    tmp = d / (META_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2, default=str))
-    os.replace(tmp, d / META_FILE)
+    atomic_write_text(d / META_FILE, json.dumps(meta, indent=2, default=str))
     return d
 
 
@@ -85,6 +78,8 @@ def verify(directory: str | os.PathLike) -> dict:
 
 
 def _load(path: Path, map_location="cpu"):
+    import torch  # here, not at the top: `imgtrain runs list` should not wait for torch
+
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -105,6 +100,6 @@ def load_train_state(directory: str | os.PathLike) -> dict:
     return _load(Path(directory) / TRAIN_STATE_FILE)
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model):
     """The plain model inside DistributedDataParallel (``model.module``) or the model itself."""
     return getattr(model, "module", model)

@@ -64,43 +64,57 @@ def _parse_size(text: str) -> tuple[int, int]:
     raise ImgtrainError(f"--size {text!r} is not HxW with positive integers, e.g. 28x28")
 
 
+def _default(field: str) -> str:
+    from imgtrain.config import TrainConfig
+
+    return f" [default: {getattr(TrainConfig, field)}]"
+
+
 @app.command("train")
 def train_cmd(
-    data: Optional[Path] = typer.Option(None, help="Prepared data set directory (not needed to resume)."),
     name: str = typer.Option(..., help="Run name; the same name again resumes the run."),
-    workers: int = typer.Option(2, help="Data-parallel workers."),
-    gpu: bool = typer.Option(False, "--gpu/--cpu", help="One GPU per worker, or CPUs only."),
-    epochs: int = typer.Option(20, help="Passes over the training split."),
-    batch_size: int = typer.Option(128, help="Global batch size, split across workers."),
-    lr: float = typer.Option(3e-3, help="Peak learning rate (AdamW, one-cycle)."),
-    weight_decay: float = typer.Option(0.05, help="AdamW weight decay."),
-    augment: bool = typer.Option(True, "--augment/--no-augment", help="Random affine augmentation."),
-    seed: int = typer.Option(0, help="Seed for init, shuffling and augmentation."),
-    ingest: str = typer.Option("ray-data", help="ray-data (Ray Data shards) or torch (DataLoader)."),
-    backend: str = typer.Option("ray", help="ray (Ray Train workers) or local (one plain PyTorch process)."),
+    data: Optional[Path] = typer.Option(None, help="Prepared data set directory (not needed to resume)."),
+    workers: Optional[int] = typer.Option(None, help="Data-parallel workers." + _default("workers")),
+    gpu: Optional[bool] = typer.Option(None, "--gpu/--cpu", help="One GPU per worker, or CPUs only. [default: cpu]"),
+    epochs: Optional[int] = typer.Option(None, help="Passes over the training split." + _default("epochs")),
+    batch_size: Optional[int] = typer.Option(None, help="Global batch, split across workers." + _default("batch_size")),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate (AdamW, one-cycle)." + _default("lr")),
+    weight_decay: Optional[float] = typer.Option(None, help="AdamW weight decay." + _default("weight_decay")),
+    augment: Optional[bool] = typer.Option(None, "--augment/--no-augment", help="Random affine augmentation. [default: on]"),
+    ema_decay: Optional[float] = typer.Option(None, help="Weight moving average per step; 0 = off." + _default("ema_decay")),
+    seed: Optional[int] = typer.Option(None, help="Seed for init, shuffling and augmentation." + _default("seed")),
+    ingest: Optional[str] = typer.Option(None, help="ray-data or torch (DataLoader)." + _default("ingest")),
+    backend: Optional[str] = typer.Option(None, help="ray or local (one plain PyTorch process)." + _default("backend")),
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster (e.g. auto); default: start one."),
-    dashboard: bool = typer.Option(False, "--dashboard", help="Start the Ray dashboard (local cluster)."),
-    max_failures: int = typer.Option(0, help="Worker failures to retry from the latest checkpoint."),
-    cpus_per_worker: float = typer.Option(1.0, help="Logical CPUs each worker reserves in Ray."),
-    threads_per_worker: int = typer.Option(0, help="torch threads per worker; 0 = cores / workers."),
-    limit_train_batches: int = typer.Option(0, help="Smoke mode: batches per epoch per worker (0 = all)."),
+    dashboard: Optional[bool] = typer.Option(None, "--dashboard", help="Start the Ray dashboard (local cluster)."),
+    max_failures: Optional[int] = typer.Option(None, help="Worker failures retried from the latest checkpoint."),
+    cpus_per_worker: Optional[float] = typer.Option(None, help="Logical CPUs a worker reserves." + _default("cpus_per_worker")),
+    threads_per_worker: Optional[int] = typer.Option(None, help="torch threads per worker; 0 = cores / workers."),
+    limit_train_batches: Optional[int] = typer.Option(None, help="Smoke mode: batches per epoch per worker."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress display."),
     json_out: bool = typer.Option(False, "--json", help="Print the finished run as JSON."),
 ):
-    """Train a ResNet-18 on a prepared data set with Ray Train (or resume the run NAME)."""
+    """Train a ResNet-18 on a prepared data set with Ray Train, or resume the run NAME.
+
+    Only the options given override: a resumed run keeps the settings it was started with.
+    """
     import imgtrain
-    from imgtrain.config import TrainConfig
+    from imgtrain import runs
+    from imgtrain.config import resolve
     from imgtrain.display import TrainingDisplay
 
-    cfg = TrainConfig(
-        data=str(data) if data else "", name=name, workers=workers, use_gpu=gpu, epochs=epochs,
-        batch_size=batch_size, lr=lr, weight_decay=weight_decay, augment=augment, seed=seed,
-        ingest=ingest, backend=backend, storage=storage, address=address, max_failures=max_failures,
-        dashboard=dashboard,
-        cpus_per_worker=cpus_per_worker, threads_per_worker=threads_per_worker,
-        limit_train_batches=limit_train_batches,
+    overrides = dict(
+        name=name, data=str(data) if data else None, workers=workers, use_gpu=gpu, epochs=epochs,
+        batch_size=batch_size, lr=lr, weight_decay=weight_decay, augment=augment, seed=seed, ema_decay=ema_decay,
+        ingest=ingest, backend=backend, storage=storage, address=address, dashboard=dashboard,
+        max_failures=max_failures, cpus_per_worker=cpus_per_worker,
+        threads_per_worker=threads_per_worker, limit_train_batches=limit_train_batches,
     )
+    stored = runs.read_config(runs.run_path(storage, name))
+    if stored is not None and data is not None:
+        overrides["data"] = str(data.expanduser().resolve())
+    cfg = resolve(overrides, stored)
     result = imgtrain.train(cfg, display=TrainingDisplay(console, quiet=quiet or json_out))
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
@@ -170,26 +184,14 @@ def main() -> None:
     except ImgtrainError as e:
         Console(stderr=True).print(f"[bold red]error:[/bold red] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort):
         Console(stderr=True).print("interrupted; run the same command again to resume")
         sys.exit(130)
-    except _click_errors() as e:  # unknown options, missing arguments: click's one-line message
-        e.show()
-        sys.exit(e.exit_code)
-    except _click_abort():
-        sys.exit(1)
-
-
-def _click_errors():
-    import click
-
-    return click.ClickException
-
-
-def _click_abort():
-    import click
-
-    return click.exceptions.Abort
+    except typer.TyperException as e:  # unknown options, missing arguments: click's usage message
+        show = getattr(e, "show", None)
+        if show:
+            show()
+        sys.exit(getattr(e, "exit_code", 2))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ def connect(cfg: TrainConfig, log_file: Path | None = None) -> Cluster:
             # Logical CPUs: enough for every worker plus ingest. Threads are set per worker,
             # so logical CPUs above the physical count do not oversubscribe the cores.
             num_cpus = max(os.cpu_count() or 1, math.ceil(required_cpus(cfg)) + 1)
+            # One machine is never preempted; the watcher would be one more process to start.
+            os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
             ctx = ray.init(address="local", num_cpus=num_cpus, **kwargs)
     except ConnectionError as e:
         raise ImgtrainError(f"cannot reach the Ray cluster at {cfg.address!r}: {e}") from None
@@ -102,18 +104,25 @@ def route_ray_logs(log_file: Path | None) -> None:
 
 
 @contextlib.contextmanager
-def stderr_to(path: Path):
-    """Point file descriptor 2 at ``path`` for the duration (C++ and raylet output included)."""
+def ray_output_to(logs: Path):
+    """Keep Ray's own output out of the terminal while Ray runs.
+
+    File descriptor 2 goes to ``driver.err`` (the C++ core and raylet write there directly);
+    ``sys.stdout`` goes to ``driver.out`` (Ray's driver prints cluster warnings, such as
+    "N worker processes have been started", to it from a background thread). Whoever needs
+    the real terminal meanwhile must hold on to it before entering (the progress display does).
+    """
     sys.stderr.flush()
     saved = os.dup(2)
-    with open(path, "ab") as f:
-        os.dup2(f.fileno(), 2)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
+    with open(logs / "driver.err", "ab") as err, open(logs / "driver.out", "a") as out:
+        os.dup2(err.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(out):
+                yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _session_logs() -> Path | None:

@@ -7,7 +7,7 @@ The worker boundary is a plain dict (``dataclasses.asdict``) turned back into a
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from imgtrain.errors import ImgtrainError
 
@@ -48,7 +48,7 @@ class TrainConfig:
     dashboard: bool = False
     """Start the Ray dashboard with a local cluster (about ten more processes; off to start fast)."""
 
-    epochs: int = 20
+    epochs: int = 12
     """Passes over the training split."""
     batch_size: int = 128
     """Global batch size, split across workers. When it does not divide, the first
@@ -69,9 +69,15 @@ class TrainConfig:
     """Largest random shift, as a fraction of the image size."""
     max_scale: float = 0.1
     """Largest random zoom in or out, as a fraction."""
+    ema_decay: float = 0.98
+    """Per-step decay of an exponential moving average of the weights, which is what gets
+    evaluated and saved as model.pt; 0 turns it off. Smooths the epoch-to-epoch jitter."""
     seed: int = 0
     """Seeds model init, shuffling and augmentation."""
 
+    channels_last: bool = True
+    """NHWC memory layout for convolutions: measured 5-10% faster on CPU here, and the usual
+    choice on GPUs. The saved state_dict loads into a model of either layout."""
     eval_batch_size: int = 500
     """Batch size per worker for validation (no gradients, so larger is fine)."""
     log_every_steps: int = 10
@@ -138,6 +144,8 @@ def validate(cfg: TrainConfig) -> None:
         issues.append(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
     if not 0 <= cfg.warmup_fraction < 1:
         issues.append(f"warmup_fraction must be in [0, 1), got {cfg.warmup_fraction}")
+    if not 0 <= cfg.ema_decay < 1:
+        issues.append(f"--ema-decay must be in [0, 1), got {cfg.ema_decay}")
     if not 0 <= cfg.label_smoothing < 1:
         issues.append(f"label_smoothing must be in [0, 1), got {cfg.label_smoothing}")
     if cfg.cpus_per_worker <= 0:
@@ -152,6 +160,16 @@ def validate(cfg: TrainConfig) -> None:
         issues.append(f"limit_train_batches must be >= 0, got {cfg.limit_train_batches}")
     if issues:
         raise ImgtrainError("invalid configuration: " + "; ".join(issues))
+
+
+def resolve(overrides: dict, stored: dict | None = None) -> TrainConfig:
+    """Defaults, then the stored config of the run being resumed, then what the user set."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ImgtrainError(f"unknown config field(s): {', '.join(unknown)}")
+    base = {k: v for k, v in (stored or {}).items() if k in known}
+    return TrainConfig(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
 
 
 def per_worker_batch_sizes(global_batch: int, world_size: int) -> list[int]:

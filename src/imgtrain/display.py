@@ -27,6 +27,13 @@ class TrainingDisplay:
         self.task = None
         self.last_val = None
 
+    def pin_output(self) -> None:
+        """Write to the current sys.stdout from now on, even if it is redirected later."""
+        import sys
+
+        if self.console.file is sys.stdout:
+            self.console.file = sys.stdout
+
     def __enter__(self):
         return self
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from imgtrain import checkpoint as ckpt
 from imgtrain.errors import ImgtrainError
+from imgtrain.fileutil import atomic_write_text
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -41,17 +42,11 @@ def run_path(storage: str, name: str) -> Path:
     return storage_root(storage) / name
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------- config and status
 
 
 def write_config(run_dir: Path, config: dict) -> None:
-    _atomic_write(run_dir / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True))
+    atomic_write_text(run_dir / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True))
 
 
 def read_config(run_dir: Path) -> dict | None:
@@ -62,7 +57,7 @@ def read_config(run_dir: Path) -> dict | None:
 def write_status(run_dir: Path, status: str, **extra) -> None:
     record = {"status": status, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
     record.update(extra)
-    _atomic_write(run_dir / STATUS_FILE, json.dumps(record, indent=2))
+    atomic_write_text(run_dir / STATUS_FILE, json.dumps(record, indent=2))
 
 
 def read_status(run_dir: Path) -> dict:
@@ -109,7 +104,7 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> None:
         kept = [r for r in read_metrics(self.path.parent) if r.get("kind") == "start" or r.get("step", 0) <= step]
-        _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -48,7 +48,8 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
     rank, world = hooks.rank, hooks.world_size
     torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts them)
     args = model_args(manifest)
-    model = hooks.prepare_model(build_from_args(args))
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    model = hooks.prepare_model(build_from_args(args).to(memory_format=memory_format))
     mean, std = manifest["normalize"]["mean"], manifest["normalize"]["std"]
 
     local_batch = per_worker_batch_sizes(cfg.batch_size, world)[rank]
@@ -64,12 +65,18 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
     criterion = nn.CrossEntropyLoss(reduction="sum", label_smoothing=cfg.label_smoothing)
     augment_rng = torch.Generator().manual_seed(cfg.seed * 10_007 + rank)
 
+    ema = _ema(ckpt.unwrap(model), cfg.ema_decay)
     start_epoch, step, schedule_state = 0, 0, None
     with hooks.restored_checkpoint() as restore_dir:
         if restore_dir:
             ckpt.verify(restore_dir)
-            ckpt.unwrap(model).load_state_dict(ckpt.load_model_state(restore_dir, hooks.device))
             state = ckpt.load_train_state(restore_dir)
+            saved = ckpt.load_model_state(restore_dir, hooks.device)
+            if ema is not None and ckpt.TRAIN_WEIGHTS_KEY in state:
+                ema.module.load_state_dict(saved)
+                ema.n_averaged.fill_(state[ckpt.EMA_STEPS_KEY])
+                saved = state[ckpt.TRAIN_WEIGHTS_KEY]
+            ckpt.unwrap(model).load_state_dict(saved)
             optimizer.load_state_dict(state[ckpt.OPTIMIZER_KEY])
             schedule_state = state[ckpt.SCHEDULER_KEY]
             start_epoch, step = state[ckpt.EPOCH_KEY] + 1, state[ckpt.STEP_KEY]
@@ -81,7 +88,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
         hooks.send({
             "kind": "start", "start_epoch": start_epoch, "step": step, "epochs": cfg.epochs,
             "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "world_size": world,
-            "local_batch_sizes": per_worker_batch_sizes(cfg.batch_size, world),
+            "local_batch_sizes": per_worker_batch_sizes(cfg.batch_size, world), "time": time.time(),
         })
 
     for epoch in range(start_epoch, cfg.epochs):
@@ -102,7 +109,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
             if cfg.augment:
                 x = random_affine(x, augment_rng, cfg.max_rotate_deg, cfg.max_shift, cfg.max_scale)
             y = batch["label"]
-            logits = model(x)
+            logits = model(x.contiguous(memory_format=memory_format))
             # DDP averages gradients over ranks; scaling the summed loss by world/global_batch
             # makes that average the exact mean over the global batch even when ranks hold
             # unequal shares (global batch not divisible by the number of workers).
@@ -111,6 +118,8 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
             loss.backward()
             optimizer.step()
             scheduler.step()
+            if ema is not None:
+                ema.update_parameters(ckpt.unwrap(model))
             step += 1
             with torch.no_grad():
                 batch_loss = loss.detach().double().item() * cfg.batch_size / world
@@ -122,7 +131,9 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
         _drain(batches)
 
         train_loss, train_acc, seen = _global_means(hooks, sums)
-        val_loss, val_acc, val_n = evaluate(ckpt.unwrap(model), hooks, manifest, criterion.label_smoothing)
+        evaluated = ema.module if ema is not None else ckpt.unwrap(model)
+        _buffers_from_rank0(evaluated, hooks)
+        val_loss, val_acc, val_n = evaluate(evaluated, hooks, manifest, criterion.label_smoothing)
         metrics = {
             "epoch": epoch, "step": step, "train_loss": train_loss, "train_accuracy": train_acc,
             "val_loss": val_loss, "val_accuracy": val_acc, "val_samples": val_n,
@@ -130,6 +141,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
             "epoch_time_s": time.perf_counter() - epoch_start,
         }
         metrics["images_per_s"] = seen / metrics["epoch_time_s"]
+        metrics["time"] = time.time()
         name = checkpoint_dir_name(epoch)
         with tempfile.TemporaryDirectory(prefix="imgtrain-ckpt-") as tmp:
             save_dir = None
@@ -139,12 +151,15 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
                     ckpt.OPTIMIZER_KEY: optimizer.state_dict(), ckpt.SCHEDULER_KEY: scheduler.state_dict(),
                     ckpt.EPOCH_KEY: epoch, ckpt.STEP_KEY: step, ckpt.RNG_KEY: rng,
                 }
+                if ema is not None:
+                    train_state[ckpt.TRAIN_WEIGHTS_KEY] = ckpt.unwrap(model).state_dict()
+                    train_state[ckpt.EMA_STEPS_KEY] = int(ema.n_averaged.item())
                 meta = {
                     "model_args": args, "config": cfg.to_dict(), "metrics": metrics,
                     "data": _data_summary(manifest), "epoch": epoch, "step": step,
                     "total_steps": total_steps, "created": time.time(),
                 }
-                save_dir = str(ckpt.save(tmp, ckpt.unwrap(model).state_dict(), train_state, meta))
+                save_dir = str(ckpt.save(tmp, evaluated.state_dict(), train_state, meta))
                 hooks.send(dict(metrics, kind="epoch", checkpoint=name))
             else:
                 _gather_rng(augment_rng, hooks)
@@ -170,6 +185,8 @@ def evaluate(model: nn.Module, hooks: Hooks, manifest: dict, label_smoothing: fl
             if not mine.any():
                 continue
             x = to_model_input(batch["image"][mine], mean, std)
+            if next(model.parameters()).is_contiguous(memory_format=torch.channels_last):
+                x = x.contiguous(memory_format=torch.channels_last)
             y = batch["label"][mine]
             logits = model(x)
             sums += torch.tensor(
@@ -187,6 +204,28 @@ def _global_means(hooks: Hooks, sums: torch.Tensor) -> tuple[float, float, int]:
     return total[0].item() / max(n, 1), total[1].item() / max(n, 1), n
 
 
+def _buffers_from_rank0(model: nn.Module, hooks: Hooks) -> None:
+    """Give every rank rank 0's BatchNorm statistics (a collective: all ranks call it).
+
+    Parameters are identical on all ranks, but each rank's last forward pass updated its
+    running statistics with its own batch. Validation and the saved model.pt must use the
+    same statistics, or a later evaluation of the checkpoint would not reproduce the
+    recorded accuracy.
+    """
+    if hooks.world_size == 1:
+        return
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    flat = torch.cat([b.detach().flatten().double().cpu() for b in buffers])
+    if hooks.rank != 0:
+        flat.zero_()
+    flat = hooks.all_reduce_sum(flat)  # adding zeros: exactly rank 0's values
+    offset = 0
+    with torch.no_grad():
+        for b in buffers:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+
 def _gather_rng(gen: torch.Generator, hooks: Hooks) -> list[torch.Tensor]:
     """Every rank's augmentation RNG state, gathered on all ranks (a collective: all call it)."""
     state = gen.get_state()  # uint8 [5056]
@@ -194,6 +233,28 @@ def _gather_rng(gen: torch.Generator, hooks: Hooks) -> list[torch.Tensor]:
     buf[hooks.rank] = state.double()
     buf = hooks.all_reduce_sum(buf)
     return [row.to(torch.uint8) for row in buf]
+
+
+def _ema(model: nn.Module, decay: float):
+    """Moving average of weights and BatchNorm statistics, or None when decay is 0.
+
+    The decay warms up as (1 + n) / (10 + n) until it reaches ``decay``, so that a short run
+    is not dominated by the random initial weights.
+    """
+    if not decay:
+        return None
+    from torch.optim.swa_utils import AveragedModel
+
+    @torch.no_grad()
+    def update(averaged: list, current: list, num_averaged) -> None:
+        if not torch.is_floating_point(averaged[0]):  # BatchNorm's step counters: just copy
+            torch._foreach_copy_(averaged, current)
+            return
+        n = float(num_averaged)
+        d = min(decay, (1.0 + n) / (10.0 + n))
+        torch._foreach_lerp_(averaged, current, 1.0 - d)
+
+    return AveragedModel(model, multi_avg_fn=update, use_buffers=True)
 
 
 def _one_cycle(optimizer, cfg: TrainConfig, total_steps: int, step: int, saved: dict | None):

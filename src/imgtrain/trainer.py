@@ -29,6 +29,8 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None) -> runs.RunR
 
     validate(cfg)
     display = display or TrainingDisplay()
+    if cfg.data:
+        cfg.data = str(Path(cfg.data).expanduser().resolve())
     run_dir = runs.run_path(cfg.storage, cfg.name)
     stored = runs.read_config(run_dir) if run_dir.is_dir() else None
     if stored is not None:
@@ -47,7 +49,6 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None) -> runs.RunR
             return runs.load_run(cfg.storage, cfg.name)
     if not cfg.data:
         raise ImgtrainError("--data is required for a new run (a directory made by `imgtrain data prepare`)")
-    cfg.data = str(Path(cfg.data).expanduser().resolve())
     manifest = verify_dataset(cfg.data)
     _make_run_dir(run_dir)
     runs.write_config(run_dir, cfg.to_dict())
@@ -93,10 +94,11 @@ def _make_run_dir(run_dir: Path) -> None:
 
 
 def _train_ray(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDisplay) -> None:
-    # Ray's C++ core and raylet write warnings straight to this process's stderr; they go to
-    # logs/driver.err so the terminal shows only our progress display.
+    # Ray's core, raylet and driver write warnings straight to this process's stdout and
+    # stderr; they go to logs/ so that the terminal shows only the progress display.
     logs = run_dir / runs.LOGS_DIR
-    with cluster_mod.stderr_to(logs / "driver.err"):
+    display.pin_output()
+    with cluster_mod.ray_output_to(logs):
         _fit(cfg, manifest, run_dir, display)
 
 

@@ -6,13 +6,12 @@ import json
 import shutil
 import time
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import run_cli
-from tests.conftest_data_helpers import rehash
+from tests.conftest_data_helpers import rehash, rewrite_columns
 
 pytestmark = pytest.mark.integration
 
@@ -66,19 +65,9 @@ def test_tampered_file_fails_its_checksum(data_copy, tmp_path):
     assert_one_line_error(run_cli(*train_args(data_copy, tmp_path)), path.name, "sha256")
 
 
-def rewrite(path, **columns):
-    table = pq.read_table(path)
-    for name, values in columns.items():
-        if values is None:
-            table = table.drop([name])
-        else:
-            table = table.set_column(table.schema.get_field_index(name), name, values)
-    pq.write_table(table, path)
-
-
 def test_missing_column(data_copy, tmp_path):
     path = first_file(data_copy)
-    rewrite(path, label=None)
+    rewrite_columns(path, label=None)
     rehash(data_copy)
     assert_one_line_error(run_cli(*train_args(data_copy, tmp_path)), path.name, "label")
 
@@ -87,7 +76,7 @@ def test_label_outside_the_class_range(data_copy, tmp_path):
     path = first_file(data_copy, "test")
     labels = pq.read_table(path)["label"].to_numpy().copy()
     labels[0] = 10
-    rewrite(path, label=pa.array(labels))
+    rewrite_columns(path, label=pa.array(labels))
     rehash(data_copy)
     assert_one_line_error(run_cli(*train_args(data_copy, tmp_path)), "label 10")
 

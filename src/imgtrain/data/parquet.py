@@ -14,7 +14,6 @@ without importing Ray. Rows inside each split are already in a seeded random ord
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ import pyarrow.parquet as pq
 from imgtrain.data import sources
 from imgtrain.data.sources import RawDataset, Split
 from imgtrain.errors import ImgtrainError
+from imgtrain.fileutil import sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -80,14 +80,6 @@ def _validate(raw: RawDataset) -> None:
         issues.append("ids are not unique across train and test")
     if issues:
         raise ImgtrainError("cannot write data set: " + "; ".join(issues))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _write_split(split: Split, folder: Path, rows_per_file: int) -> list[Path]:
@@ -169,7 +161,7 @@ def write_dataset(
                 s: np.bincount(getattr(raw, s).labels, minlength=k).tolist() for s in SPLITS
             },
             "normalize": {"mean": [NORMALIZE_MEAN] * c, "std": [NORMALIZE_STD] * c},
-            "sha256": {p.relative_to(tmp).as_posix(): _sha256(p) for s in SPLITS for p in files[s]},
+            "sha256": {p.relative_to(tmp).as_posix(): sha256_file(p) for s in SPLITS for p in files[s]},
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "options": dict(options or {}),
         }
@@ -360,7 +352,7 @@ def verify_dataset(data_dir: PathLike, check_hashes: bool = True) -> dict:
         for rel, path in zip(manifest["splits"][split]["files"], files):
             if not path.is_file():
                 raise ImgtrainError(f"{data_dir / rel} is missing; prepare the data set again")
-            if check_hashes and _sha256(path) != manifest["sha256"].get(rel):
+            if check_hashes and sha256_file(path) != manifest["sha256"].get(rel):
                 raise ImgtrainError(
                     f"{data_dir / rel} does not match its sha256 in the manifest (modified or "
                     "corrupt); prepare the data set again"
