@@ -6,6 +6,7 @@ Every user error is printed as one line, ``error: ...``, with exit status 2; no 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -78,7 +79,8 @@ def train_cmd(
     gpu: Optional[bool] = typer.Option(None, "--gpu/--cpu", help="One GPU per worker, or CPUs only. [default: cpu]"),
     epochs: Optional[int] = typer.Option(None, help="Passes over the training split." + _default("epochs")),
     batch_size: Optional[int] = typer.Option(None, help="Global batch, split across workers." + _default("batch_size")),
-    lr: Optional[float] = typer.Option(None, help="Peak learning rate (AdamW, one-cycle)." + _default("lr")),
+    optimizer: Optional[str] = typer.Option(None, help="adamw or sgd (Nesterov)." + _default("optimizer")),
+    lr: Optional[float] = typer.Option(None, help="Peak learning rate (one-cycle)." + _default("lr")),
     weight_decay: Optional[float] = typer.Option(None, help="AdamW weight decay." + _default("weight_decay")),
     augment: Optional[bool] = typer.Option(None, "--augment/--no-augment", help="Random affine augmentation. [default: on]"),
     ema_decay: Optional[float] = typer.Option(None, help="Weight moving average per step; 0 = off." + _default("ema_decay")),
@@ -106,7 +108,7 @@ def train_cmd(
 
     overrides = dict(
         name=name, data=str(data) if data else None, workers=workers, use_gpu=gpu, epochs=epochs,
-        batch_size=batch_size, lr=lr, weight_decay=weight_decay, augment=augment, seed=seed, ema_decay=ema_decay,
+        batch_size=batch_size, optimizer=optimizer, lr=lr, weight_decay=weight_decay, augment=augment, seed=seed, ema_decay=ema_decay,
         ingest=ingest, backend=backend, storage=storage, address=address, dashboard=dashboard,
         max_failures=max_failures, cpus_per_worker=cpus_per_worker,
         threads_per_worker=threads_per_worker, limit_train_batches=limit_train_batches,
@@ -192,6 +194,16 @@ def main() -> None:
         if show:
             show()
         sys.exit(getattr(e, "exit_code", 2))
+    except Exception as e:  # a bug or an environment failure: one line, the traceback on request
+        if os.environ.get("IMGTRAIN_DEBUG"):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        Console(stderr=True).print(
+            f"[bold red]error:[/bold red] unexpected {type(e).__name__}: {first} "
+            "(run logs are in the run's logs/ folder; IMGTRAIN_DEBUG=1 shows the traceback)",
+            highlight=False, soft_wrap=True,
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from imgtrain.errors import ImgtrainError
 
 BACKENDS = ("ray", "local")
 INGESTS = ("ray-data", "torch")
+OPTIMIZERS = ("adamw", "sgd")
 
 # Fields that may change when an existing run is resumed; any other difference means a
 # different experiment and is refused (issue 4 adds --overwrite).
@@ -53,10 +54,12 @@ class TrainConfig:
     batch_size: int = 128
     """Global batch size, split across workers. When it does not divide, the first
     ``batch_size % workers`` ranks take one extra sample, so the global batch is exact."""
+    optimizer: str = "adamw"
+    """``adamw`` or ``sgd`` (Nesterov momentum 0.9)."""
     lr: float = 3e-3
-    """Peak learning rate of the one-cycle schedule (AdamW)."""
+    """Peak learning rate of the one-cycle schedule."""
     weight_decay: float = 0.05
-    """AdamW decoupled weight decay."""
+    """Weight decay: decoupled for AdamW, L2 for SGD (where about 5e-4 is usual)."""
     warmup_fraction: float = 0.15
     """Share of steps spent warming the LR up to its peak (one-cycle pct_start)."""
     label_smoothing: float = 0.1
@@ -127,6 +130,8 @@ def validate(cfg: TrainConfig) -> None:
         issues.append(f"--backend {cfg.backend!r} is not one of {', '.join(BACKENDS)}")
     if cfg.ingest not in INGESTS:
         issues.append(f"--ingest {cfg.ingest!r} is not one of {', '.join(INGESTS)}")
+    if cfg.optimizer not in OPTIMIZERS:
+        issues.append(f"--optimizer {cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if cfg.workers < 1:
         issues.append(f"--workers must be at least 1, got {cfg.workers}")
     if cfg.epochs < 1:

@@ -61,7 +61,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
         steps_per_epoch = min(steps_per_epoch, cfg.limit_train_batches)
     total_steps = cfg.epochs * steps_per_epoch
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = _optimizer(model, cfg)
     criterion = nn.CrossEntropyLoss(reduction="sum", label_smoothing=cfg.label_smoothing)
     augment_rng = torch.Generator().manual_seed(cfg.seed * 10_007 + rank)
 
@@ -233,6 +233,13 @@ def _gather_rng(gen: torch.Generator, hooks: Hooks) -> list[torch.Tensor]:
     buf[hooks.rank] = state.double()
     buf = hooks.all_reduce_sum(buf)
     return [row.to(torch.uint8) for row in buf]
+
+
+def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, nesterov=True,
+                               weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def _ema(model: nn.Module, decay: float):

@@ -8,6 +8,7 @@ same loop in this process with plain PyTorch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -30,12 +31,12 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None) -> runs.RunR
     validate(cfg)
     display = display or TrainingDisplay()
     if cfg.data:
-        cfg.data = str(Path(cfg.data).expanduser().resolve())
+        cfg = dataclasses.replace(cfg, data=str(Path(cfg.data).expanduser().resolve()))
     run_dir = runs.run_path(cfg.storage, cfg.name)
     stored = runs.read_config(run_dir) if run_dir.is_dir() else None
     if stored is not None:
-        if not cfg.data:
-            cfg.data = stored["data"]  # `imgtrain train --name X` alone resumes X
+        if not cfg.data:  # `imgtrain train --name X` alone resumes X
+            cfg = dataclasses.replace(cfg, data=stored["data"])
         changed = changed_fields(stored, cfg.to_dict())
         if changed:
             diffs = ", ".join(f"{k}: {stored[k]!r} -> {getattr(cfg, k)!r}" for k in changed)
