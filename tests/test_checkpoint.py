@@ -57,3 +57,14 @@ def test_arbitrary_pickled_object_is_refused(tmp_path):
     torch.save({"evil": Payload()}, tmp_path / ckpt.TRAIN_STATE_FILE)
     with pytest.raises(ckpt.CheckpointError, match="refusing to load"):
         ckpt.load_train_state(tmp_path)
+
+
+def test_meta_without_hashes_cannot_be_verified(tmp_path):
+    import json
+
+    save_one(tmp_path)
+    meta = json.loads((tmp_path / ckpt.META_FILE).read_text())
+    del meta["sha256"][ckpt.MODEL_FILE]
+    (tmp_path / ckpt.META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match="no sha256 for model.pt"):
+        ckpt.verify(tmp_path)

@@ -44,3 +44,16 @@ def test_resolve_layers_defaults_stored_config_and_given_options():
     assert resolve({"name": "b"}).lr == TrainConfig.lr
     with pytest.raises(ImgtrainError, match="unknown config field"):
         resolve({"name": "c", "lrr": 1})
+
+
+@pytest.mark.parametrize("n,batch,world,expected", [
+    (4000, 128, 2, 31),   # the demo: 2,000 rows per shard, 64 per step
+    (4000, 64, 3, 60),    # 1,333 rows per shard at 22 per step (not 4000 // 64 = 62)
+    (100, 128, 1, 0),     # a batch larger than the data: no whole step
+])
+def test_steps_per_epoch_fit_the_smallest_shard(n, batch, world, expected):
+    from imgtrain.config import steps_per_epoch
+
+    steps = steps_per_epoch(n, batch, world)
+    assert steps == expected
+    assert steps * max(per_worker_batch_sizes(batch, world)) <= n // world

@@ -42,3 +42,9 @@ def test_status_of_a_killed_driver_reads_interrupted(tmp_path):
     (tmp_path / runs.STATUS_FILE).write_text(json.dumps(
         {"status": "running", "pid": 2**22 + 12345, "host": __import__("socket").gethostname()}))
     assert runs.read_status(tmp_path)["status"] == "interrupted"
+
+
+def test_checkpoint_meta_without_metrics_does_not_break_listing(tmp_path):
+    ckpt.save(tmp_path / "checkpoint_epoch_0000", {}, {}, {"epoch": 0})
+    good = make_ckpt(tmp_path, 1, 0.7)
+    assert runs.best_and_latest(tmp_path) == (good, good)

@@ -30,7 +30,7 @@ OPTIMIZER_KEY = "optimizer"
 SCHEDULER_KEY = "scheduler"
 EPOCH_KEY = "epoch"  # last completed epoch, 0-based
 STEP_KEY = "step"  # optimizer steps taken so far, across epochs
-RNG_KEY = "rng"  # {"torch": ByteTensor, "augment": ByteTensor}
+RNG_KEY = "rng"  # {"torch": ByteTensor, "augment": [ByteTensor per rank]}
 TRAIN_WEIGHTS_KEY = "train_weights"  # the raw weights, when model.pt holds their moving average
 EMA_STEPS_KEY = "ema_steps"
 
@@ -68,7 +68,11 @@ def verify(directory: str | os.PathLike) -> dict:
     """Check every file against the sha256 in meta.json; return the meta or raise naming the file."""
     d = Path(directory)
     meta = read_meta(d)
-    for name, expected in meta.get("sha256", {}).items():
+    hashes = meta.get("sha256") or {}
+    for name in (MODEL_FILE, TRAIN_STATE_FILE):
+        expected = hashes.get(name)
+        if not expected:
+            raise CheckpointError(f"{d / META_FILE} records no sha256 for {name}; the checkpoint cannot be verified")
         f = d / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint file {f} is missing")

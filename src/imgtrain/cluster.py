@@ -99,6 +99,7 @@ def route_ray_logs(log_file: Path | None) -> None:
         for h in list(logger.handlers):  # the previous run's file, in a long-lived process
             if isinstance(h, logging.FileHandler):
                 logger.removeHandler(h)
+                h.close()
         logger.addHandler(handler)
         logger.propagate = False
 

@@ -30,7 +30,7 @@ class TrainConfig:
     name: str = ""
     """Run name; the run lives in ``{storage}/{name}``. Same name again resumes."""
     storage: str = "./runs"
-    """Where runs live: a local path, a shared filesystem path, or an s3:// / gs:// URI."""
+    """Where runs live: a local path or a shared filesystem path (NFS) on a cluster."""
 
     backend: str = "ray"
     """``ray``: Ray Train workers. ``local``: the same loop in one plain PyTorch process."""
@@ -53,7 +53,8 @@ class TrainConfig:
     """Passes over the training split."""
     batch_size: int = 128
     """Global batch size, split across workers. When it does not divide, the first
-    ``batch_size % workers`` ranks take one extra sample, so the global batch is exact."""
+    ``batch_size % workers`` ranks take one extra sample, so the global batch is exact; an
+    epoch is as many steps as the smallest worker shard can feed."""
     optimizer: str = "adamw"
     """``adamw`` or ``sgd`` (Nesterov momentum 0.9)."""
     lr: float = 3e-3
@@ -175,6 +176,13 @@ def resolve(overrides: dict, stored: dict | None = None) -> TrainConfig:
         raise ImgtrainError(f"unknown config field(s): {', '.join(unknown)}")
     base = {k: v for k, v in (stored or {}).items() if k in known}
     return TrainConfig(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def steps_per_epoch(n_train: int, global_batch: int, world_size: int, limit: int = 0) -> int:
+    """Steps every rank takes per epoch: what the smallest shard (n_train // world rows, as
+    Ray's equal split gives) feeds at the largest per-rank batch. 0 means too little data."""
+    steps = (n_train // world_size) // max(per_worker_batch_sizes(global_batch, world_size))
+    return min(steps, limit) if limit else steps
 
 
 def per_worker_batch_sizes(global_batch: int, world_size: int) -> list[int]:

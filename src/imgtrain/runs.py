@@ -143,12 +143,16 @@ def list_checkpoints(run_dir: Path) -> list[tuple[Path, dict]]:
     return sorted(found, key=lambda item: (item[1].get("step", 0), item[0].name))
 
 
+def _val_accuracy(meta: dict) -> float:
+    return (meta.get("metrics") or {}).get("val_accuracy", -1.0)
+
+
 def best_and_latest(run_dir: Path) -> tuple[Path | None, Path | None]:
     found = list_checkpoints(run_dir)
     if not found:
         return None, None
     latest = found[-1][0]
-    best = max(found, key=lambda item: (item[1]["metrics"].get("val_accuracy", -1), item[1]["step"]))[0]
+    best = max(found, key=lambda item: (_val_accuracy(item[1]), item[1].get("step", 0)))[0]
     return best, latest
 
 
@@ -160,7 +164,7 @@ def retain(run_dir: Path, num_to_keep: int) -> None:
     found = list_checkpoints(run_dir)
     if not found:
         return
-    ranked = sorted(found, key=lambda item: (item[1]["metrics"].get("val_accuracy", -1), item[1]["step"]), reverse=True)
+    ranked = sorted(found, key=lambda item: (_val_accuracy(item[1]), item[1].get("step", 0)), reverse=True)
     keep = {path for path, _ in ranked[:num_to_keep]} | {found[-1][0]}
     for path, _ in found:
         if path not in keep:

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from imgtrain import checkpoint as ckpt
-from imgtrain.config import TrainConfig, per_worker_batch_sizes
+from imgtrain.config import TrainConfig, per_worker_batch_sizes, steps_per_epoch as epoch_steps
 from imgtrain.model import build_from_args, model_args, random_affine, to_model_input
 
 Batch = dict  # {"id": int64 [B], "image": uint8 [B, H, W, C], "label": int64 [B]} on the device
@@ -54,11 +54,9 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
 
     local_batch = per_worker_batch_sizes(cfg.batch_size, world)[rank]
     # Every rank takes the same number of steps per epoch (a rank that stops early would
-    # deadlock the others in the gradient all-reduce): whole global batches only.
+    # deadlock the others in the gradient all-reduce), as many as the smallest shard feeds.
     n_train = manifest["splits"]["train"]["num_samples"]
-    steps_per_epoch = max(1, n_train // cfg.batch_size)
-    if cfg.limit_train_batches:
-        steps_per_epoch = min(steps_per_epoch, cfg.limit_train_batches)
+    steps_per_epoch = max(1, epoch_steps(n_train, cfg.batch_size, world, cfg.limit_train_batches))
     total_steps = cfg.epochs * steps_per_epoch
 
     optimizer = _optimizer(model, cfg)
@@ -82,7 +80,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
             start_epoch, step = state[ckpt.EPOCH_KEY] + 1, state[ckpt.STEP_KEY]
             torch.set_rng_state(state[ckpt.RNG_KEY]["torch"])
             augment_rng.set_state(state[ckpt.RNG_KEY]["augment"][rank % len(state[ckpt.RNG_KEY]["augment"])])
-    scheduler = _one_cycle(optimizer, cfg, total_steps, step, schedule_state)
+    scheduler = _one_cycle(optimizer, cfg, (cfg.epochs - start_epoch) * steps_per_epoch, schedule_state)
 
     if rank == 0:
         hooks.send({
@@ -130,6 +128,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
                 hooks.send(window.record(epoch, step, scheduler.get_last_lr()[0], world))
         _drain(batches)
 
+        train_time = time.perf_counter() - epoch_start
         train_loss, train_acc, seen = _global_means(hooks, sums)
         evaluated = ema.module if ema is not None else ckpt.unwrap(model)
         _buffers_from_rank0(evaluated, hooks)
@@ -140,7 +139,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
             "train_samples": seen, "lr": scheduler.get_last_lr()[0], "world_size": world,
             "epoch_time_s": time.perf_counter() - epoch_start,
         }
-        metrics["images_per_s"] = seen / metrics["epoch_time_s"]
+        metrics["images_per_s"] = seen / train_time  # training only, validation excluded
         metrics["time"] = time.time()
         name = checkpoint_dir_name(epoch)
         with tempfile.TemporaryDirectory(prefix="imgtrain-ckpt-") as tmp:
@@ -152,18 +151,19 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
                     ckpt.EPOCH_KEY: epoch, ckpt.STEP_KEY: step, ckpt.RNG_KEY: rng,
                 }
                 if ema is not None:
-                    train_state[ckpt.TRAIN_WEIGHTS_KEY] = ckpt.unwrap(model).state_dict()
+                    train_state[ckpt.TRAIN_WEIGHTS_KEY] = _cpu(ckpt.unwrap(model).state_dict())
                     train_state[ckpt.EMA_STEPS_KEY] = int(ema.n_averaged.item())
                 meta = {
                     "model_args": args, "config": cfg.to_dict(), "metrics": metrics,
-                    "data": _data_summary(manifest), "epoch": epoch, "step": step,
+                    "data": manifest, "epoch": epoch, "step": step,
                     "total_steps": total_steps, "created": time.time(),
                 }
-                save_dir = str(ckpt.save(tmp, evaluated.state_dict(), train_state, meta))
-                hooks.send(dict(metrics, kind="epoch", checkpoint=name))
+                save_dir = str(ckpt.save(tmp, _cpu(evaluated.state_dict()), train_state, meta))
             else:
                 _gather_rng(augment_rng, hooks)
             hooks.report(metrics, save_dir, name)
+        if rank == 0:  # only once the checkpoint is stored: history never runs ahead of it
+            hooks.send(dict(metrics, kind="epoch", checkpoint=name))
 
 
 def evaluate(model: nn.Module, hooks: Hooks, manifest: dict, label_smoothing: float = 0.0):
@@ -264,22 +264,28 @@ def _ema(model: nn.Module, decay: float):
     return AveragedModel(model, multi_avg_fn=update, use_buffers=True)
 
 
-def _one_cycle(optimizer, cfg: TrainConfig, total_steps: int, step: int, saved: dict | None):
-    """One-cycle LR over the whole run. A run extended with more epochs than it was started
-    with runs a fresh cycle over the steps that remain."""
-    if saved is not None and saved.get("total_steps") == total_steps:
+def _one_cycle(optimizer, cfg: TrainConfig, remaining: int, saved: dict | None):
+    """One-cycle LR over the run. A resumed run continues its saved cycle when that cycle has
+    exactly the steps left that the run has; otherwise (more epochs than the run started with,
+    another step limit) a fresh cycle covers the steps that remain."""
+    remaining = max(1, remaining)
+    if saved is not None and saved["total_steps"] - saved["last_epoch"] == remaining:
         sched = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=cfg.lr, total_steps=total_steps, pct_start=cfg.warmup_fraction
+            optimizer, max_lr=cfg.lr, total_steps=saved["total_steps"], pct_start=cfg.warmup_fraction
         )
         sched.load_state_dict(saved)
         # Constructing the scheduler reset each group's LR to the cycle's start; restore it.
         for group, lr in zip(optimizer.param_groups, sched.get_last_lr()):
             group["lr"] = lr
         return sched
-    remaining = max(1, total_steps - step)
     return torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=cfg.lr, total_steps=remaining, pct_start=cfg.warmup_fraction
     )
+
+
+def _cpu(state: dict) -> dict:
+    """A state_dict on the CPU, so that a checkpoint written on a GPU loads anywhere."""
+    return {k: v.detach().cpu() for k, v in state.items()}
 
 
 def _drain(batches: Iterator) -> None:
@@ -287,11 +293,6 @@ def _drain(batches: Iterator) -> None:
     close = getattr(batches, "close", None)
     if close:
         close()
-
-
-def _data_summary(manifest: dict) -> dict:
-    keys = ("name", "source", "classes", "num_classes", "image_shape", "channels", "normalize")
-    return {k: manifest.get(k) for k in keys}
 
 
 class _Window:

@@ -17,7 +17,8 @@ import torch
 
 from imgtrain import cluster as cluster_mod
 from imgtrain import runs
-from imgtrain.config import TrainConfig, changed_fields, validate
+from imgtrain import checkpoint as ckpt
+from imgtrain.config import TrainConfig, changed_fields, steps_per_epoch, validate
 from imgtrain.display import TrainingDisplay
 from imgtrain.errors import ImgtrainError
 
@@ -35,6 +36,12 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None) -> runs.RunR
     run_dir = runs.run_path(cfg.storage, cfg.name)
     stored = runs.read_config(run_dir) if run_dir.is_dir() else None
     if stored is not None:
+        status = runs.read_status(run_dir)
+        if status.get("status") == "running":
+            raise ImgtrainError(
+                f"run {cfg.name!r} is being trained right now by process {status.get('pid')} on "
+                f"{status.get('host')}; wait for it or stop it (if that process is gone, delete {run_dir / runs.STATUS_FILE})"
+            )
         if not cfg.data:  # `imgtrain train --name X` alone resumes X
             cfg = dataclasses.replace(cfg, data=stored["data"])
         changed = changed_fields(stored, cfg.to_dict())
@@ -44,13 +51,19 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None) -> runs.RunR
                 f"run {cfg.name!r} already exists in {run_dir.parent} with a different config ({diffs}); "
                 "choose another --name, or rerun with the original settings to resume it"
             )
-        done = runs.epoch_history(run_dir)
-        if done and done[-1]["epoch"] + 1 >= cfg.epochs and runs.best_and_latest(run_dir)[1]:
+        latest = runs.best_and_latest(run_dir)[1]
+        if latest is not None and ckpt.read_meta(latest).get("epoch", -1) + 1 >= cfg.epochs:
             display.note(f"run {cfg.name!r} is already complete ({cfg.epochs} epochs); nothing to do")
             return runs.load_run(cfg.storage, cfg.name)
     if not cfg.data:
         raise ImgtrainError("--data is required for a new run (a directory made by `imgtrain data prepare`)")
     manifest = verify_dataset(cfg.data)
+    n_train, world = manifest["splits"]["train"]["num_samples"], cfg.effective_workers()
+    if steps_per_epoch(n_train, cfg.batch_size, world) == 0:
+        raise ImgtrainError(
+            f"--batch-size {cfg.batch_size} is larger than {world} worker(s) can take from {n_train} "
+            "training samples in one step; use a smaller batch size"
+        )
     _make_run_dir(run_dir)
     runs.write_config(run_dir, cfg.to_dict())
     runs.write_status(run_dir, "running", started=time.time())
@@ -138,11 +151,13 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDispl
             ),
             datasets=datasets,
         )
-        with _forward_records(monitor, runs.MetricsLog(run_dir), display):
-            try:
+        try:
+            with _forward_records(monitor, runs.MetricsLog(run_dir), display):
                 trainer.fit()
-            except ray.train.TrainingFailedError as e:
-                raise ImgtrainError(f"training failed: {_root_cause(e)}; logs: {logs}") from None
+        except ray.train.TrainingFailedError as e:
+            raise ImgtrainError(f"training failed: {_root_cause(e)}; logs: {logs}") from None
+        finally:
+            ray.kill(monitor)  # on a shared cluster it would outlive this run
     finally:
         cluster_mod.shutdown(cluster)
 

@@ -380,7 +380,7 @@ def read_split(data_dir: PathLike, split: str) -> tuple[np.ndarray, np.ndarray, 
             table = pq.read_table(path, columns=list(COLUMNS))
         except (pa.ArrowException, OSError) as e:
             raise ImgtrainError(f"cannot read {path} ({_one_line(e)}); "
-                                "run `imgtrain data verify` or prepare the data set again")
+                                "prepare the data set again with `imgtrain data prepare`")
         ids.append(table.column("id").to_numpy())
         field = table.schema.field("image")
         images.append(sources.tensor_column_to_numpy(table.column("image"), field))
