@@ -113,10 +113,7 @@ def train_cmd(
         max_failures=max_failures, cpus_per_worker=cpus_per_worker,
         threads_per_worker=threads_per_worker, limit_train_batches=limit_train_batches,
     )
-    stored = runs.read_config(runs.run_path(storage, name))
-    if stored is not None and data is not None:
-        overrides["data"] = str(data.expanduser().resolve())
-    cfg = resolve(overrides, stored)
+    cfg = resolve(overrides, runs.read_config(runs.run_path(storage, name)))
     result = imgtrain.train(cfg, display=TrainingDisplay(console, quiet=quiet or json_out))
     if json_out:
         print(json.dumps(result.to_json(), indent=2))

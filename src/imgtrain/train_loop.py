@@ -132,7 +132,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
         train_loss, train_acc, seen = _global_means(hooks, sums)
         evaluated = ema.module if ema is not None else ckpt.unwrap(model)
         _buffers_from_rank0(evaluated, hooks)
-        val_loss, val_acc, val_n = evaluate(evaluated, hooks, manifest, criterion.label_smoothing)
+        val_loss, val_acc, val_n = evaluate(evaluated, hooks, manifest, criterion.label_smoothing, memory_format)
         metrics = {
             "epoch": epoch, "step": step, "train_loss": train_loss, "train_accuracy": train_acc,
             "val_loss": val_loss, "val_accuracy": val_acc, "val_samples": val_n,
@@ -166,7 +166,10 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
             hooks.send(dict(metrics, kind="epoch", checkpoint=name))
 
 
-def evaluate(model: nn.Module, hooks: Hooks, manifest: dict, label_smoothing: float = 0.0):
+def evaluate(
+    model: nn.Module, hooks: Hooks, manifest: dict, label_smoothing: float = 0.0,
+    memory_format: torch.memory_format = torch.contiguous_format,
+):
     """Loss and accuracy on the test split, each row counted once across all ranks.
 
     Every rank reads the whole split and keeps rows with ``id % world == rank``: exact
@@ -185,10 +188,8 @@ def evaluate(model: nn.Module, hooks: Hooks, manifest: dict, label_smoothing: fl
             if not mine.any():
                 continue
             x = to_model_input(batch["image"][mine], mean, std)
-            if next(model.parameters()).is_contiguous(memory_format=torch.channels_last):
-                x = x.contiguous(memory_format=torch.channels_last)
             y = batch["label"][mine]
-            logits = model(x)
+            logits = model(x.contiguous(memory_format=memory_format))
             sums += torch.tensor(
                 [criterion(logits, y).item(), (logits.argmax(1) == y).sum().item(), len(y)],
                 dtype=torch.float64,
