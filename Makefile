@@ -1,4 +1,4 @@
-# imgtrain: `make demo` (fresh machine -> trained model) and `make test`.
+# imgtrain: `make demo` (fresh machine -> trained model -> HTML report) and `make test`.
 # Both create .venv themselves. torch/torchvision are pinned in pyproject.toml; plain pip
 # resolves them from this machine's local wheel store.
 
@@ -30,6 +30,7 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	@test -f $(DATA)/manifest.json || $(BIN)/imgtrain data prepare mnist-sample $(DATA)
 	$(BIN)/imgtrain train --data $(DATA) --name $(NAME) --workers 2 --storage $(RUNS)
+	$(BIN)/imgtrain report $(NAME) --storage $(RUNS)
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
 test: install-dev

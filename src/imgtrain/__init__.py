@@ -5,10 +5,16 @@ Every CLI verb is one function here:
     imgtrain.train(cfg)     -> RunResult              (imgtrain train)
     imgtrain.load_run(...)  -> RunResult              (imgtrain runs show)
     imgtrain.list_runs(...) -> list[RunResult]        (imgtrain runs list)
+    imgtrain.evaluate(run)  -> EvalResult             (imgtrain evaluate)
+    imgtrain.predict(run, input, out) -> PredictResult (imgtrain predict)
+    imgtrain.load_model(run) -> (model, preprocess)
+    imgtrain.Predictor(checkpoint)                    (for Ray Data map_batches)
+    imgtrain.write_report(run) -> Path                (imgtrain report)
 """
 
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
+from imgtrain.inference import EvalResult, InferenceOptions, Predictor, evaluate, load_model, predict
 from imgtrain.runs import RunResult, list_runs, load_run
 
 __version__ = "0.1.0"
@@ -28,4 +34,14 @@ def prepare(source: str, out_dir, **options) -> dict:
     return _prepare(source, out_dir, **options)
 
 
-__all__ = ["TrainConfig", "ImgtrainError", "RunResult", "train", "prepare", "load_run", "list_runs"]
+def write_report(run, checkpoint: str = "best", storage: str = "./runs"):
+    """Plots and a self-contained HTML page in the run's report/ folder. See ``imgtrain.report``."""
+    from imgtrain.report import write_report as _write_report
+
+    return _write_report(run, checkpoint=checkpoint, storage=storage)
+
+
+__all__ = [
+    "TrainConfig", "ImgtrainError", "RunResult", "train", "prepare", "load_run", "list_runs",
+    "EvalResult", "InferenceOptions", "Predictor", "evaluate", "load_model", "predict", "write_report",
+]

@@ -177,6 +177,123 @@ def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP
     console.print(f"latest checkpoint: {r.latest_checkpoint}", highlight=False)
 
 
+CHECKPOINT_HELP = "best, latest, or a checkpoint directory."
+# Shared by evaluate and predict (typer options are plain metadata, safe to reuse).
+GPU_OPTION = typer.Option(False, "--gpu", help="One GPU per inference actor.")
+CONCURRENCY_OPTION = typer.Option(1, help="Inference actors in the Ray Data pool.")
+BATCH_OPTION = typer.Option(500, help="Images per inference batch.")
+THREADS_OPTION = typer.Option(0, help="torch threads per actor; 0 = cores / concurrency.")
+BACKEND_OPTION = typer.Option("ray", help="ray (Ray Data actor pool) or local (this process).")
+ADDRESS_OPTION = typer.Option(None, help="Join this Ray cluster; default: start one.")
+
+
+def _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k=3):
+    from imgtrain.inference import InferenceOptions
+
+    return InferenceOptions(backend=backend, batch_size=batch_size, concurrency=concurrency,
+                            threads=threads, use_gpu=gpu, address=address, top_k=top_k)
+
+
+@app.command("evaluate")
+def evaluate_cmd(
+    run: str = typer.Argument(..., help="Run name (in --storage), run directory or checkpoint directory."),
+    checkpoint: str = typer.Option("best", help=CHECKPOINT_HELP),
+    split: str = typer.Option("test", help="Split of the data set to evaluate on."),
+    data: Optional[Path] = typer.Option(None, help="Another prepared data set (default: the run's)."),
+    gpu: bool = GPU_OPTION, concurrency: int = CONCURRENCY_OPTION, batch_size: int = BATCH_OPTION,
+    threads: int = THREADS_OPTION, backend: str = BACKEND_OPTION, address: Optional[str] = ADDRESS_OPTION,
+    storage: str = typer.Option("./runs", help=STORAGE_HELP),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """Accuracy, per-class precision/recall/F1 and confusion matrix of a checkpoint."""
+    from imgtrain.inference import evaluate
+
+    opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address)
+    result = evaluate(run, checkpoint=checkpoint, storage=storage, split=split,
+                      data=str(data) if data else None, options=opts)
+    if json_out:
+        print(json.dumps(result.to_json(), indent=2))
+        return
+    console.print(f"checkpoint {result.checkpoint}", highlight=False)
+    recorded = result.recorded_val_accuracy
+    console.print(
+        f"{result.split} accuracy {result.accuracy:.2%} on {result.num_samples} samples"
+        + (f" (recorded in training: {recorded:.2%})" if recorded is not None else ""), highlight=False,
+    )
+    table = Table("class", "precision", "recall", "f1", "support")
+    for name, s in result.per_class.items():
+        table.add_row(name, f"{s['precision']:.3f}", f"{s['recall']:.3f}", f"{s['f1']:.3f}", str(s["support"]))
+    console.print(table)
+    cm = Table("true \\ pred", *result.classes, title="confusion matrix")
+    for name, row in zip(result.classes, result.confusion_matrix):
+        cm.add_row(name, *(str(v) for v in row))
+    console.print(cm)
+
+
+@app.command("predict")
+def predict_cmd(
+    run: str = typer.Argument(..., help="Run name (in --storage), run directory or checkpoint directory."),
+    input: str = typer.Argument(..., help="Prepared data set, Parquet file, image folder, glob or one image."),
+    out: Path = typer.Option(..., "--out", help="Output file: .parquet or .csv."),
+    checkpoint: str = typer.Option("best", help=CHECKPOINT_HELP),
+    top_k: int = typer.Option(3, help="Classes listed per image, most probable first."),
+    on_error: str = typer.Option("skip", help="Unreadable image files: skip (reported) or fail."),
+    split: str = typer.Option("test", help="Prepared data set input: the split to predict."),
+    image_column: str = typer.Option("image", help="Parquet input: the image column."),
+    gpu: bool = GPU_OPTION, concurrency: int = CONCURRENCY_OPTION, batch_size: int = BATCH_OPTION,
+    threads: int = THREADS_OPTION, backend: str = BACKEND_OPTION, address: Optional[str] = ADDRESS_OPTION,
+    storage: str = typer.Option("./runs", help=STORAGE_HELP),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
+):
+    """Predict classes for images; images of another size or colour mode are converted."""
+    from imgtrain.inference import predict
+
+    opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k)
+    result = predict(run, input, out, checkpoint=checkpoint, storage=storage, on_error=on_error,
+                     split=split, image_column=image_column, options=opts, overwrite=overwrite)
+    err = Console(stderr=True)
+    for name, why in result.skipped:
+        err.print(f"skipped {name}: {why}", highlight=False, soft_wrap=True)
+    summary = f"wrote {result.num_predictions} predictions to {result.out}"
+    if result.converted:
+        summary += f" ({result.converted} image(s) converted to {result.image_shape_text})"
+    if result.skipped:
+        summary += f"; skipped {len(result.skipped)} unreadable file(s)"
+    console.print(summary, highlight=False)
+
+
+@app.command("report")
+def report_cmd(
+    run: str = typer.Argument(..., help="Run name (in --storage) or run directory."),
+    checkpoint: str = typer.Option("best", help=CHECKPOINT_HELP),
+    storage: str = typer.Option("./runs", help=STORAGE_HELP),
+):
+    """Write the run's plots and one self-contained HTML page into its report/ folder."""
+    from imgtrain.report import write_report
+
+    page = write_report(run, checkpoint=checkpoint, storage=storage)
+    console.print(f"report: {page}", highlight=False)
+
+
+@app.command("serve")
+def serve_cmd(
+    run: str = typer.Argument(..., help="Run name (in --storage), run directory or checkpoint directory."),
+    checkpoint: str = typer.Option("best", help=CHECKPOINT_HELP),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0 exposes it to the network)."),
+    port: int = typer.Option(8000, help="HTTP port."),
+    max_request_bytes: int = typer.Option(1 << 20, help="Larger request bodies are refused with 413."),
+    replicas: int = typer.Option(1, help="Model replicas (Ray Serve deployment)."),
+    address: Optional[str] = typer.Option(None, help="Join this Ray cluster; default: start one."),
+    storage: str = typer.Option("./runs", help=STORAGE_HELP),
+):
+    """Serve the model over HTTP with Ray Serve: POST /predict, GET /healthz. Ctrl-C stops it."""
+    from imgtrain.serve import run_server
+
+    run_server(run, checkpoint=checkpoint, storage=storage, host=host, port=port,
+               max_request_bytes=max_request_bytes, replicas=replicas, address=address,
+               announce=lambda line: console.print(line, highlight=False, soft_wrap=True))
+
+
 def main() -> None:
     try:
         app(standalone_mode=False)

@@ -36,25 +36,32 @@ def required_cpus(cfg: TrainConfig) -> float:
 
 def connect(cfg: TrainConfig, log_file: Path | None = None) -> Cluster:
     """Join ``cfg.address`` or start a private local cluster sized for the plan."""
+    return start_or_join(cfg.address, required_cpus(cfg), cfg.dashboard, log_file)
+
+
+def start_or_join(
+    address: str | None, min_cpus: float, dashboard: bool = False, log_file: Path | None = None
+) -> Cluster:
+    """Join ``address``, or start a private local cluster with at least ``min_cpus`` logical CPUs."""
     import ray
 
     route_ray_logs(log_file)
     if ray.is_initialized():  # a cluster this process already joined (library use, tests)
         return Cluster(False, None, _session_logs())
     # Worker output stays in the session's log files (linked from the run's logs/).
-    kwargs = dict(log_to_driver=False, configure_logging=False, include_dashboard=cfg.dashboard)
+    kwargs = dict(log_to_driver=False, configure_logging=False, include_dashboard=dashboard)
     try:
-        if cfg.address:
-            ctx = ray.init(address=cfg.address, **kwargs)
+        if address:
+            ctx = ray.init(address=address, **kwargs)
         else:
             # Logical CPUs: enough for every worker plus ingest. Threads are set per worker,
             # so logical CPUs above the physical count do not oversubscribe the cores.
-            num_cpus = max(os.cpu_count() or 1, math.ceil(required_cpus(cfg)) + 1)
+            num_cpus = max(os.cpu_count() or 1, math.ceil(min_cpus) + 1)
             # One machine is never preempted; the watcher would be one more process to start.
             os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
             ctx = ray.init(address="local", num_cpus=num_cpus, **kwargs)
     except ConnectionError as e:
-        raise ImgtrainError(f"cannot reach the Ray cluster at {cfg.address!r}: {e}") from None
+        raise ImgtrainError(f"cannot reach the Ray cluster at {address!r}: {e}") from None
     url = getattr(ctx, "dashboard_url", None)
     return Cluster(True, f"http://{url}" if url else None, _session_logs())
 

@@ -1,0 +1,441 @@
+"""Batch inference from a checkpoint alone: load, predict, evaluate.
+
+Everything needed to rebuild the model and preprocess its input comes from the checkpoint's
+``meta.json`` (model args, the data set's classes, image shape and normalisation, the memory
+format used in training), so no glue code is needed:
+
+    model, preprocess = imgtrain.load_model("demo")          # eval mode, on the CPU
+    probs = model(preprocess(images_uint8_nhwc)).softmax(1)
+
+    ds.map_batches(Predictor, fn_constructor_kwargs={"checkpoint": path},
+                   compute=ray.data.ActorPoolStrategy(size=2))   # the same, on Ray Data
+
+``evaluate`` and ``predict`` run the ``Predictor`` on a Ray Data actor pool (``backend="ray"``),
+or in this process (``backend="local"``, no Ray) for small inputs and debugging.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from imgtrain import checkpoint as ckpt
+from imgtrain import runs
+from imgtrain.errors import ImgtrainError
+
+DEFAULT_BATCH_SIZE = 500
+DEFAULT_TOP_K = 3
+ROW_KEY = "_row"  # input position, so outputs come back in input order whatever Ray does
+
+
+# ---------------------------------------------------------------- loading a checkpoint
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """uint8 images [B, H, W, C] (or one [H, W, C]) -> the model's float input [B, C, H, W],
+    exactly as in training."""
+
+    image_shape: tuple[int, int, int]  # (H, W, C)
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    classes: tuple[str, ...]
+    channels_last: bool = False
+
+    def __call__(self, images, device="cpu"):
+        import torch
+
+        from imgtrain.model import to_model_input
+
+        if not isinstance(images, torch.Tensor):
+            images = np.asarray(images)
+            if not images.flags.writeable:  # Ray Data's zero-copy batches; torch wants to own them
+                images = images.copy()
+        x = torch.as_tensor(images)
+        if x.ndim == 3:
+            x = x.unsqueeze(0)
+        if x.dtype != torch.uint8 or tuple(x.shape[1:]) != self.image_shape:
+            raise ImgtrainError(
+                f"the model takes uint8 images of shape {list(self.image_shape)} (H, W, C), "
+                f"got {str(x.dtype).removeprefix('torch.')} {list(x.shape[1:])}"
+            )
+        x = to_model_input(x.to(device), list(self.mean), list(self.std))
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+
+
+@dataclass
+class LoadedCheckpoint:
+    model: object  # torch.nn.Module in eval mode
+    preprocess: Preprocess
+    path: Path
+    meta: dict
+
+    @property
+    def recorded_val_accuracy(self) -> float | None:
+        return (self.meta.get("metrics") or {}).get("val_accuracy")
+
+
+def resolve_checkpoint(run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs") -> Path:
+    """A checkpoint directory from: a checkpoint directory, a run directory, or a run name in
+    ``storage``; ``checkpoint`` picks best/latest in a run, or is itself a checkpoint path."""
+    if checkpoint not in ("best", "latest"):
+        return _existing_checkpoint_dir(Path(checkpoint))
+    target = Path(str(run_or_checkpoint)).expanduser()
+    if (target / ckpt.META_FILE).is_file():
+        return target.resolve()
+    if (target / runs.CONFIG_FILE).is_file():
+        run_dir, name = target.resolve(), target.name
+    else:
+        run = runs.load_run(storage, str(run_or_checkpoint))  # raises "no run named ..." with the list
+        run_dir, name = run.path, run.name
+    best, latest = runs.best_and_latest(run_dir)
+    chosen = best if checkpoint == "best" else latest
+    if chosen is None:
+        raise ImgtrainError(f"run {name!r} has no complete checkpoint yet ({run_dir}); train it first")
+    return chosen
+
+
+def _existing_checkpoint_dir(path: Path) -> Path:
+    path = path.expanduser()
+    if not path.is_dir():
+        raise ImgtrainError(f"checkpoint {path} does not exist; pass best, latest or a checkpoint directory")
+    return path.resolve()
+
+
+def load_checkpoint(
+    run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs", device: str = "cpu"
+) -> LoadedCheckpoint:
+    """Verify the checkpoint's checksums, rebuild its model and load the weights (eval mode)."""
+    import torch
+
+    from imgtrain.model import build_from_args
+
+    path = resolve_checkpoint(run_or_checkpoint, checkpoint, storage)
+    meta = ckpt.verify(path)  # names the file that fails its sha256
+    args, data = meta.get("model_args") or {}, meta.get("data") or {}
+    try:
+        model = build_from_args(args)
+    except (ValueError, KeyError, TypeError):
+        raise ImgtrainError(
+            f"checkpoint {path} holds a model imgtrain cannot build (model_args {args}); "
+            "only resnet18 checkpoints written by imgtrain are supported"
+        ) from None
+    state = ckpt.load_model_state(path)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        detail = " ".join(str(e).split())[:240]
+        raise ImgtrainError(
+            f"checkpoint {path}: the weights in {ckpt.MODEL_FILE} do not fit a {args.get('architecture')} "
+            f"with {args.get('in_channels')} channel(s) and {args.get('num_classes')} classes "
+            f"(another architecture or class count?): {detail}"
+        ) from None
+    classes = tuple(str(c) for c in data.get("classes") or range(args["num_classes"]))
+    if len(classes) != args["num_classes"]:
+        raise ImgtrainError(
+            f"checkpoint {path} names {len(classes)} classes but its model has {args['num_classes']} outputs"
+        )
+    norm = data.get("normalize") or {"mean": [0.5] * args["in_channels"], "std": [0.5] * args["in_channels"]}
+    preprocess = Preprocess(
+        image_shape=tuple(int(v) for v in data.get("image_shape") or (28, 28, args["in_channels"])),
+        mean=tuple(norm["mean"]), std=tuple(norm["std"]), classes=classes,
+        channels_last=bool((meta.get("config") or {}).get("channels_last", False)),
+    )
+    model = model.to(device).eval()
+    if preprocess.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return LoadedCheckpoint(model, preprocess, path, meta)
+
+
+def load_model(run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs", device: str = "cpu"):
+    """``(model, preprocess)``: a ready ``torch.nn.Module`` in eval mode and the function that
+    turns uint8 images [B, H, W, C] into its input. ``run_or_checkpoint`` is a run name (in
+    ``storage``), a run directory or a checkpoint directory."""
+    loaded = load_checkpoint(run_or_checkpoint, checkpoint, storage, device)
+    return loaded.model, loaded.preprocess
+
+
+# ---------------------------------------------------------------- the predictor
+
+
+class Predictor:
+    """Class probabilities and top-k predictions for batches of images.
+
+    Directly: ``Predictor("demo")({"image": images})``; on Ray Data, as the callable class
+    of ``map_batches``, one model per actor. Input batches are dicts of numpy arrays with an
+    ``image`` column, uint8 [B, H, W, C]; every other column (id, path, label...) is passed
+    through. Output adds ``pred_index``, ``pred_class``, ``confidence`` and, for i = 1..k,
+    ``top{i}_class`` / ``top{i}_prob``.
+    """
+
+    def __init__(self, checkpoint, storage: str = "./runs", device: str = "cpu",
+                 top_k: int = DEFAULT_TOP_K, threads: int = 0):
+        import torch
+
+        if threads > 0:
+            torch.set_num_threads(threads)  # one actor per core, or one actor using them all
+        self.loaded = load_checkpoint(checkpoint, "best", storage, device)
+        self.device = device
+        self.top_k = max(1, min(top_k, len(self.loaded.preprocess.classes)))
+        self.classes = np.asarray(self.loaded.preprocess.classes, dtype=object)
+
+    def predict_proba(self, images) -> np.ndarray:
+        """uint8 [B, H, W, C] -> float32 probabilities [B, num_classes]."""
+        import torch
+
+        with torch.inference_mode():
+            x = self.loaded.preprocess(images, self.device)
+            return self.loaded.model(x).float().softmax(1).cpu().numpy()
+
+    def __call__(self, batch: dict) -> dict:
+        probs = self.predict_proba(batch["image"])  # [B, K]
+        top = np.argsort(-probs, axis=1, kind="stable")[:, : self.top_k]  # [B, k]
+        out = {k: v for k, v in batch.items() if k != "image"}
+        out["pred_index"] = top[:, 0].astype(np.int64)
+        out["pred_class"] = self.classes[top[:, 0]].astype(str)
+        out["confidence"] = np.take_along_axis(probs, top[:, :1], 1)[:, 0]
+        for i in range(self.top_k):
+            out[f"top{i + 1}_class"] = self.classes[top[:, i]].astype(str)
+            out[f"top{i + 1}_prob"] = np.take_along_axis(probs, top[:, i : i + 1], 1)[:, 0]
+        return out
+
+
+# ---------------------------------------------------------------- running it over many images
+
+
+@dataclass
+class InferenceOptions:
+    backend: str = "ray"  # ray: Ray Data actor pool; local: this process, no Ray
+    batch_size: int = DEFAULT_BATCH_SIZE
+    concurrency: int = 1  # actors (GPU: one GPU each)
+    threads: int = 0  # torch threads per actor; 0 = this machine's cores / concurrency
+    use_gpu: bool = False
+    address: str | None = None  # join this Ray cluster; default: start a private one
+    top_k: int = DEFAULT_TOP_K
+
+    def validate(self) -> None:
+        problems = []
+        if self.backend not in ("ray", "local"):
+            problems.append(f"backend must be ray or local, got {self.backend!r}")
+        if self.batch_size < 1:
+            problems.append(f"batch size must be at least 1, got {self.batch_size}")
+        if self.concurrency < 1:
+            problems.append(f"concurrency must be at least 1, got {self.concurrency}")
+        if self.threads < 0:
+            problems.append(f"threads must be 0 (auto) or more, got {self.threads}")
+        if self.top_k < 1:
+            problems.append(f"top-k must be at least 1, got {self.top_k}")
+        if problems:
+            raise ImgtrainError("; ".join(problems))
+
+    def threads_per_actor(self) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // self.concurrency)
+
+
+def run_predictor(checkpoint_dir: Path, columns: dict, images: np.ndarray, opts: InferenceOptions):
+    """Predictions for ``images`` uint8 [N, H, W, C] as a pandas DataFrame in input order,
+    with ``columns`` (id, path, label...: numpy arrays of length N) passed through."""
+    import pandas as pd
+
+    opts.validate()
+    columns = {ROW_KEY: np.arange(len(images), dtype=np.int64), **columns}
+    if opts.backend == "local":
+        if opts.use_gpu:
+            raise ImgtrainError("--gpu needs the Ray backend (GPU actors); drop --backend local")
+        predictor = Predictor(checkpoint_dir, top_k=opts.top_k, threads=opts.threads)
+        parts = [
+            predictor({**{k: v[i : i + opts.batch_size] for k, v in columns.items()},
+                       "image": images[i : i + opts.batch_size]})
+            for i in range(0, len(images), opts.batch_size)
+        ]
+        frame = pd.concat([pd.DataFrame(p) for p in parts], ignore_index=True)
+    else:
+        frame = _run_on_ray(checkpoint_dir, columns, images, opts)
+    return frame.sort_values(ROW_KEY).drop(columns=ROW_KEY).reset_index(drop=True)
+
+
+def _run_on_ray(checkpoint_dir: Path, columns: dict, images: np.ndarray, opts: InferenceOptions):
+    import pandas as pd
+    import pyarrow as pa
+
+    from imgtrain import cluster as cluster_mod
+
+    logs = Path(tempfile.gettempdir()) / "imgtrain-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with cluster_mod.ray_output_to(logs):
+        cluster = cluster_mod.start_or_join(opts.address, opts.concurrency, log_file=logs / "inference.log")
+        try:
+            import ray
+            import ray.data
+            from ray.data.extensions import ArrowTensorArray
+
+            _check_gpus(opts)
+            ray.data.DataContext.get_current().enable_progress_bars = False
+            table = pa.table({**{k: pa.array(v) for k, v in columns.items()},
+                              "image": ArrowTensorArray.from_numpy(images)})
+            # Several blocks so that every actor of the pool gets work. from_blocks computes
+            # block metadata here; from_arrow would start one remote task per block for it.
+            n_blocks = max(1, min(len(images) // opts.batch_size, 4 * opts.concurrency))
+            step = -(-len(images) // n_blocks)
+            blocks = [table.slice(i, step) for i in range(0, len(images), step)]
+            ds = ray.data.from_blocks(blocks).map_batches(
+                Predictor,
+                fn_constructor_kwargs=dict(
+                    checkpoint=str(checkpoint_dir), device="cuda" if opts.use_gpu else "cpu",
+                    top_k=opts.top_k, threads=0 if opts.use_gpu else opts.threads_per_actor(),
+                ),
+                batch_size=opts.batch_size, batch_format="numpy", num_cpus=1,
+                num_gpus=1 if opts.use_gpu else 0,
+                compute=ray.data.ActorPoolStrategy(size=opts.concurrency),
+            )
+            return pd.concat(
+                [pd.DataFrame(b) for b in ds.iter_batches(batch_size=None, batch_format="numpy")],
+                ignore_index=True,
+            )
+        finally:
+            cluster_mod.shutdown(cluster)
+
+
+def _check_gpus(opts: InferenceOptions) -> None:
+    """Refuse in seconds what Ray would wait for forever: GPU actors on a cluster without GPUs."""
+    import ray
+
+    if opts.use_gpu:
+        gpus = ray.cluster_resources().get("GPU", 0.0)
+        if gpus < opts.concurrency:
+            raise ImgtrainError(
+                f"asked for {opts.concurrency} GPU actor(s) but the Ray cluster has {gpus:g} GPU(s); "
+                "drop --gpu or lower --concurrency"
+            )
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+@dataclass
+class EvalResult:
+    accuracy: float
+    num_samples: int
+    classes: list[str]
+    confusion_matrix: list[list[int]]  # rows: true class, columns: predicted class
+    per_class: dict[str, dict]  # class -> precision, recall, f1, support
+    checkpoint: str
+    split: str
+    data: str
+    recorded_val_accuracy: float | None = None  # what training measured for this checkpoint
+    predictions: object = field(default=None, repr=False)  # DataFrame: id, label, pred_*, top-k
+
+    def to_json(self) -> dict:
+        keys = ("accuracy", "num_samples", "classes", "per_class", "confusion_matrix", "checkpoint",
+                "split", "data", "recorded_val_accuracy")
+        return {k: getattr(self, k) for k in keys}
+
+
+def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_classes: int) -> np.ndarray:
+    """int64 [K, K], rows = true class, columns = predicted class."""
+    return np.bincount(labels * num_classes + preds, minlength=num_classes * num_classes).reshape(
+        num_classes, num_classes
+    )
+
+
+def per_class_scores(cm: np.ndarray, classes) -> dict[str, dict]:
+    """Precision, recall and F1 per class from a confusion matrix (0 where undefined)."""
+    tp = np.diag(cm).astype(float)
+    predicted, actual = cm.sum(0).astype(float), cm.sum(1).astype(float)
+    precision = np.divide(tp, predicted, out=np.zeros_like(tp), where=predicted > 0)
+    recall = np.divide(tp, actual, out=np.zeros_like(tp), where=actual > 0)
+    denom = precision + recall
+    f1 = np.divide(2 * precision * recall, denom, out=np.zeros_like(tp), where=denom > 0)
+    return {
+        str(c): {"precision": float(precision[i]), "recall": float(recall[i]), "f1": float(f1[i]),
+                 "support": int(actual[i])}
+        for i, c in enumerate(classes)
+    }
+
+
+def evaluate(
+    run, checkpoint: str = "best", storage: str = "./runs", split: str = "test",
+    data: str | None = None, options: InferenceOptions | None = None,
+) -> EvalResult:
+    """Accuracy, per-class scores and confusion matrix of a checkpoint on a prepared split."""
+    from imgtrain.data.parquet import read_split, verify_dataset
+
+    opts = options or InferenceOptions()
+    loaded = load_checkpoint(run, checkpoint, storage)
+    data_dir = data or (loaded.meta.get("config") or {}).get("data")
+    if not data_dir:
+        raise ImgtrainError(f"checkpoint {loaded.path} does not say which data set it was trained on; pass --data")
+    manifest = verify_dataset(data_dir)
+    _check_compatible(loaded, manifest, data_dir)
+    if split not in manifest["splits"]:
+        raise ImgtrainError(f"data set {data_dir} has no split {split!r}; it has {', '.join(manifest['splits'])}")
+    ids, images, labels = read_split(data_dir, split)
+    if len(ids) == 0:
+        raise ImgtrainError(f"split {split!r} of {data_dir} is empty; nothing to evaluate")
+    frame = run_predictor(loaded.path, {"id": ids, "label": labels}, images, opts)
+    k = len(loaded.preprocess.classes)
+    cm = confusion_matrix(frame["label"].to_numpy(), frame["pred_index"].to_numpy(), k)
+    return EvalResult(
+        accuracy=float(np.trace(cm) / cm.sum()), num_samples=int(cm.sum()),
+        classes=list(loaded.preprocess.classes), confusion_matrix=cm.tolist(),
+        per_class=per_class_scores(cm, loaded.preprocess.classes), checkpoint=str(loaded.path),
+        split=split, data=str(Path(data_dir).resolve()),
+        recorded_val_accuracy=loaded.recorded_val_accuracy if split == "test" and not data else None,
+        predictions=frame,
+    )
+
+
+def _check_compatible(loaded: LoadedCheckpoint, manifest: dict, data_dir) -> None:
+    p = loaded.preprocess
+    if manifest["num_classes"] != len(p.classes):
+        raise ImgtrainError(
+            f"data set {data_dir} has {manifest['num_classes']} classes but checkpoint {loaded.path} "
+            f"predicts {len(p.classes)}; evaluate on the data set it was trained for"
+        )
+    if tuple(manifest["image_shape"]) != p.image_shape:
+        raise ImgtrainError(
+            f"data set {data_dir} holds {manifest['image_shape']} images but checkpoint {loaded.path} "
+            f"takes {list(p.image_shape)} (H, W, C)"
+        )
+
+
+# ---------------------------------------------------------------- prediction
+
+
+@dataclass
+class PredictResult:
+    out: Path
+    num_predictions: int
+    converted: int  # inputs converted to the model's size or colour mode
+    image_shape_text: str  # e.g. "28x28x1"
+    skipped: list[tuple[str, str]]  # (path, reason) of image files that could not be read
+    predictions: object = field(default=None, repr=False)  # the DataFrame written
+
+
+def predict(
+    run, input: str, out, checkpoint: str = "best", storage: str = "./runs", on_error: str = "skip",
+    split: str = "test", image_column: str = "image", options: InferenceOptions | None = None,
+    overwrite: bool = False,
+) -> PredictResult:
+    """Predict every image of ``input`` (see ``imgtrain.inputs``) and write ``out`` (.parquet/.csv)."""
+    from imgtrain.inputs import read_inputs, write_table
+
+    opts = options or InferenceOptions()
+    opts.validate()
+    out = Path(out).expanduser()
+    if out.suffix.lower() not in (".parquet", ".csv"):  # before any work, not after it
+        raise ImgtrainError(f"--out {out}: use a .parquet or .csv file name")
+    if out.exists() and not overwrite:
+        raise ImgtrainError(f"{out} already exists; pass --overwrite or another --out")
+    loaded = load_checkpoint(run, checkpoint, storage)
+    shape = loaded.preprocess.image_shape
+    inputs = read_inputs(input, shape, on_error=on_error, split=split, image_column=image_column)
+    frame = run_predictor(loaded.path, inputs.columns, inputs.images, opts)
+    write_table(frame, out, overwrite=overwrite)
+    return PredictResult(out=out, num_predictions=len(frame), converted=inputs.converted,
+                         image_shape_text="x".join(map(str, shape)), skipped=inputs.skipped,
+                         predictions=frame)

@@ -1,0 +1,315 @@
+"""``imgtrain serve``: a checkpoint's model behind HTTP, with Ray Serve.
+
+    POST /predict   body: PNG/JPEG bytes (any Content-Type but JSON), or JSON pixels 0..255:
+                    one image as [H][W], [H][W][C] or a flat list of H*W*C values, ``{"pixels": ...}``,
+                    or a list of images / ``{"images": [...]}`` for a batch
+                    -> {"label", "index", "confidence", "probabilities": {class: prob}} (a list for a batch)
+    GET  /healthz   -> {"status": "ok", "checkpoint", "classes", "image_shape"}
+
+Image files of another size or colour mode are converted as ``imgtrain predict`` does
+(``imgtrain.inputs``); JSON pixels must already have the model's shape. Bad input gets a 4xx
+with ``{"error": "..."}``, never a 500. The driver finds and verifies the checkpoint, refuses
+a busy port before starting Ray, waits for the app with a deadline, then blocks until SIGINT
+or SIGTERM and shuts Serve and Ray down.
+"""
+
+# No ``from __future__ import annotations``: @serve.ingress pickles the routes with only the
+# globals they use, so FastAPI could not resolve a string annotation ``"Request"`` (it would
+# take ``request`` for a query parameter and answer 422).
+import asyncio
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from imgtrain import checkpoint as ckpt
+from imgtrain import cluster as cluster_mod
+from imgtrain import runs
+from imgtrain.errors import ImgtrainError
+from imgtrain.inference import Predictor, resolve_checkpoint
+
+APP_NAME = "imgtrain"
+REPLICA_CPUS = 0.5  # logical: a replica mostly waits for requests; torch threads are set below
+STARTUP_TIMEOUT_S = 180.0  # Ray + Serve + model load: ~45 s on 2 busy cores; past this, stuck
+MAX_IMAGE_PIXELS = 4096 * 4096  # a small PNG can decode to gigabytes: refuse before decoding
+
+http_app = FastAPI(title="imgtrain")
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@http_app.exception_handler(RequestError)
+async def _request_error(request: Request, e: RequestError):
+    return JSONResponse({"error": str(e)}, status_code=e.status)
+
+
+@http_app.exception_handler(StarletteHTTPException)  # 404 / 405 in the same {"error"} shape
+async def _http_error(request: Request, e: StarletteHTTPException):
+    return JSONResponse({"error": str(e.detail)}, status_code=e.status_code, headers=e.headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past ``limit`` bytes: Content-Length is checked first, and the
+    stream is counted too, since a chunked upload has no Content-Length and a client may lie."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise RequestError(400, f"Content-Length {declared!r} is not a number")
+        if int(declared) > limit:
+            raise RequestError(413, f"request body of {int(declared)} bytes is over the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestError(413, f"request body is over the limit of {limit} bytes")
+    if not body:
+        raise RequestError(400, "empty body: send a PNG/JPEG image or a JSON array of pixels")
+    return bytes(body)
+
+
+def image_from_bytes(body: bytes, shape) -> np.ndarray:
+    """PNG/JPEG bytes -> uint8 [1, H, W, C], converted like ``imgtrain predict`` converts files."""
+    from PIL import Image, ImageOps
+
+    from imgtrain.inputs import conform_image
+
+    try:
+        with Image.open(io.BytesIO(body), formats=["PNG", "JPEG"]) as im:
+            if im.size[0] * im.size[1] > MAX_IMAGE_PIXELS:
+                raise RequestError(413, f"image of {im.size[0]}x{im.size[1]} pixels is too large to decode")
+            return conform_image(ImageOps.exif_transpose(im), shape)[0][None]
+    except RequestError:
+        raise
+    except Exception as e:  # not an image, truncated, unsupported format
+        raise RequestError(400, f"the body is not a readable PNG/JPEG image ({type(e).__name__}); "
+                                "send image bytes, or JSON pixels with Content-Type: application/json") from None
+
+
+def pixels_from_json(body: bytes, shape) -> tuple[np.ndarray, bool]:
+    """JSON pixels -> (uint8 [B, H, W, C], whether the request was a batch)."""
+    h, w, c = shape
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"the body is not valid JSON: {e}") from None
+    batch = isinstance(data, dict) and "images" in data
+    if isinstance(data, dict):
+        data = data.get("images", data.get("pixels"))
+    try:
+        arr = np.asarray(data)
+    except ValueError:  # ragged nesting
+        arr = None
+    if arr is None or arr.dtype.kind not in "iuf":
+        raise RequestError(400, 'expected pixels: a rectangular array of numbers, {"pixels": ...} or {"images": [...]}')
+    singles = [(h, w, c), (h * w * c,)] + ([(h, w)] if c == 1 else [])
+    if not batch and arr.shape in singles:
+        arr = arr[None]
+    elif arr.ndim >= 2 and arr.shape[1:] in singles and len(arr):
+        batch = True
+    else:
+        forms = f"[{h}][{w}][{c}]" + (f", [{h}][{w}]" if c == 1 else "") + f" or a flat list of {h * w * c} values"
+        raise RequestError(400, f"expected one image as {forms}, or a list of such images; got shape {list(arr.shape)}")
+    if arr.min() < 0 or arr.max() > 255 or (arr != np.round(arr)).any():
+        raise RequestError(400, "pixel values must be whole numbers from 0 to 255")
+    return arr.astype(np.uint8).reshape(len(arr), h, w, c), batch
+
+
+# Below the helpers on purpose: @serve.ingress pickles the FastAPI app while this module is still
+# being imported, so every name the routes use must already exist at this point.
+@serve.deployment(ray_actor_options={"num_cpus": REPLICA_CPUS})
+@serve.ingress(http_app)
+class ModelServer:
+    """One replica: the checkpoint's model in eval mode on the CPU."""
+
+    def __init__(self, checkpoint_dir: str, max_request_bytes: int, threads: int):
+        self.predictor = Predictor(checkpoint_dir, threads=threads)  # verifies the sha256s again
+        self.shape = self.predictor.loaded.preprocess.image_shape  # (H, W, C)
+        self.classes = list(self.predictor.loaded.preprocess.classes)
+        self.checkpoint, self.max_bytes = checkpoint_dir, max_request_bytes
+        self.predictor.predict_proba(np.zeros((1, *self.shape), np.uint8))  # warm up before "ready"
+
+    @http_app.get("/healthz")
+    def healthz(self):
+        return {"status": "ok", "checkpoint": self.checkpoint, "classes": self.classes,
+                "image_shape": list(self.shape)}
+
+    @http_app.post("/predict")
+    async def predict(self, request: Request):
+        body = await read_body(request, self.max_bytes)
+        is_json = request.headers.get("content-type", "").split(";")[0].strip().endswith("json")
+        # Decoding and the forward pass are CPU work: off the event loop, so /healthz still answers.
+        return await asyncio.to_thread(self._predict, body, is_json)
+
+    def _predict(self, body: bytes, is_json: bool):
+        images, batch = pixels_from_json(body, self.shape) if is_json else (image_from_bytes(body, self.shape), False)
+        probs = self.predictor.predict_proba(images)  # [B, K]
+        answers = [
+            {"label": self.classes[int(p.argmax())], "index": int(p.argmax()), "confidence": float(p.max()),
+             "probabilities": {c: float(v) for c, v in zip(self.classes, p)}}
+            for p in probs
+        ]
+        return answers if batch else answers[0]
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def run_server(run, checkpoint: str = "best", storage: str = "./runs", host: str = "127.0.0.1",
+               port: int = 8000, max_request_bytes: int = 1 << 20, replicas: int = 1,
+               address: str | None = None, announce=print) -> None:
+    """Serve the checkpoint until SIGINT or SIGTERM; returns after a clean shutdown."""
+    problems = []
+    if not 0 < port < 65536:
+        problems.append(f"--port must be 1..65535, got {port}")
+    if replicas < 1:
+        problems.append(f"--replicas must be at least 1, got {replicas}")
+    if max_request_bytes < 1:
+        problems.append(f"--max-request-bytes must be at least 1, got {max_request_bytes}")
+    if problems:
+        raise ImgtrainError("; ".join(problems))
+    path = resolve_checkpoint(run, checkpoint, storage)
+    ckpt.verify(path)  # a damaged checkpoint fails here, in one line, not in a replica's log
+    check_port_free(host, port)
+    in_run = (path.parent / runs.CONFIG_FILE).is_file()  # a checkpoint inside a run directory
+    logs = path.parent / runs.LOGS_DIR if in_run else Path(tempfile.gettempdir()) / "imgtrain-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+
+    def on_signal(*_):
+        if stop.is_set():  # a second Ctrl-C: stop waiting for the clean shutdown
+            raise KeyboardInterrupt
+        stop.set()
+
+    listen_for_stop = lambda: {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = listen_for_stop()  # before Ray starts, so that a signal during startup shuts down too
+    terminal = sys.stdout  # ray_output_to swaps sys.stdout for a log file; announce needs the real one
+    try:
+        with cluster_mod.ray_output_to(logs):
+            try:
+                cluster = cluster_mod.start_or_join(address, replicas * REPLICA_CPUS, log_file=logs / "serve.log")
+            except SystemExit as e:  # ray.init's own SIGTERM handler: a stop during startup
+                if e.code != signal.SIGTERM:
+                    raise
+                _shutdown_ray()
+                return
+            listen_for_stop()  # ray.init replaced our SIGTERM handler with its sys.exit(15)
+            if stop.is_set():  # Ctrl-C while Ray started
+                _shutdown_ray()
+                return
+            try:
+                _link(logs / "ray-serve", cluster.session_logs)
+                serve.start(http_options={"host": host, "port": port})
+                _check_http_config(host, port)
+                threads = max(1, (os.cpu_count() or 1) // replicas)
+                app = ModelServer.options(num_replicas=replicas).bind(str(path), max_request_bytes, threads)
+                serve.run_many([serve.RunTarget(app, name=APP_NAME)], wait_for_applications_running=False)
+                if _wait_ready(host, port, stop, logs):
+                    with contextlib.redirect_stdout(terminal):
+                        announce(f"serving {path} at {_url(host, port, connect=False)} (POST /predict, GET /healthz); Ctrl-C stops")
+                        terminal.flush()  # seen at once through a pipe or a log file too
+                    while not stop.wait(1.0):  # a timed wait: signal handlers run promptly
+                        pass
+            finally:
+                _stop_serve(joined=address is not None)
+                cluster_mod.shutdown(cluster)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind the port ourselves first: Serve's proxy would otherwise fail in a log file, unseen."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ImgtrainError(f"cannot listen on host {host!r}: {e.strerror}") from None
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+        try:
+            s.bind(sockaddr)
+        except OSError as e:
+            raise ImgtrainError(f"cannot listen on {host}:{port}: {e.strerror or e}; "
+                                "is another server using it? pick another --port") from None
+
+
+def _check_http_config(host: str, port: int) -> None:
+    """On a joined cluster, Serve may already run with other HTTP options, which win silently."""
+    from ray.serve.context import _get_global_client
+
+    config = _get_global_client().http_config
+    if (config.host, config.port) != (host, port):
+        raise ImgtrainError(f"Ray Serve already runs on this cluster at {config.host}:{config.port}; "
+                            f"pass --host {config.host} --port {config.port} or use another cluster")
+
+
+def _wait_ready(host: str, port: int, stop: threading.Event, logs: Path) -> bool:
+    """True once /healthz answers through the proxy; False if stopped; an error on failure or timeout."""
+    url = f"{_url(host, port)}/healthz"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via $http_proxy
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not stop.is_set():
+        app = serve.status().applications.get(APP_NAME)
+        if app is not None and app.status == "DEPLOY_FAILED":
+            detail = " ".join(str(app.message).split())[-300:]
+            raise ImgtrainError(f"the model replica failed to start: {detail} (logs: {logs})")
+        if app is not None and app.status == "RUNNING":
+            with contextlib.suppress(OSError):
+                with opener.open(url, timeout=2) as r:
+                    if r.status == 200:
+                        return True
+        if time.monotonic() > deadline:
+            raise ImgtrainError(f"the server did not answer on {url} within {STARTUP_TIMEOUT_S:.0f} s "
+                                f"(application status: {app.status if app else 'not deployed'}); logs: {logs}")
+        stop.wait(0.25)
+    return False
+
+
+def _stop_serve(joined: bool) -> None:
+    """Take our app down; on a cluster that was joined, leave Serve to the other apps there."""
+    with contextlib.suppress(Exception):  # already down, or the cluster went away: nothing to clean
+        if joined:
+            serve.delete(APP_NAME)
+            if serve.status().applications:
+                return
+        serve.shutdown()
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    with contextlib.suppress(Exception):  # a half-started cluster: its atexit hook cleans up too
+        ray.shutdown()
+
+
+def _link(link: Path, target: Path | None) -> None:
+    with contextlib.suppress(OSError):
+        if target is not None:
+            if link.is_symlink():
+                link.unlink()
+            link.symlink_to(target, target_is_directory=True)
+
+
+def _url(host: str, port: int, connect: bool = True) -> str:
+    """The server's base URL; to connect, a wildcard host means this machine's loopback."""
+    if connect and host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1" if host != "::" else "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -1,0 +1,233 @@
+"""The run report for real: a trained run, the real ``imgtrain report`` command, and the page
+rendered by headless Chromium (screenshot and DOM)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+import imgtrain
+from imgtrain import checkpoint as ckpt
+from imgtrain import report, runs
+from imgtrain.config import TrainConfig
+from imgtrain.display import TrainingDisplay
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.integration
+
+QUIET = TrainingDisplay(quiet=True)
+PLOTS = {  # element id -> file in report/
+    "learning-curves": "learning_curves.png",
+    "predictions-grid": "predictions_grid.png",
+    "confusion-matrix": "confusion_matrix.png",
+    "confident-errors": "confident_errors.png",
+}
+TABLE_IDS = ("summary", "metrics-table", "config-table", "per-class-table", "checkpoints-table")
+
+
+def tiny_config(data, storage, name, **overrides) -> TrainConfig:
+    base = dict(data=str(data), storage=str(storage), name=name, backend="local", workers=1,
+                epochs=2, batch_size=32, eval_batch_size=50)
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("report-runs")
+    result = imgtrain.train(tiny_config(tiny_data, storage, "rep"), display=QUIET)
+    assert result.status == "finished" and len(result.history) == 2
+    return storage, result
+
+
+@pytest.fixture(scope="module")
+def page(trained) -> Path:
+    """The page written by the real CLI."""
+    storage, result = trained
+    proc = run_cli("report", "rep", "--storage", str(storage))
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("report: "), proc.stdout
+    printed = Path(lines[0].removeprefix("report: "))
+    assert printed == result.path / report.REPORT_DIR / report.PAGE_FILE
+    assert printed.is_file()
+    return printed
+
+
+class PageParser(HTMLParser):
+    """Every element id, every src/href, each <img> and the body rows of each table by id."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.urls, self.images, self.rows, self.tags = set(), [], {}, {}, set()
+        self._table, self._in_body = None, False
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.tags.add(tag)
+        if "id" in a:
+            self.ids.add(a["id"])
+        self.urls += [a[k] for k in ("src", "href") if a.get(k)]
+        if tag == "img":
+            self.images[a.get("id")] = a.get("src", "")
+        elif tag == "table":
+            self._table = a.get("id")
+            self.rows[self._table] = 0
+        elif tag == "tbody":
+            self._in_body = True
+        elif tag == "tr" and self._in_body:
+            self.rows[self._table] += 1
+
+    def handle_endtag(self, tag):
+        if tag == "tbody":
+            self._in_body = False
+
+
+def parse(text: str) -> PageParser:
+    parser = PageParser()
+    parser.feed(text)
+    return parser
+
+
+def png_from_data_uri(src: str) -> Image.Image:
+    prefix = "data:image/png;base64,"
+    assert src.startswith(prefix), src[:60]
+    return Image.open(io.BytesIO(base64.b64decode(src[len(prefix):], validate=True)))
+
+
+def assert_nontrivial_png(image: Image.Image, min_w=300, min_h=200) -> None:
+    assert image.format == "PNG"
+    assert image.width >= min_w and image.height >= min_h, image.size
+    colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
+    assert colours is not None and len(colours) > 50, "an almost blank image"
+
+
+def test_cli_writes_the_plots_and_the_evaluation(trained, page):
+    _, result = trained
+    out = page.parent
+    for file in PLOTS.values():
+        with Image.open(out / file) as image:
+            assert_nontrivial_png(image)
+
+    ev = json.loads((out / report.EVAL_FILE).read_text())
+    # The best checkpoint (num_to_keep=1 keeps the best and the latest, which may differ).
+    assert Path(ev["checkpoint"]) == result.best_checkpoint
+    meta = ckpt.read_meta(result.best_checkpoint)
+    recorded = next(r for r in result.history if r["checkpoint"] == result.best_checkpoint.name)
+    # Re-evaluated in this process, the saved weights score what training measured.
+    assert ev["accuracy"] == pytest.approx(meta["metrics"]["val_accuracy"], abs=1e-9)
+    assert ev["accuracy"] == pytest.approx(recorded["val_accuracy"], abs=1e-9)
+    assert ev["recorded_val_accuracy"] == meta["metrics"]["val_accuracy"]
+    assert ev["num_samples"] == 100 and np.asarray(ev["confusion_matrix"]).sum() == 100
+    assert sorted(ev["per_class"]) == [str(d) for d in range(10)]
+
+
+def test_page_is_self_contained_and_complete(trained, page):
+    _, result = trained
+    text = page.read_text()
+    doc = parse(text)
+    assert not [u for u in doc.urls if re.match(r"\s*(https?:)?//", u, re.I)]
+    assert not re.search(r"url\(|@import|https?://", text, re.I), "a reference to an outside resource"
+    assert "script" not in doc.tags
+    assert set(PLOTS) | set(TABLE_IDS) <= doc.ids
+    for plot_id, file in PLOTS.items():  # the embedded image is the file written beside the page
+        assert doc.images[plot_id] == "data:image/png;base64," + base64.b64encode(
+            (page.parent / file).read_bytes()).decode()
+    assert doc.rows["metrics-table"] == 2
+    assert doc.rows["per-class-table"] == 10
+    assert doc.rows["checkpoints-table"] == len(runs.list_checkpoints(result.path))
+    assert doc.rows["config-table"] == len(result.config)
+    assert "<h1>imgtrain report: rep</h1>" in text
+    assert result.best_checkpoint.name in text
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    pytest.skip("no chromium binary on this machine (apt-get install chromium)")
+
+
+def headless(page: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    # Own profile directory: another Chromium running on the machine cannot lock this one out.
+    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           f"--user-data-dir={tmp_path / 'profile'}", *args, page.as_uri()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def test_chromium_renders_the_plots(page, tmp_path):
+    shot = tmp_path / "shot.png"
+    headless(page, tmp_path, f"--screenshot={shot}", "--window-size=1280,4000", "--hide-scrollbars")
+    assert shot.is_file() and shot.stat().st_size > 50_000
+    with Image.open(shot) as image:
+        assert image.size == (1280, 4000)
+        rgb = np.asarray(image.convert("RGB"))
+    colours = np.unique(rgb.reshape(-1, 3), axis=0)
+    assert len(colours) > 1000, "the screenshot is (almost) one colour"
+    # The digits' black backgrounds: 16 in the grid and 16 errors, about 100x100 px each. Text
+    # alone (the page without its images) has a small fraction of this.
+    assert (rgb.max(axis=2) < 20).sum() > 150_000
+
+
+def test_chromium_dom_holds_every_plot(page, tmp_path):
+    proc = headless(page, tmp_path, "--dump-dom")
+    dom = parse(proc.stdout)
+    for plot_id in PLOTS:
+        assert plot_id in dom.images, f"no <img id={plot_id}> in the rendered DOM"
+        assert_nontrivial_png(png_from_data_uri(dom.images[plot_id]))
+    assert "metrics-table" in dom.ids and "config-table" in dom.ids
+
+
+def test_one_epoch_run_still_plots(tiny_data, tmp_path):
+    result = imgtrain.train(tiny_config(tiny_data, tmp_path, "one", epochs=1, limit_train_batches=2),
+                            display=QUIET)
+    page = report.write_report(str(result.path), checkpoint="latest")  # a run directory, not a name
+    assert page == result.path / "report" / "report.html"
+    with Image.open(page.parent / PLOTS["learning-curves"]) as image:
+        assert_nontrivial_png(image)
+    doc = parse(page.read_text())
+    assert doc.rows["metrics-table"] == 1 and doc.rows["checkpoints-table"] == 1
+
+
+def test_no_errors_draws_a_no_errors_image(tmp_path):
+    path = tmp_path / "errors.png"
+    none = pd.DataFrame({"label": [], "pred_index": [], "pred_class": [], "confidence": []})
+    report._image_grid(np.zeros((0, 28, 28, 1), np.uint8), none, [str(d) for d in range(10)], path, True)
+    with Image.open(path) as image:
+        assert_nontrivial_png(image, min_w=300, min_h=100)
+
+
+def one_line_error(proc) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stdout + proc.stderr
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error:"), err
+    return err
+
+
+def test_unknown_run_is_one_line_naming_it(trained):
+    storage, _ = trained
+    err = one_line_error(run_cli("report", "nope", "--storage", str(storage)))
+    assert "no run named 'nope'" in err and "rep" in err  # and the runs that do exist
+
+
+def test_run_without_checkpoint_says_train_it_first(tmp_path):
+    run_dir = tmp_path / "runs" / "empty"
+    run_dir.mkdir(parents=True)
+    runs.write_config(run_dir, tiny_config("data", tmp_path / "runs", "empty").to_dict())
+    err = one_line_error(run_cli("report", str(run_dir)))
+    assert "'empty'" in err and "train it first" in err
+    assert not (run_dir / "report").exists()

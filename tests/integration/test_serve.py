@@ -1,0 +1,280 @@
+"""``imgtrain serve`` for real: the CLI in its own process, with its own Ray cluster, over HTTP."""
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import imgtrain
+from imgtrain.config import TrainConfig
+from imgtrain.data.parquet import read_split
+from imgtrain.display import TrainingDisplay
+from imgtrain.inference import Predictor
+from imgtrain.inputs import conform
+from tests.conftest import run_cli
+from tests.integration.test_bad_input import assert_one_line_error
+
+# Training a model, then starting Ray, Serve and a replica on 2 busy cores: minutes, not seconds.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+MAX_BYTES = 100_000  # small, so that an oversized body fits in the socket buffers
+START_TIMEOUT_S = 300
+STOP_TIMEOUT_S = 60
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 even with $http_proxy
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory):
+    """A one-epoch run on the local backend (no Ray needed to train it)."""
+    storage = tmp_path_factory.mktemp("runs")
+    cfg = TrainConfig(data=str(tiny_data), storage=str(storage), name="srv", backend="local", epochs=1,
+                      batch_size=32, eval_batch_size=50, workers=1)
+    result = imgtrain.train(cfg, display=TrainingDisplay(quiet=True))
+    return storage, result.best_checkpoint
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(port: int, path: str, body=None, content_type=None, timeout=30, method=None):
+    """(status, parsed JSON body) of one HTTP request; 4xx/5xx are returned, not raised."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method=method)
+    if content_type:
+        req.add_header("Content-Type", content_type)
+    try:
+        with NO_PROXY.open(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def server(trained, tmp_path_factory):
+    """The real ``imgtrain serve`` in a subprocess; yields once /healthz answers."""
+    storage, _ = trained
+    port = free_port()
+    out_dir = tmp_path_factory.mktemp("serve-out")
+    stdout, stderr = out_dir / "stdout.txt", out_dir / "stderr.txt"
+    with open(stdout, "w") as out, open(stderr, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "imgtrain.cli", "serve", "srv", "--storage", str(storage),
+             "--port", str(port), "--max-request-bytes", str(MAX_BYTES)],
+            stdout=out, stderr=err, env={**os.environ, "COLUMNS": "300"},
+        )
+    try:
+        started = time.monotonic()
+        deadline = started + START_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, f"serve exited with {proc.returncode}: {stderr.read_text()}"
+            assert time.monotonic() < deadline, f"no answer on /healthz in {START_TIMEOUT_S} s: {stderr.read_text()}"
+            try:  # /healthz through the proxy, and the announce line printed just after it
+                if request(port, "/healthz", timeout=2)[0] == 200 and "serving" in stdout.read_text():
+                    break
+            except (OSError, ValueError):  # not listening yet, or the proxy's 503 while deploying
+                pass
+            time.sleep(0.5)  # polling interval of the wait-for, not a fixed wait
+        print(f"serve answered after {time.monotonic() - started:.1f} s")
+        yield proc, port, stdout, stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def digit(tiny_data, trained):
+    """A real MNIST test digit uint8 [28, 28, 1] and the local Predictor's probabilities for it."""
+    _, images, _ = read_split(tiny_data, "test")
+    predictor = Predictor(trained[1])
+    return images[0], predictor
+
+
+def png_bytes(pixels: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def assert_prediction(answer: dict, probs: np.ndarray, classes) -> None:
+    assert answer["index"] == int(probs.argmax())
+    assert answer["label"] == classes[int(probs.argmax())]
+    assert answer["confidence"] == pytest.approx(float(probs.max()), abs=1e-4)
+    assert list(answer["probabilities"]) == list(classes)
+    assert sum(answer["probabilities"].values()) == pytest.approx(1.0, abs=1e-4)
+    assert np.allclose(list(answer["probabilities"].values()), probs, atol=1e-4)
+
+
+def test_healthz(server, trained):
+    _, port, stdout, _ = server
+    status, body = request(port, "/healthz")
+    assert status == 200
+    assert body["status"] == "ok"
+    assert body["checkpoint"] == str(trained[1])
+    assert body["classes"] == [str(i) for i in range(10)]
+    assert f"serving {trained[1]} at http://127.0.0.1:{port}" in stdout.read_text()
+
+
+def test_png_of_a_digit_gets_the_same_answer_as_the_local_predictor(server, digit):
+    _, port, _, _ = server
+    pixels, predictor = digit
+    probs = predictor.predict_proba(pixels[None])[0]
+    for content_type in ("image/png", "application/octet-stream"):
+        status, answer = request(port, "/predict", png_bytes(pixels), content_type)
+        assert status == 200, answer
+        assert_prediction(answer, probs, predictor.loaded.preprocess.classes)
+
+
+def test_json_pixels_in_every_accepted_form(server, digit):
+    _, port, _, _ = server
+    pixels, predictor = digit
+    probs = predictor.predict_proba(pixels[None])[0]
+    classes = predictor.loaded.preprocess.classes
+    for payload in (pixels[..., 0].tolist(), pixels.tolist(), pixels.ravel().tolist(),
+                    {"pixels": pixels[..., 0].tolist()}):
+        status, answer = request(port, "/predict", json.dumps(payload).encode(), "application/json")
+        assert status == 200, (answer, np.shape(payload))
+        assert_prediction(answer, probs, classes)
+    batch = np.stack([pixels, 255 - pixels])
+    status, answers = request(port, "/predict", json.dumps({"images": batch.tolist()}).encode(), "application/json")
+    assert status == 200 and len(answers) == 2
+    for answer, p in zip(answers, predictor.predict_proba(batch)):
+        assert_prediction(answer, p, classes)
+
+
+def test_rgb_image_of_another_size_is_converted(server, digit):
+    _, port, _, _ = server
+    pixels, predictor = digit
+    rgb = np.asarray(Image.fromarray(pixels[..., 0]).convert("RGB").resize((56, 56)))  # [56, 56, 3]
+    status, answer = request(port, "/predict", png_bytes(rgb), "image/png")
+    assert status == 200, answer
+    # The same conversion as `imgtrain predict`: convert("L"), then a bilinear resize to 28x28.
+    expected = predictor.predict_proba(conform(rgb[None], (28, 28, 1))[0])[0]
+    assert_prediction(answer, expected, predictor.loaded.preprocess.classes)
+
+
+@pytest.mark.parametrize("body, content_type, status, fragment", [
+    (b"this is not an image", "image/png", 400, "not a readable PNG/JPEG"),
+    (b"\x89PNG\r\n\x1a\n" + b"\0" * 50, "application/octet-stream", 400, "not a readable PNG/JPEG"),
+    (b"", "image/png", 400, "empty body"),
+    (b"[[1, 2], [3, 4]]", "application/json", 400, "[28][28]"),
+    (json.dumps([[300] * 28] * 28).encode(), "application/json", 400, "0 to 255"),
+    (json.dumps([[0.5] * 28] * 28).encode(), "application/json", 400, "0 to 255"),
+    (json.dumps([["a"] * 28] * 28).encode(), "application/json", 400, "rectangular array of numbers"),
+    (b"[[1, 2], [3]]", "application/json", 400, "rectangular array of numbers"),
+    (b"{not json", "application/json", 400, "not valid JSON"),
+    (b"x" * (MAX_BYTES + 1), "image/png", 413, "over the limit"),
+])
+def test_bad_requests_get_a_clear_4xx(server, body, content_type, status, fragment):
+    _, port, _, _ = server
+    got, answer = request(port, "/predict", body, content_type, method="POST")
+    assert got == status, answer
+    assert fragment in answer["error"]
+
+
+def test_decompression_bomb_is_refused_before_decoding(server):
+    _, port, _, _ = server
+    buf = io.BytesIO()
+    Image.new("1", (6000, 6000)).save(buf, format="PNG")  # a few KB that would decode to 36 M pixels
+    status, answer = request(port, "/predict", buf.getvalue(), "image/png")
+    assert status == 413 and "too large to decode" in answer["error"]
+
+
+def test_jpeg_is_accepted(server, digit):
+    _, port, _, _ = server
+    buf = io.BytesIO()
+    Image.fromarray(digit[0][..., 0]).save(buf, format="JPEG", quality=95)
+    status, answer = request(port, "/predict", buf.getvalue(), "image/jpeg")
+    assert status == 200 and answer["label"] in digit[1].loaded.preprocess.classes
+
+
+def test_oversized_chunked_body_without_content_length_is_refused(server):
+    _, port, _, _ = server
+    chunks = (b"y" * 10_000 for _ in range(MAX_BYTES // 10_000 + 2))  # urllib sends it chunked
+    status, answer = request(port, "/predict", chunks, "application/octet-stream")
+    assert status == 413 and "over the limit" in answer["error"]
+
+
+def test_unknown_route_and_method(server):
+    _, port, _, _ = server
+    assert request(port, "/nope")[0] == 404
+    assert request(port, "/predict")[0] == 405  # GET
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses of the sockets listening on ``port`` (Linux /proc/net/tcp, no tools)."""
+    found = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, _, state = line.split()[1:4]
+            addr, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(addr)
+                # The kernel prints each 32-bit word in host (little-endian) order.
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add(socket.inet_ntop(socket.AF_INET if width == 4 else socket.AF_INET6, raw))
+    return found
+
+
+def test_listens_on_loopback_only(server):
+    _, port, _, _ = server
+    assert listening_addresses(port) == {"127.0.0.1"}
+
+
+def ray_processes(session_dir: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(session_dir) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:  # exited meanwhile
+            pass
+    return pids
+
+
+def test_sigterm_stops_cleanly_and_frees_the_port(server, trained):
+    """Last in this module: it stops the shared server."""
+    proc, port, stdout, stderr = server
+    session = (trained[1].parent / "logs" / "ray-serve").resolve().parent  # this server's Ray session
+    assert ray_processes(session), "the server's Ray processes should be running"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, stderr.read_text()
+    assert "Traceback" not in stderr.read_text() + stdout.read_text()
+    assert listening_addresses(port) == set()
+    with socket.socket() as s:  # as the next server would
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while ray_processes(session) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not ray_processes(session), "Ray's processes outlived the server"
+
+
+def test_unknown_run_fails_fast_in_one_line(tmp_path):
+    started = time.monotonic()
+    proc = run_cli("serve", "no-such-run", "--storage", str(tmp_path), "--port", str(free_port()), timeout=120)
+    assert_one_line_error(proc, "no-such-run")
+    assert time.monotonic() - started < 60  # no Ray started; imports only
+
+
+def test_port_in_use_is_one_clear_error(trained):
+    storage, _ = trained
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run_cli("serve", "srv", "--storage", str(storage), "--port", str(port), timeout=120)
+    assert_one_line_error(proc, f"127.0.0.1:{port}", "--port")

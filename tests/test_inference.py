@@ -1,0 +1,59 @@
+"""Metrics and input conversion used by evaluate and predict (no Ray, no checkpoint)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from imgtrain.errors import ImgtrainError
+from imgtrain.inference import InferenceOptions, confusion_matrix, per_class_scores
+from imgtrain.inputs import conform, read_inputs
+
+
+def test_confusion_matrix_rows_are_true_classes():
+    labels = np.array([0, 0, 1, 2, 2, 2])
+    preds = np.array([0, 1, 1, 2, 2, 0])
+    cm = confusion_matrix(labels, preds, 3)
+    assert cm.tolist() == [[1, 1, 0], [0, 1, 0], [1, 0, 2]]
+
+
+def test_per_class_scores_match_hand_computed_values():
+    cm = np.array([[1, 1, 0], [0, 1, 0], [1, 0, 2]])
+    scores = per_class_scores(cm, ["a", "b", "c"])
+    assert scores["a"] == {"precision": 0.5, "recall": 0.5, "f1": 0.5, "support": 2}
+    assert scores["b"]["precision"] == 0.5 and scores["b"]["recall"] == 1.0
+    assert scores["b"]["f1"] == pytest.approx(2 / 3)
+    assert scores["c"]["precision"] == 1.0 and scores["c"]["recall"] == pytest.approx(2 / 3)
+    # A class never predicted and never present scores 0, not NaN.
+    empty = per_class_scores(np.zeros((2, 2), dtype=int), ["x", "y"])
+    assert empty["x"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "support": 0}
+
+
+def test_conform_converts_colour_and_size_like_pil():
+    rgb = np.zeros((2, 56, 56, 3), np.uint8)
+    rgb[:, 10:40, 10:40] = (255, 255, 255)
+    out, converted = conform(rgb, (28, 28, 1))
+    assert out.shape == (2, 28, 28, 1) and converted == 2
+    assert out[0, 12, 12, 0] == 255 and out[0, 0, 0, 0] == 0
+    same, converted = conform(out, (28, 28, 1))
+    assert same is out and converted == 0
+
+
+def test_read_inputs_single_image_and_glob(tmp_path):
+    Image.fromarray(np.full((28, 28), 200, np.uint8)).save(tmp_path / "a.png")
+    Image.fromarray(np.full((30, 20, 3), 50, np.uint8)).save(tmp_path / "b.png")
+    one = read_inputs(str(tmp_path / "a.png"), (28, 28, 1))
+    assert one.images.shape == (1, 28, 28, 1) and one.converted == 0 and one.images.max() == 200
+    both = read_inputs(str(tmp_path / "*.png"), (28, 28, 1))
+    assert [p.rsplit("/", 1)[1] for p in both.columns["path"]] == ["a.png", "b.png"]
+    assert both.converted == 1 and both.images.shape == (2, 28, 28, 1)
+    with pytest.raises(ImgtrainError, match="--on-error must be skip or fail"):
+        read_inputs(str(tmp_path), (28, 28, 1), on_error="ignore")
+
+
+def test_inference_options_report_every_problem():
+    with pytest.raises(ImgtrainError) as e:
+        InferenceOptions(backend="gpu", batch_size=0, concurrency=0, top_k=0).validate()
+    for fragment in ("backend", "batch size", "concurrency", "top-k"):
+        assert fragment in str(e.value)
