@@ -20,11 +20,11 @@ from imgtrain.runs import RunResult, list_runs, load_run
 __version__ = "0.1.0"
 
 
-def train(cfg: TrainConfig, display=None) -> RunResult:
-    """Train (or resume) ``cfg.name``. See ``imgtrain.trainer.train``."""
+def train(cfg: TrainConfig, display=None, overwrite: bool = False) -> RunResult:
+    """Train (or resume) ``cfg.name``; ``overwrite`` replaces an existing run. See ``imgtrain.trainer.train``."""
     from imgtrain.trainer import train as _train
 
-    return _train(cfg, display=display)
+    return _train(cfg, display=display, overwrite=overwrite)
 
 
 def prepare(source: str, out_dir, **options) -> dict:

@@ -94,6 +94,7 @@ def train_cmd(
     cpus_per_worker: Optional[float] = typer.Option(None, help="Logical CPUs a worker reserves." + _default("cpus_per_worker")),
     threads_per_worker: Optional[int] = typer.Option(None, help="torch threads per worker; 0 = cores / workers."),
     limit_train_batches: Optional[int] = typer.Option(None, help="Smoke mode: batches per epoch per worker."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Delete an existing run NAME and start afresh."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress display."),
     json_out: bool = typer.Option(False, "--json", help="Print the finished run as JSON."),
 ):
@@ -113,8 +114,10 @@ def train_cmd(
         max_failures=max_failures, cpus_per_worker=cpus_per_worker,
         threads_per_worker=threads_per_worker, limit_train_batches=limit_train_batches,
     )
-    cfg = resolve(overrides, runs.read_config(runs.run_path(storage, name)))
-    result = imgtrain.train(cfg, display=TrainingDisplay(console, quiet=quiet or json_out))
+    # A resumed run keeps its stored settings; an overwritten one starts from the defaults.
+    stored = None if overwrite else runs.read_config(runs.run_path(storage, name))
+    cfg = resolve(overrides, stored)
+    result = imgtrain.train(cfg, display=TrainingDisplay(console, quiet=quiet or json_out), overwrite=overwrite)
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
         return

@@ -171,6 +171,15 @@ def retain(run_dir: Path, num_to_keep: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def delete_run(run_dir: Path) -> None:
+    """Remove a run directory, only if it is one imgtrain made (it holds config.json)."""
+    import shutil
+
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise ImgtrainError(f"{run_dir} is not an imgtrain run directory (no {CONFIG_FILE}); not deleting it")
+    shutil.rmtree(run_dir)
+
+
 # ---------------------------------------------------------------- inspecting runs
 
 

@@ -25,8 +25,11 @@ from imgtrain.errors import ImgtrainError
 POLL_S = 0.5
 
 
-def train(cfg: TrainConfig, display: TrainingDisplay | None = None) -> runs.RunResult:
-    """Train (or resume) the run ``cfg.name``; return its result. Raises ImgtrainError on bad input."""
+def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: bool = False) -> runs.RunResult:
+    """Train (or resume) the run ``cfg.name``; return its result. Raises ImgtrainError on bad input.
+
+    ``overwrite`` deletes an existing run of that name first and starts afresh.
+    """
     from imgtrain.data.parquet import verify_dataset
 
     validate(cfg)
@@ -42,6 +45,12 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None) -> runs.RunR
                 f"run {cfg.name!r} is being trained right now by process {status.get('pid')} on "
                 f"{status.get('host')}; wait for it or stop it (if that process is gone, delete {run_dir / runs.STATUS_FILE})"
             )
+    replace_existing = stored is not None and overwrite
+    if replace_existing:
+        if not cfg.data:
+            raise ImgtrainError("--overwrite starts the run afresh: pass --data as well")
+        stored = None
+    if stored is not None:
         if not cfg.data:  # `imgtrain train --name X` alone resumes X
             cfg = dataclasses.replace(cfg, data=stored["data"])
         changed = changed_fields(stored, cfg.to_dict())
@@ -49,7 +58,8 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None) -> runs.RunR
             diffs = ", ".join(f"{k}: {stored[k]!r} -> {getattr(cfg, k)!r}" for k in changed)
             raise ImgtrainError(
                 f"run {cfg.name!r} already exists in {run_dir.parent} with a different config ({diffs}); "
-                "choose another --name, or rerun with the original settings to resume it"
+                "choose another --name, rerun with the original settings to resume it, or pass --overwrite "
+                "to delete it and start afresh"
             )
         latest = runs.best_and_latest(run_dir)[1]
         if latest is not None and ckpt.read_meta(latest).get("epoch", -1) + 1 >= cfg.epochs:
@@ -64,6 +74,9 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None) -> runs.RunR
             f"--batch-size {cfg.batch_size} is larger than {world} worker(s) can take from {n_train} "
             "training samples in one step; use a smaller batch size"
         )
+    if replace_existing:  # only now that the new request is known to be good: no data lost for nothing
+        runs.delete_run(run_dir)
+        display.note(f"deleted the previous run {cfg.name!r} ({run_dir}); starting afresh")
     _make_run_dir(run_dir)
     runs.write_config(run_dir, cfg.to_dict())
     runs.write_status(run_dir, "running", started=time.time())

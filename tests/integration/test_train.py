@@ -117,3 +117,27 @@ def test_cli_train_prints_progress_and_runs_show_json(ray_cluster, tiny_data, tm
 
     listed = run_cli("runs", "list", "--storage", str(storage))
     assert listed.returncode == 0 and "cli" in listed.stdout and "finished" in listed.stdout
+
+
+def test_overwrite_replaces_a_run_only_when_the_new_request_is_good(tiny_data, tmp_path):
+    first = imgtrain.train(tiny_config(tiny_data, tmp_path, "ow", backend="local", epochs=1), display=QUIET)
+    changed = tiny_config(tiny_data, tmp_path, "ow", backend="local", epochs=1, lr=0.01)
+    with pytest.raises(ImgtrainError, match="--overwrite"):
+        imgtrain.train(changed, display=QUIET)
+    # A bad new request leaves the old run untouched.
+    bad = tiny_config(tmp_path / "no-such-data", tmp_path, "ow", backend="local", epochs=1, lr=0.01)
+    with pytest.raises(ImgtrainError):
+        imgtrain.train(bad, display=QUIET, overwrite=True)
+    assert runs.read_config(first.path)["lr"] == first.config["lr"]
+    assert first.latest_checkpoint.is_dir()
+
+    proc = run_cli("train", "--data", str(tiny_data), "--name", "ow", "--storage", str(tmp_path),
+                   "--backend", "local", "--epochs", "1", "--batch-size", "32", "--lr", "0.01",
+                   "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    assert "starting afresh" in proc.stdout
+    again = runs.load_run(str(tmp_path), "ow")
+    assert again.config["lr"] == 0.01 and again.config["eval_batch_size"] == 500  # defaults, not the old run's
+    assert [r["epoch"] for r in again.history] == [0]
+    starts = [r for r in runs.read_metrics(again.path) if r["kind"] == "start"]
+    assert [s["step"] for s in starts] == [0]  # a fresh history, not the old one continued
