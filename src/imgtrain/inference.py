@@ -17,6 +17,7 @@ or in this process (``backend="local"``, no Ray) for small inputs and debugging.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,7 +97,21 @@ def resolve_checkpoint(run_or_checkpoint, checkpoint: str = "best", storage: str
     chosen = best if checkpoint == "best" else latest
     if chosen is None:
         raise ImgtrainError(f"run {name!r} has no complete checkpoint yet ({run_dir}); train it first")
-    return chosen
+    try:
+        ckpt.verify(chosen)
+        return chosen
+    except ImgtrainError:
+        pass
+    # The chosen one is damaged: say so, and take the best / latest of those that verify.
+    good, bad = runs.verified_checkpoints(run_dir)
+    for path, why in bad:
+        print(f"warning: skipping checkpoint {path.name}: {why}", file=sys.stderr)
+    if not good:
+        raise ImgtrainError(f"run {name!r} has no checkpoint that passes verification ({run_dir})")
+    if checkpoint == "latest":
+        return good[-1]
+    return max(good, key=lambda p: ((ckpt.read_meta(p).get("metrics") or {}).get("val_accuracy", -1.0),
+                                    ckpt.read_meta(p).get("step", 0)))
 
 
 def _existing_checkpoint_dir(path: Path) -> Path:

@@ -143,6 +143,18 @@ def list_checkpoints(run_dir: Path) -> list[tuple[Path, dict]]:
     return sorted(found, key=lambda item: (item[1].get("step", 0), item[0].name))
 
 
+def verified_checkpoints(run_dir: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """(checkpoints whose files match their sha256, oldest first; [(checkpoint, why)] for the rest)."""
+    good, bad = [], []
+    for path, _ in list_checkpoints(run_dir):
+        try:
+            ckpt.verify(path)
+            good.append(path)
+        except ImgtrainError as e:
+            bad.append((path, str(e)))
+    return good, bad
+
+
 def _val_accuracy(meta: dict) -> float:
     return (meta.get("metrics") or {}).get("val_accuracy", -1.0)
 
@@ -156,12 +168,13 @@ def best_and_latest(run_dir: Path) -> tuple[Path | None, Path | None]:
     return best, latest
 
 
-def retain(run_dir: Path, num_to_keep: int) -> None:
+def retain(run_dir: Path, num_to_keep: int, ignore=()) -> None:
     """Delete old checkpoints (local backend; Ray Train does the same itself): keep the
-    ``num_to_keep`` best by validation accuracy, and always the latest."""
+    ``num_to_keep`` best by validation accuracy, and always the latest. Checkpoints named in
+    ``ignore`` (known damaged) are neither counted nor deleted."""
     import shutil
 
-    found = list_checkpoints(run_dir)
+    found = [(p, m) for p, m in list_checkpoints(run_dir) if p.name not in ignore]
     if not found:
         return
     ranked = sorted(found, key=lambda item: (_val_accuracy(item[1]), item[1].get("step", 0)), reverse=True)

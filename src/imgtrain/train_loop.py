@@ -11,7 +11,7 @@ import contextlib
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterable, Iterator
 
 import torch
@@ -38,10 +38,18 @@ class Hooks:
     restored_checkpoint: Callable[[], ContextManager[str | None]]  # directory of the checkpoint to resume
     report: Callable[[dict, str | None, str], None]  # (metrics, checkpoint dir or None, dir name)
     send: Callable[[dict], None]  # progress / history record to the driver (rank 0 only)
+    # Names of damaged checkpoints left in the run directory: new ones must not reuse them, or
+    # Ray Train's retention, deleting the damaged one by path, would delete its replacement.
+    damaged: list[str] = field(default_factory=list)
 
 
-def checkpoint_dir_name(epoch: int) -> str:
-    return f"checkpoint_epoch_{epoch:04d}"
+def checkpoint_dir_name(epoch: int, taken=()) -> str:
+    name, k = f"checkpoint_epoch_{epoch:04d}", 1
+    candidate = name
+    while candidate in taken:
+        k += 1
+        candidate = f"{name}-{k}"
+    return candidate
 
 
 def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
@@ -66,8 +74,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
     ema = _ema(ckpt.unwrap(model), cfg.ema_decay)
     start_epoch, step, schedule_state = 0, 0, None
     with hooks.restored_checkpoint() as restore_dir:
-        if restore_dir:
-            ckpt.verify(restore_dir)
+        if restore_dir:  # verified by the hook: a damaged checkpoint is never handed over
             state = ckpt.load_train_state(restore_dir)
             saved = ckpt.load_model_state(restore_dir, hooks.device)
             if ema is not None and ckpt.TRAIN_WEIGHTS_KEY in state:
@@ -141,7 +148,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
         }
         metrics["images_per_s"] = seen / train_time  # training only, validation excluded
         metrics["time"] = time.time()
-        name = checkpoint_dir_name(epoch)
+        name = checkpoint_dir_name(epoch, hooks.damaged)
         with tempfile.TemporaryDirectory(prefix="imgtrain-ckpt-") as tmp:
             save_dir = None
             if rank == 0:  # rank 0 writes; every rank reports (report is a barrier)
@@ -345,14 +352,24 @@ def train_loop_per_worker(config: dict) -> None:
         dist.all_reduce(moved)
         return moved.cpu()
 
+    resume = config.get("resume") or {}
+
     @contextlib.contextmanager
     def restored_checkpoint():
+        # Ray's latest checkpoint: on a retry the one this run last reported, on a re-run the
+        # run's latest. If its files fail their sha256, the driver's newest good one instead.
         found = ray.train.get_checkpoint()
         if found is None:
-            yield None
-        else:
-            with found.as_directory() as d:
-                yield d
+            yield resume.get("fallback")
+            return
+        with found.as_directory() as d:
+            try:
+                ckpt.verify(d)
+            except ckpt.CheckpointError:
+                if not resume.get("fallback"):
+                    raise
+                d = resume["fallback"]
+            yield d
 
     def report(metrics: dict, save_dir: str | None, name: str) -> None:
         checkpoint = ray.train.Checkpoint.from_directory(save_dir) if save_dir else None
@@ -372,6 +389,7 @@ def train_loop_per_worker(config: dict) -> None:
         prepare_model=ray.train.torch.prepare_model,
         train_batches=train_batches, val_batches=val_batches, all_reduce_sum=all_reduce_sum,
         restored_checkpoint=restored_checkpoint, report=report, send=send,
+        damaged=resume.get("damaged") or [],
     )
     run_loop(cfg, manifest, hooks)
 

@@ -25,6 +25,17 @@ from imgtrain.errors import ImgtrainError
 POLL_S = 0.5
 
 
+@dataclasses.dataclass
+class Resume:
+    """What the driver found in the run directory before starting the workers."""
+
+    checkpoint: Path | None = None  # the newest checkpoint that passes verification
+    damaged: list[str] = dataclasses.field(default_factory=list)  # names of those that fail it
+
+    def to_worker(self) -> dict:
+        return {"fallback": str(self.checkpoint) if self.checkpoint else None, "damaged": self.damaged}
+
+
 def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: bool = False) -> runs.RunResult:
     """Train (or resume) the run ``cfg.name``; return its result. Raises ImgtrainError on bad input.
 
@@ -45,6 +56,7 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
                 f"run {cfg.name!r} is being trained right now by process {status.get('pid')} on "
                 f"{status.get('host')}; wait for it or stop it (if that process is gone, delete {run_dir / runs.STATUS_FILE})"
             )
+    resume = Resume()
     replace_existing = stored is not None and overwrite
     if replace_existing:
         if not cfg.data:
@@ -61,7 +73,13 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
                 "choose another --name, rerun with the original settings to resume it, or pass --overwrite "
                 "to delete it and start afresh"
             )
-        latest = runs.best_and_latest(run_dir)[1]
+        good, bad = runs.verified_checkpoints(run_dir)
+        for path, why in bad:  # never resume from damaged weights: fall back to the previous good one
+            display.note(f"warning: skipping checkpoint {path.name}: {why}")
+        latest = good[-1] if good else None
+        if bad:
+            display.note(f"resuming from {latest.name}" if latest else "no good checkpoint left: starting from scratch")
+        resume = Resume(latest, [p.name for p, _ in bad])
         if latest is not None and ckpt.read_meta(latest).get("epoch", -1) + 1 >= cfg.epochs:
             display.note(f"run {cfg.name!r} is already complete ({cfg.epochs} epochs); nothing to do")
             return runs.load_run(cfg.storage, cfg.name)
@@ -85,9 +103,9 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
 
     try:
         if cfg.backend == "local":
-            _train_local(cfg, manifest, run_dir, display)
+            _train_local(cfg, manifest, run_dir, display, resume)
         else:
-            _train_ray(cfg, manifest, run_dir, display)
+            _train_ray(cfg, manifest, run_dir, display, resume)
     except KeyboardInterrupt:
         runs.write_status(run_dir, "interrupted")
         raise
@@ -120,16 +138,16 @@ def _make_run_dir(run_dir: Path) -> None:
 # ---------------------------------------------------------------- Ray Train backend
 
 
-def _train_ray(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDisplay) -> None:
+def _train_ray(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDisplay, resume: Resume) -> None:
     # Ray's core, raylet and driver write warnings straight to this process's stdout and
     # stderr; they go to logs/ so that the terminal shows only the progress display.
     logs = run_dir / runs.LOGS_DIR
     display.pin_output()
     with cluster_mod.ray_output_to(logs):
-        _fit(cfg, manifest, run_dir, display)
+        _fit(cfg, manifest, run_dir, display, resume)
 
 
-def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDisplay) -> None:
+def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDisplay, resume: Resume) -> None:
     import ray
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -149,7 +167,8 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDispl
         datasets = _datasets(cfg)
         trainer = TorchTrainer(
             train_loop_per_worker,
-            train_loop_config={"cfg": cfg.to_dict(), "manifest": manifest, "monitor": monitor},
+            train_loop_config={"cfg": cfg.to_dict(), "manifest": manifest, "monitor": monitor,
+                               "resume": resume.to_worker()},
             scaling_config=ray.train.ScalingConfig(
                 num_workers=cfg.workers, use_gpu=cfg.use_gpu,
                 resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})},
@@ -242,7 +261,7 @@ def _forward_records(monitor, log: runs.MetricsLog, display: TrainingDisplay):
 # ---------------------------------------------------------------- local backend
 
 
-def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDisplay) -> None:
+def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDisplay, resume: Resume) -> None:
     """The same loop in this process, no Ray: the tutorial's single-device baseline."""
     import os
 
@@ -271,8 +290,7 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, display: Train
 
     @contextlib.contextmanager
     def restored_checkpoint():
-        found = runs.list_checkpoints(run_dir)
-        yield str(found[-1][0]) if found else None
+        yield str(resume.checkpoint) if resume.checkpoint else None  # verified by train()
 
     def report(metrics: dict, save_dir: str | None, name: str) -> None:
         import shutil
@@ -283,14 +301,14 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, display: Train
         shutil.copytree(save_dir, tmp)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)  # complete or invisible
-        runs.retain(run_dir, cfg.num_to_keep)
+        runs.retain(run_dir, cfg.num_to_keep, ignore=resume.damaged)
 
     def send(record: dict) -> None:
         log.append(record)
         display.update(record)
 
     hooks = Hooks(
-        rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device),
+        rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device), damaged=resume.damaged,
         train_batches=train_batches, val_batches=val_batches, all_reduce_sum=lambda t: t,
         restored_checkpoint=restored_checkpoint, report=report, send=send,
     )

@@ -141,3 +141,37 @@ def test_overwrite_replaces_a_run_only_when_the_new_request_is_good(tiny_data, t
     assert [r["epoch"] for r in again.history] == [0]
     starts = [r for r in runs.read_metrics(again.path) if r["kind"] == "start"]
     assert [s["step"] for s in starts] == [0]  # a fresh history, not the old one continued
+
+
+def damage(checkpoint_dir):
+    with open(checkpoint_dir / ckpt.MODEL_FILE, "r+b") as f:
+        f.truncate(1000)  # as a full disk or a killed copy would leave it
+
+
+def test_resume_skips_a_damaged_checkpoint_for_the_previous_good_one(ray_cluster, tiny_data, tmp_path):
+    first = imgtrain.train(tiny_config(tiny_data, tmp_path, "dmg", epochs=2, num_to_keep=2), display=QUIET)
+    assert first.latest_checkpoint.name == "checkpoint_epoch_0001"
+    damage(first.latest_checkpoint)
+
+    proc = run_cli("train", "--name", "dmg", "--epochs", "3", "--storage", str(tmp_path), "--address", ray_cluster)
+    assert proc.returncode == 0, proc.stderr
+    assert "skipping checkpoint checkpoint_epoch_0001" in proc.stdout and "sha256" in proc.stdout
+    assert "resuming from checkpoint_epoch_0000" in proc.stdout
+    result = runs.load_run(str(tmp_path), "dmg")
+    assert [r["epoch"] for r in result.history] == [0, 1, 2]
+    assert result.history[1]["checkpoint"] == "checkpoint_epoch_0001-2"  # never the damaged one's path
+    starts = [r["step"] for r in runs.read_metrics(result.path) if r["kind"] == "start"]
+    assert starts == [0, 8]  # resumed after epoch 0, the last good checkpoint
+    assert result.latest_checkpoint.name == "checkpoint_epoch_0002"
+    ckpt.verify(result.latest_checkpoint)
+
+
+def test_loading_best_or_latest_skips_a_damaged_checkpoint(tiny_data, tmp_path, capsys):
+    from imgtrain.inference import resolve_checkpoint
+
+    first = imgtrain.train(tiny_config(tiny_data, tmp_path, "dmgl", backend="local", num_to_keep=2), display=QUIET)
+    damage(first.latest_checkpoint)
+    chosen = resolve_checkpoint("dmgl", "latest", str(tmp_path))
+    assert chosen.name == "checkpoint_epoch_0000"
+    assert "skipping checkpoint checkpoint_epoch_0001" in capsys.readouterr().err
+    assert resolve_checkpoint("dmgl", "best", str(tmp_path)).name == "checkpoint_epoch_0000"
