@@ -357,7 +357,8 @@ def train_loop_per_worker(config: dict) -> None:
     @contextlib.contextmanager
     def restored_checkpoint():
         # Ray's latest checkpoint: on a retry the one this run last reported, on a re-run the
-        # run's latest. If its files fail their sha256, the driver's newest good one instead.
+        # run's latest. If its files fail their sha256, the driver's newest good one instead
+        # (None: no good one was left, and the driver said it starts from scratch).
         found = ray.train.get_checkpoint()
         if found is None:
             yield resume.get("fallback")
@@ -366,9 +367,7 @@ def train_loop_per_worker(config: dict) -> None:
             try:
                 ckpt.verify(d)
             except ckpt.CheckpointError:
-                if not resume.get("fallback"):
-                    raise
-                d = resume["fallback"]
+                d = resume.get("fallback")
             yield d
 
     def report(metrics: dict, save_dir: str | None, name: str) -> None:
