@@ -28,12 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, fmt, summarize, write_result  # noqa: E402
 
 
-def plain_loop(checkpoint: Path, images: np.ndarray, batch_size: int) -> float:
+def plain_loop(loaded, images: np.ndarray, batch_size: int) -> float:
     import torch
 
-    from imgtrain.inference import load_checkpoint
-
-    loaded = load_checkpoint(checkpoint)
     model, prep = loaded.model, loaded.preprocess
     start = time.perf_counter()
     with torch.inference_mode():
@@ -42,14 +39,14 @@ def plain_loop(checkpoint: Path, images: np.ndarray, batch_size: int) -> float:
     return len(images) / (time.perf_counter() - start)
 
 
-def imgtrain_times(checkpoint: Path, images: np.ndarray, opts) -> tuple[float, float]:
+def imgtrain_times(loaded, images: np.ndarray, opts) -> tuple[float, float]:
     """Seconds for one batch, then for all of ``images``, through imgtrain's run_predictor."""
     from imgtrain.inference import run_predictor
 
     times = []
     for subset in (images[: opts.batch_size], images):
         start = time.perf_counter()
-        frame = run_predictor(checkpoint, {"id": np.arange(len(subset))}, subset, opts)
+        frame = run_predictor(loaded, {"id": np.arange(len(subset))}, subset, opts)
         times.append(time.perf_counter() - start)
         assert len(frame) == len(subset)
     return times[0], times[1]
@@ -113,7 +110,7 @@ def main() -> None:
     try:
         n, bs = len(images), args.batch_size
         results = {}
-        plain = [plain_loop(loaded.path, images, bs) for _ in range(args.repeats)]
+        plain = [plain_loop(loaded, images, bs) for _ in range(args.repeats)]
         results["plain loop"] = {"end_to_end": summarize(plain), "steady": summarize(plain)}
         imgtrain_rows = {
             "imgtrain local": InferenceOptions(backend="local", batch_size=bs),
@@ -121,7 +118,7 @@ def main() -> None:
             "imgtrain ray x2": InferenceOptions(concurrency=2, batch_size=bs),
         }
         for name, opts in imgtrain_rows.items():
-            runs = [imgtrain_times(loaded.path, images, opts) for _ in range(args.repeats)]
+            runs = [imgtrain_times(loaded, images, opts) for _ in range(args.repeats)]
             results[name] = {
                 "end_to_end": summarize([n / total for _, total in runs]),
                 "startup_s": summarize([one for one, _ in runs]),

