@@ -15,7 +15,7 @@ def save_one(path):
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=10)
     state = {ckpt.OPTIMIZER_KEY: opt.state_dict(), ckpt.SCHEDULER_KEY: sched.state_dict(),
              ckpt.EPOCH_KEY: 3, ckpt.STEP_KEY: 40,
-             ckpt.RNG_KEY: {"torch": torch.get_rng_state(), "augment": [torch.Generator().get_state()]}}
+             ckpt.RNG_KEY: {"torch": torch.get_rng_state()}}
     ckpt.save(path, model.state_dict(), state, {"epoch": 3, "step": 40, "metrics": {"val_accuracy": 0.5}})
     return model
 

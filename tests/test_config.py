@@ -46,14 +46,13 @@ def test_resolve_layers_defaults_stored_config_and_given_options():
         resolve({"name": "c", "lrr": 1})
 
 
-@pytest.mark.parametrize("n,batch,world,expected", [
-    (4000, 128, 2, 31),   # the demo: 2,000 rows per shard, 64 per step
-    (4000, 64, 3, 60),    # 1,333 rows per shard at 22 per step (not 4000 // 64 = 62)
-    (100, 128, 1, 0),     # a batch larger than the data: no whole step
+@pytest.mark.parametrize("n,batch,limit,expected", [
+    (4000, 128, 0, 31),   # the demo: 31 whole global batches, whatever the world size
+    (4000, 64, 0, 62),
+    (4000, 64, 5, 5),     # smoke mode stops after 5 steps
+    (100, 128, 0, 0),     # a batch larger than the data: no whole step
 ])
-def test_steps_per_epoch_fit_the_smallest_shard(n, batch, world, expected):
+def test_steps_per_epoch_are_whole_global_batches(n, batch, limit, expected):
     from imgtrain.config import steps_per_epoch
 
-    steps = steps_per_epoch(n, batch, world)
-    assert steps == expected
-    assert steps * max(per_worker_batch_sizes(batch, world)) <= n // world
+    assert steps_per_epoch(n, batch, limit) == expected

@@ -2,6 +2,7 @@ import torch
 import torch.nn as nn
 from torchvision.models import resnet18
 
+from imgtrain.order import augment_draw
 from imgtrain.model import build_resnet18, random_affine, to_model_input
 
 
@@ -35,9 +36,9 @@ def test_model_input_is_nchw_in_minus_one_to_one():
 def test_random_affine_keeps_shape_background_and_is_seeded():
     x = torch.full((4, 1, 28, 28), -1.0)
     x[:, :, 10:18, 10:18] = 1.0
-    a = random_affine(x, torch.Generator().manual_seed(1), 10, 0.1, 0.1)
-    b = random_affine(x, torch.Generator().manual_seed(1), 10, 0.1, 0.1)
-    c = random_affine(x, torch.Generator().manual_seed(2), 10, 0.1, 0.1)
+    a = random_affine(x, augment_draw(0, 1, 4, 1, 0), 10, 0.1, 0.1)
+    b = random_affine(x, augment_draw(0, 1, 4, 1, 0), 10, 0.1, 0.1)
+    c = random_affine(x, augment_draw(0, 2, 4, 1, 0), 10, 0.1, 0.1)
     assert a.shape == x.shape and torch.equal(a, b) and not torch.equal(a, c)
     assert torch.allclose(a[:, :, 0, 0], torch.tensor(-1.0))  # corners stay background
     assert not torch.equal(a, x)
@@ -45,5 +46,5 @@ def test_random_affine_keeps_shape_background_and_is_seeded():
 
 def test_random_affine_with_zero_ranges_is_identity():
     x = torch.rand(3, 1, 28, 28) * 2 - 1
-    y = random_affine(x, torch.Generator().manual_seed(0), 0, 0, 0)
+    y = random_affine(x, augment_draw(0, 0, 3, 1, 0), 0, 0, 0)
     assert torch.allclose(x, y, atol=1e-5)

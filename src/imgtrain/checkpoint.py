@@ -28,9 +28,12 @@ FORMAT_VERSION = 1
 # train_state.pt keys
 OPTIMIZER_KEY = "optimizer"
 SCHEDULER_KEY = "scheduler"
-EPOCH_KEY = "epoch"  # last completed epoch, 0-based
+EPOCH_KEY = "epoch"  # last completed epoch, 0-based (-1: none yet)
 STEP_KEY = "step"  # optimizer steps taken so far, across epochs
-RNG_KEY = "rng"  # {"torch": ByteTensor, "augment": [ByteTensor per rank]}
+RNG_KEY = "rng"  # {"torch": ByteTensor}; data order and augmentation are seeded per step instead
+# Only in a checkpoint taken inside an epoch: {"steps": steps of the next epoch already taken,
+# "sums": float64 [loss sum, correct, samples] of those steps over all ranks, "elapsed_s": float}
+EPOCH_PROGRESS_KEY = "epoch_progress"
 TRAIN_WEIGHTS_KEY = "train_weights"  # the raw weights, when model.pt holds their moving average
 EMA_STEPS_KEY = "ema_steps"
 

@@ -66,7 +66,9 @@ def _default(field: str) -> str:
 def train_cmd(
     name: str = typer.Option(..., help="Run name; the same name again resumes the run."),
     data: Optional[Path] = typer.Option(None, help="Prepared data set directory (not needed to resume)."),
-    workers: Optional[int] = typer.Option(None, help="Data-parallel workers." + _default("workers")),
+    workers: Optional[str] = typer.Option(
+        None, help="Data-parallel workers: N, or MIN-MAX for elastic training (continues with fewer "
+        "when nodes leave, grows back when they return)." + _default("workers")),
     gpu: Optional[bool] = typer.Option(None, "--gpu/--cpu", help="One GPU per worker, or CPUs only. [default: cpu]"),
     epochs: Optional[int] = typer.Option(None, help="Passes over the training split." + _default("epochs")),
     batch_size: Optional[int] = typer.Option(None, help="Global batch, split across workers." + _default("batch_size")),
@@ -84,7 +86,18 @@ def train_cmd(
     max_failures: Optional[int] = typer.Option(None, help="Worker failures retried from the latest checkpoint."),
     cpus_per_worker: Optional[float] = typer.Option(None, help="Logical CPUs a worker reserves." + _default("cpus_per_worker")),
     threads_per_worker: Optional[int] = typer.Option(None, help="torch threads per worker; 0 = cores / workers."),
-    limit_train_batches: Optional[int] = typer.Option(None, help="Smoke mode: batches per epoch per worker."),
+    limit_train_batches: Optional[int] = typer.Option(None, help="Smoke mode: steps per epoch."),
+    checkpoint_every_steps: Optional[int] = typer.Option(
+        None, help="Also checkpoint every N steps inside an epoch; 0 = at epoch ends only."),
+    stall_timeout: Optional[float] = typer.Option(
+        None, help="Seconds without progress before a stuck rank is named and killed; 0 = never."
+        + _default("stall_timeout_s")),
+    deterministic: Optional[bool] = typer.Option(
+        None, "--deterministic", help="Deterministic kernels: a resumed run ends with the same weights."),
+    ledger: Optional[bool] = typer.Option(
+        None, "--ledger", help="Record the sample ids each rank trains on at each step (ledger/)."),
+    log_every_steps: Optional[int] = typer.Option(None, help="Progress record every N steps." + _default("log_every_steps")),
+    eval_batch_size: Optional[int] = typer.Option(None, help="Validation batch per worker." + _default("eval_batch_size")),
     overwrite: bool = typer.Option(False, "--overwrite", help="Delete an existing run NAME and start afresh."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress display."),
     json_out: bool = typer.Option(False, "--json", help="Print the finished run as JSON."),
@@ -98,12 +111,16 @@ def train_cmd(
     from imgtrain.config import resolve
     from imgtrain.display import TrainingDisplay
 
+    min_workers, max_workers = _parse_workers(workers)
     overrides = dict(
-        name=name, data=str(data) if data else None, workers=workers, use_gpu=gpu, epochs=epochs,
+        name=name, data=str(data) if data else None, workers=max_workers, min_workers=min_workers, use_gpu=gpu, epochs=epochs,
         batch_size=batch_size, optimizer=optimizer, lr=lr, weight_decay=weight_decay, augment=augment, seed=seed, ema_decay=ema_decay,
         ingest=ingest, backend=backend, storage=storage, address=address, dashboard=dashboard,
         max_failures=max_failures, cpus_per_worker=cpus_per_worker,
         threads_per_worker=threads_per_worker, limit_train_batches=limit_train_batches,
+        checkpoint_every_steps=checkpoint_every_steps, stall_timeout_s=stall_timeout,
+        deterministic=deterministic, ledger=ledger, log_every_steps=log_every_steps,
+        eval_batch_size=eval_batch_size,
     )
     # A resumed run keeps its stored settings; an overwritten one starts from the defaults.
     stored = None if overwrite else runs.read_config(runs.run_path(storage, name))
@@ -120,6 +137,17 @@ def train_cmd(
     console.print(f"run directory: {result.path}", highlight=False)
     if result.best_checkpoint:
         console.print(f"best checkpoint: {result.best_checkpoint}", highlight=False)
+
+
+def _parse_workers(text: str | None) -> tuple[int | None, int | None]:
+    """'2' -> (0, 2): a fixed world size; '1-4' -> (1, 4): elastic; None -> not given."""
+    if text is None:
+        return None, None
+    low, sep, high = text.partition("-")
+    try:
+        return (int(low), int(high)) if sep else (0, int(low))
+    except ValueError:
+        raise ImgtrainError(f"--workers {text!r} is not a number N or a range MIN-MAX such as 1-4") from None
 
 
 @runs_app.command("list")

@@ -30,8 +30,9 @@ class Cluster:
     session_logs: Path | None
 
 
-def required_cpus(cfg: TrainConfig) -> float:
-    return cfg.workers * cfg.cpus_per_worker + (INGEST_CPUS if cfg.ingest == "ray-data" else 0)
+def required_cpus(cfg: TrainConfig, workers: int | None = None) -> float:
+    workers = cfg.workers if workers is None else workers
+    return workers * cfg.cpus_per_worker + (INGEST_CPUS if cfg.ingest == "ray-data" else 0)
 
 
 def connect(cfg: TrainConfig, log_file: Path | None = None) -> Cluster:
@@ -67,21 +68,23 @@ def start_or_join(
 
 
 def check_resources(cfg: TrainConfig) -> None:
-    """Refuse, in seconds, a plan the cluster cannot place (instead of waiting forever)."""
+    """Refuse, in seconds, a plan the cluster cannot place (instead of waiting forever). An
+    elastic run needs room for its fewest workers; Ray Train adds more as the cluster allows."""
     import ray
 
     total = ray.cluster_resources()
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
-    if cfg.use_gpu and gpus < cfg.workers:
+    workers = cfg.fewest_workers()
+    if cfg.use_gpu and gpus < workers:
         raise ImgtrainError(
-            f"asked for {cfg.workers} GPU worker(s) but the Ray cluster has {gpus:g} GPU(s); "
+            f"asked for {workers} GPU worker(s) but the Ray cluster has {gpus:g} GPU(s); "
             "use --cpu, fewer --workers, or a cluster with GPUs"
         )
-    need = required_cpus(cfg)
+    need = required_cpus(cfg, workers)
     if cpus < need:
         raise ImgtrainError(
-            f"asked for {cfg.workers} worker(s) x {cfg.cpus_per_worker:g} CPU plus {INGEST_CPUS} CPU kept for "
+            f"asked for {workers} worker(s) x {cfg.cpus_per_worker:g} CPU plus {INGEST_CPUS} CPU kept for "
             f"data ingest = {need:g} CPUs, but the Ray cluster has {cpus:g}; use fewer --workers"
         )
     biggest = max((n["Resources"].get("CPU", 0.0) for n in nodes), default=0.0)

@@ -19,7 +19,8 @@ OPTIMIZERS = ("adamw", "sgd")
 # different experiment and is refused (issue 4 adds --overwrite).
 RESUMABLE_FIELDS = (
     "epochs", "workers", "use_gpu", "address", "storage", "log_every_steps", "dashboard",
-    "max_failures", "threads_per_worker", "cpus_per_worker", "limit_train_batches",
+    "max_failures", "threads_per_worker", "cpus_per_worker", "limit_train_batches", "min_workers",
+    "checkpoint_every_steps", "ledger", "stall_timeout_s", "deterministic",
 )
 
 
@@ -37,7 +38,10 @@ class TrainConfig:
     ingest: str = "ray-data"
     """``ray-data``: get_dataset_shard + iter_torch_batches. ``torch``: DataLoader + DistributedSampler."""
     workers: int = 2
-    """Number of data-parallel training workers (Ray backend)."""
+    """Number of data-parallel training workers (Ray backend); the most, when elastic."""
+    min_workers: int = 0
+    """Elastic training (``--workers MIN-MAX``): the fewest workers to go on with when nodes
+    leave; 0 = a fixed ``workers``. The global batch stays the same at every world size."""
     use_gpu: bool = False
     """One GPU per worker. Fails fast when the cluster has too few GPUs."""
     cpus_per_worker: float = 1.0
@@ -53,8 +57,8 @@ class TrainConfig:
     """Passes over the training split."""
     batch_size: int = 128
     """Global batch size, split across workers. When it does not divide, the first
-    ``batch_size % workers`` ranks take one extra sample, so the global batch is exact; an
-    epoch is as many steps as the smallest worker shard can feed."""
+    ``batch_size % workers`` ranks take one extra sample, so the global batch is exact. An
+    epoch is ``train rows // batch_size`` steps at every world size."""
     optimizer: str = "adamw"
     """``adamw`` or ``sgd`` (Nesterov momentum 0.9)."""
     lr: float = 3e-3
@@ -90,6 +94,17 @@ class TrainConfig:
     """Checkpoints kept, ranked by validation accuracy; the latest is always kept in addition."""
     max_failures: int = 0
     """Worker-group failures Ray Train retries from the latest checkpoint before giving up."""
+    checkpoint_every_steps: int = 0
+    """Also checkpoint every N optimizer steps inside an epoch (0 = only at epoch ends). A
+    crash then costs at most N steps, and the epoch resumes exactly where it stopped."""
+    stall_timeout_s: float = 300.0
+    """When a rank makes no progress for this long (outside a collective the others wait in),
+    name it, kill it and fail or retry the run; 0 = wait forever."""
+    deterministic: bool = False
+    """Deterministic kernels only (torch.use_deterministic_algorithms): a resumed run ends
+    with the same weights as an uninterrupted one."""
+    ledger: bool = False
+    """Record the sample ids every rank trains on at every step in ``ledger/rank-R.jsonl``."""
     limit_train_batches: int = 0
     """Smoke mode: stop each epoch after N batches per worker (0 = whole epoch)."""
 
@@ -98,6 +113,10 @@ class TrainConfig:
 
     def effective_workers(self) -> int:
         return 1 if self.backend == "local" else self.workers
+
+    def fewest_workers(self) -> int:
+        """The smallest world size the run may train at (``min_workers`` when elastic)."""
+        return 1 if self.backend == "local" else (self.min_workers or self.workers)
 
 
 def config_fields() -> list[tuple[str, object, str]]:
@@ -135,6 +154,8 @@ def validate(cfg: TrainConfig) -> None:
         issues.append(f"--optimizer {cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if cfg.workers < 1:
         issues.append(f"--workers must be at least 1, got {cfg.workers}")
+    if cfg.min_workers < 0 or cfg.min_workers > cfg.workers:
+        issues.append(f"--workers {cfg.min_workers}-{cfg.workers}: the minimum must be between 1 and the maximum")
     if cfg.epochs < 1:
         issues.append(f"--epochs must be at least 1, got {cfg.epochs}")
     if cfg.batch_size < 1:
@@ -162,6 +183,10 @@ def validate(cfg: TrainConfig) -> None:
         issues.append(f"--max-failures must be >= 0 (or -1 for unlimited), got {cfg.max_failures}")
     if cfg.eval_batch_size < 1 or cfg.log_every_steps < 1 or cfg.num_to_keep < 1:
         issues.append("eval_batch_size, log_every_steps and num_to_keep must be at least 1")
+    if cfg.checkpoint_every_steps < 0:
+        issues.append(f"--checkpoint-every-steps must be >= 0, got {cfg.checkpoint_every_steps}")
+    if cfg.stall_timeout_s < 0:
+        issues.append(f"--stall-timeout must be >= 0 seconds, got {cfg.stall_timeout_s}")
     if cfg.limit_train_batches < 0:
         issues.append(f"limit_train_batches must be >= 0, got {cfg.limit_train_batches}")
     if issues:
@@ -178,10 +203,11 @@ def resolve(overrides: dict, stored: dict | None = None) -> TrainConfig:
     return TrainConfig(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
 
 
-def steps_per_epoch(n_train: int, global_batch: int, world_size: int, limit: int = 0) -> int:
-    """Steps every rank takes per epoch: what the smallest shard (n_train // world rows, as
-    Ray's equal split gives) feeds at the largest per-rank batch. 0 means too little data."""
-    steps = (n_train // world_size) // max(per_worker_batch_sizes(global_batch, world_size))
+def steps_per_epoch(n_train: int, global_batch: int, limit: int = 0) -> int:
+    """Steps per epoch: whole global batches of the training split (the rest of the epoch's
+    order, fewer than one batch, is left out), the same at every world size. 0 means too
+    little data."""
+    steps = n_train // global_batch
     return min(steps, limit) if limit else steps
 
 

@@ -53,7 +53,7 @@ def to_model_input(images: torch.Tensor, mean: list[float], std: list[float]) ->
 
 def random_affine(
     x: torch.Tensor,
-    generator: torch.Generator,
+    r: torch.Tensor,
     max_rotate_deg: float,
     max_shift: float,
     max_scale: float,
@@ -62,12 +62,11 @@ def random_affine(
     """Random rotation, zoom and shift of a whole batch at once [B, C, H, W] -> same shape.
 
     One affine_grid + grid_sample call for the batch is far cheaper than per-image PIL
-    transforms (the slow path the tutorial uses). ``fill`` is the background value after
-    normalisation (-1 = black for mean = std = 0.5).
+    transforms (the slow path the tutorial uses). ``r`` holds four uniform numbers in
+    [-1, 1] per image (``order.augment_draw``: drawn on the CPU, so runs are reproducible on
+    any device). ``fill`` is the background value after normalisation (-1 = black for
+    mean = std = 0.5).
     """
-    b = x.shape[0]
-    # Random numbers come from a CPU generator so runs are reproducible on any device.
-    r = torch.rand(b, 4, generator=generator).mul_(2).sub_(1)  # [B, 4] in [-1, 1]
     angle = r[:, 0] * math.radians(max_rotate_deg)
     scale = 1.0 + r[:, 1] * max_scale
     shift = r[:, 2:] * (2 * max_shift)  # grid coordinates span [-1, 1], i.e. 2 units

@@ -1,4 +1,4 @@
-"""The mailbox from rank 0 to the driver: progress and history records, never a barrier."""
+"""The mailbox from the workers to the driver: records and heartbeats, never a barrier."""
 
 from __future__ import annotations
 
@@ -7,14 +7,20 @@ import ray
 
 @ray.remote(num_cpus=0)
 class Monitor:
-    """Rank 0 pushes records fire-and-forget; the driver drains them twice a second."""
+    """Rank 0 pushes progress and history records, every rank pushes heartbeats, all fire and
+    forget; the driver drains them twice a second."""
 
     def __init__(self):
         self.records: list[dict] = []
+        self.beats: dict[tuple[int, int], dict] = {}  # (rank, pid) -> its latest heartbeat
 
     def push(self, record: dict) -> None:
         self.records.append(record)
 
-    def drain(self) -> list[dict]:
+    def heartbeat(self, beat: dict) -> None:
+        self.beats[(beat["rank"], beat["pid"])] = beat
+
+    def drain(self) -> tuple[list[dict], list[dict]]:
         out, self.records = self.records, []
-        return out
+        beats, self.beats = list(self.beats.values()), {}
+        return out, beats

@@ -3,25 +3,53 @@
 The same ``run_loop`` also runs in one plain PyTorch process (``--backend local``); what differs
 between the two is gathered in ``Hooks``: how batches arrive, how tensors are summed across
 ranks, where checkpoints go and where progress records are sent.
+
+Resuming is exact. A checkpoint (every epoch, and every ``checkpoint_every_steps`` steps)
+holds the model, optimizer, scheduler, moving average, step counters and the epoch's partial
+sums; the data order and the augmentation are functions of (seed, epoch, step) alone
+(``order.py``). A run restarted from step S therefore trains on exactly the rows and
+transformations the uninterrupted run would have used after S, at any world size.
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, ContextManager, Iterable, Iterator
 
 import torch
 import torch.nn as nn
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import faults
 from imgtrain.config import TrainConfig, per_worker_batch_sizes, steps_per_epoch as epoch_steps
 from imgtrain.model import build_from_args, model_args, random_affine, to_model_input
+from imgtrain.order import augment_draw
 
 Batch = dict  # {"id": int64 [B], "image": uint8 [B, H, W, C], "label": int64 [B]} on the device
+
+# Phases in which a rank waits for the others: a rank stuck there is a victim, not the cause.
+COLLECTIVE_PHASES = frozenset({"backward", "sync", "report"})
+
+
+class Progress:
+    """What this rank is doing right now; a heartbeat thread reports it to the driver."""
+
+    def __init__(self):
+        self.phase, self.step, self.since = "start", 0, time.time()
+
+    def enter(self, phase: str, step: int | None = None) -> None:
+        if step is not None:
+            self.step = step
+        if phase != self.phase:
+            self.phase, self.since = phase, time.time()
+
+    def snapshot(self) -> dict:
+        return {"phase": self.phase, "step": self.step, "phase_since": self.since}
 
 
 @dataclass
@@ -32,7 +60,8 @@ class Hooks:
     world_size: int
     device: torch.device
     prepare_model: Callable[[nn.Module], nn.Module]
-    train_batches: Callable[[int, int], Iterable[Batch]]  # (epoch, local batch size) -> batches
+    # (epoch, first step) -> this rank's batches for the steps of the epoch from that one on
+    train_batches: Callable[[int, int], Iterable[Batch]]
     val_batches: Callable[[], Iterable[Batch]]  # the whole test split; evaluate() keeps rows by id
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]
     restored_checkpoint: Callable[[], ContextManager[str | None]]  # directory of the checkpoint to resume
@@ -41,78 +70,125 @@ class Hooks:
     # Names of damaged checkpoints left in the run directory: new ones must not reuse them, or
     # Ray Train's retention, deleting the damaged one by path, would delete its replacement.
     damaged: list[str] = field(default_factory=list)
+    progress: Progress = field(default_factory=Progress)
+    run_dir: Path | None = None  # for the sample ledger and injected faults
+    fault: faults.Fault | None = None
 
 
-def checkpoint_dir_name(epoch: int, taken=()) -> str:
-    name, k = f"checkpoint_epoch_{epoch:04d}", 1
-    candidate = name
+def checkpoint_dir_name(epoch: int, taken=(), step: int | None = None) -> str:
+    """``checkpoint_epoch_0003`` at the end of epoch 3; ``checkpoint_epoch_0003_step_0000120``
+    for a checkpoint inside it, after global step 120."""
+    name = f"checkpoint_epoch_{epoch:04d}" + (f"_step_{step:07d}" if step is not None else "")
+    k, candidate = 1, name
     while candidate in taken:
         k += 1
         candidate = f"{name}-{k}"
     return candidate
 
 
+@dataclass
+class _State:
+    """Where training stands: restored from a checkpoint or fresh."""
+
+    epoch: int = 0  # the epoch to train next (or the one a step checkpoint stopped inside)
+    epoch_step: int = 0  # steps of that epoch already taken
+    step: int = 0  # optimizer steps taken over the whole run
+    sums: torch.Tensor | None = None  # the epoch's global [loss sum, correct, samples] so far
+    elapsed_s: float = 0.0  # training time already spent in that epoch
+    schedule: dict | None = None
+
+
 def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
     rank, world = hooks.rank, hooks.world_size
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
     torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts them)
     args = model_args(manifest)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     model = hooks.prepare_model(build_from_args(args).to(memory_format=memory_format))
     mean, std = manifest["normalize"]["mean"], manifest["normalize"]["std"]
 
-    local_batch = per_worker_batch_sizes(cfg.batch_size, world)[rank]
-    # Every rank takes the same number of steps per epoch (a rank that stops early would
-    # deadlock the others in the gradient all-reduce), as many as the smallest shard feeds.
     n_train = manifest["splits"]["train"]["num_samples"]
-    steps_per_epoch = max(1, epoch_steps(n_train, cfg.batch_size, world, cfg.limit_train_batches))
+    steps_per_epoch = max(1, epoch_steps(n_train, cfg.batch_size, cfg.limit_train_batches))
     total_steps = cfg.epochs * steps_per_epoch
 
     optimizer = _optimizer(model, cfg)
     criterion = nn.CrossEntropyLoss(reduction="sum", label_smoothing=cfg.label_smoothing)
-    augment_rng = torch.Generator().manual_seed(cfg.seed * 10_007 + rank)
-
     ema = _ema(ckpt.unwrap(model), cfg.ema_decay)
-    start_epoch, step, schedule_state = 0, 0, None
     with hooks.restored_checkpoint() as restore_dir:
-        if restore_dir:  # verified by the hook: a damaged checkpoint is never handed over
-            state = ckpt.load_train_state(restore_dir)
-            saved = ckpt.load_model_state(restore_dir, hooks.device)
-            if ema is not None and ckpt.TRAIN_WEIGHTS_KEY in state:
-                ema.module.load_state_dict(saved)
-                ema.n_averaged.fill_(state[ckpt.EMA_STEPS_KEY])
-                saved = state[ckpt.TRAIN_WEIGHTS_KEY]
-            ckpt.unwrap(model).load_state_dict(saved)
-            optimizer.load_state_dict(state[ckpt.OPTIMIZER_KEY])
-            schedule_state = state[ckpt.SCHEDULER_KEY]
-            start_epoch, step = state[ckpt.EPOCH_KEY] + 1, state[ckpt.STEP_KEY]
-            torch.set_rng_state(state[ckpt.RNG_KEY]["torch"])
-            augment_rng.set_state(state[ckpt.RNG_KEY]["augment"][rank % len(state[ckpt.RNG_KEY]["augment"])])
-    scheduler = _one_cycle(optimizer, cfg, (cfg.epochs - start_epoch) * steps_per_epoch, schedule_state)
+        # verified by the hook: a damaged checkpoint is never handed over
+        state = _restore(restore_dir, model, optimizer, ema, hooks.device) if restore_dir else _State()
+    scheduler = _one_cycle(optimizer, cfg, total_steps - state.step, state.schedule)
+    step = state.step
+    ledger = _Ledger(hooks, step) if cfg.ledger and hooks.run_dir else None
 
     if rank == 0:
         hooks.send({
-            "kind": "start", "start_epoch": start_epoch, "step": step, "epochs": cfg.epochs,
-            "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "world_size": world,
-            "local_batch_sizes": per_worker_batch_sizes(cfg.batch_size, world), "time": time.time(),
+            "kind": "start", "start_epoch": state.epoch, "epoch_step": state.epoch_step, "step": step,
+            "epochs": cfg.epochs, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
+            "world_size": world, "local_batch_sizes": per_worker_batch_sizes(cfg.batch_size, world),
+            "time": time.time(),
         })
 
-    for epoch in range(start_epoch, cfg.epochs):
+    def save(epoch: int, metrics: dict, evaluated: nn.Module, epoch_progress: dict | None) -> str:
+        """Rank 0 writes the checkpoint; every rank reports it (report is a barrier)."""
+        in_epoch = epoch_progress is not None
+        name = checkpoint_dir_name(epoch, hooks.damaged, step if in_epoch else None)
+        with tempfile.TemporaryDirectory(prefix="imgtrain-ckpt-") as tmp:
+            save_dir = None
+            if rank == 0:
+                hooks.progress.enter("save")
+                train_state = {
+                    ckpt.OPTIMIZER_KEY: optimizer.state_dict(), ckpt.SCHEDULER_KEY: scheduler.state_dict(),
+                    ckpt.EPOCH_KEY: epoch - 1 if in_epoch else epoch, ckpt.STEP_KEY: step,
+                    ckpt.RNG_KEY: {"torch": torch.get_rng_state()},
+                }
+                if in_epoch:
+                    train_state[ckpt.EPOCH_PROGRESS_KEY] = epoch_progress
+                if ema is not None:
+                    train_state[ckpt.TRAIN_WEIGHTS_KEY] = _cpu(ckpt.unwrap(model).state_dict())
+                    train_state[ckpt.EMA_STEPS_KEY] = int(ema.n_averaged.item())
+                meta = {
+                    "model_args": args, "config": cfg.to_dict(), "metrics": metrics,
+                    "data": manifest, "epoch": train_state[ckpt.EPOCH_KEY], "step": step,
+                    "total_steps": total_steps, "created": time.time(),
+                }
+                if in_epoch:
+                    meta["in_epoch"] = {"epoch": epoch, "steps": epoch_progress["steps"]}
+                save_dir = str(ckpt.save(tmp, _cpu(evaluated.state_dict()), train_state, meta))
+            hooks.progress.enter("report")
+            hooks.report(metrics, save_dir, name)
+        return name
+
+    for epoch in range(state.epoch, cfg.epochs):
+        resumed_here = epoch == state.epoch and state.epoch_step > 0
+        first_step = min(state.epoch_step, steps_per_epoch) if resumed_here else 0
+        sums = torch.zeros(3, dtype=torch.float64)  # [loss sum, correct, samples]
+        if resumed_here and rank == 0:
+            sums += state.sums  # what the ranks summed before the checkpoint, counted once
+        elapsed_before = state.elapsed_s if resumed_here else 0.0
         epoch_start = time.perf_counter()
         model.train()
-        sums = torch.zeros(3, dtype=torch.float64)  # [loss sum, correct, samples]
         window = _Window()
-        batches = iter(hooks.train_batches(epoch, local_batch))
-        for i in range(steps_per_epoch):
+        batches = iter(hooks.train_batches(epoch, first_step))
+        for i in range(first_step, steps_per_epoch):
             t0 = time.perf_counter()
+            hooks.progress.enter("data", step)
             batch = next(batches, None)
             if batch is None:
                 raise RuntimeError(
                     f"rank {rank} ran out of training data after {i} of {steps_per_epoch} steps in epoch {epoch}"
                 )
             data_wait = time.perf_counter() - t0
+            hooks.progress.enter("forward")
+            faults.maybe_fire(hooks.fault, rank, step, hooks.run_dir)
+            if ledger is not None:
+                ledger.write(epoch, i, step, batch["id"])
             x = to_model_input(batch["image"], mean, std)  # [B, C, H, W] float32 in [-1, 1]
             if cfg.augment:
-                x = random_affine(x, augment_rng, cfg.max_rotate_deg, cfg.max_shift, cfg.max_scale)
+                draw = augment_draw(cfg.seed, step, cfg.batch_size, world, rank)
+                x = random_affine(x, draw, cfg.max_rotate_deg, cfg.max_shift, cfg.max_scale)
             y = batch["label"]
             logits = model(x.contiguous(memory_format=memory_format))
             # DDP averages gradients over ranks; scaling the summed loss by world/global_batch
@@ -120,7 +196,9 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
             # unequal shares (global batch not divisible by the number of workers).
             loss = criterion(logits, y) * (world / cfg.batch_size)
             optimizer.zero_grad(set_to_none=True)
+            hooks.progress.enter("backward" if world > 1 else "forward")  # DDP all-reduces in backward
             loss.backward()
+            hooks.progress.enter("optimizer")
             optimizer.step()
             scheduler.step()
             if ema is not None:
@@ -133,44 +211,84 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
             window.add(len(y), batch_loss / len(y), data_wait, time.perf_counter() - t0)
             if rank == 0 and (step % cfg.log_every_steps == 0 or i == steps_per_epoch - 1):
                 hooks.send(window.record(epoch, step, scheduler.get_last_lr()[0], world))
+            every = cfg.checkpoint_every_steps
+            if every and step % every == 0 and i + 1 < steps_per_epoch:
+                hooks.progress.enter("sync")
+                total = hooks.all_reduce_sum(sums)
+                sums = total if rank == 0 else torch.zeros_like(total)  # counted once from here on
+                elapsed = elapsed_before + time.perf_counter() - epoch_start
+                progress = {"steps": i + 1, "sums": total, "elapsed_s": elapsed}
+                # Not evaluated: -1 ranks it below every evaluated checkpoint in Ray's retention
+                # (a finite number: Ray's saved state turns -inf into null and then fails on it).
+                metrics = {"epoch": epoch, "step": step, "val_accuracy": -1.0, "time": time.time()}
+                saved_as = save(epoch, metrics, ema.module if ema is not None else ckpt.unwrap(model), progress)
+                if rank == 0:
+                    hooks.send({"kind": "checkpoint", "epoch": epoch, "step": step, "checkpoint": saved_as,
+                                "time": time.time()})
         _drain(batches)
 
-        train_time = time.perf_counter() - epoch_start
+        train_time = elapsed_before + time.perf_counter() - epoch_start
+        hooks.progress.enter("sync", step)
         train_loss, train_acc, seen = _global_means(hooks, sums)
         evaluated = ema.module if ema is not None else ckpt.unwrap(model)
         _buffers_from_rank0(evaluated, hooks)
+        hooks.progress.enter("eval")
         val_loss, val_acc, val_n = evaluate(evaluated, hooks, manifest, criterion.label_smoothing, memory_format)
         metrics = {
             "epoch": epoch, "step": step, "train_loss": train_loss, "train_accuracy": train_acc,
             "val_loss": val_loss, "val_accuracy": val_acc, "val_samples": val_n,
             "train_samples": seen, "lr": scheduler.get_last_lr()[0], "world_size": world,
-            "epoch_time_s": time.perf_counter() - epoch_start,
+            "epoch_time_s": elapsed_before + time.perf_counter() - epoch_start,  # training + validation
         }
-        metrics["images_per_s"] = seen / train_time  # training only, validation excluded
+        metrics["images_per_s"] = seen / max(train_time, 1e-9)  # training only, validation excluded
         metrics["time"] = time.time()
-        name = checkpoint_dir_name(epoch, hooks.damaged)
-        with tempfile.TemporaryDirectory(prefix="imgtrain-ckpt-") as tmp:
-            save_dir = None
-            if rank == 0:  # rank 0 writes; every rank reports (report is a barrier)
-                rng = {"torch": torch.get_rng_state(), "augment": _gather_rng(augment_rng, hooks)}
-                train_state = {
-                    ckpt.OPTIMIZER_KEY: optimizer.state_dict(), ckpt.SCHEDULER_KEY: scheduler.state_dict(),
-                    ckpt.EPOCH_KEY: epoch, ckpt.STEP_KEY: step, ckpt.RNG_KEY: rng,
-                }
-                if ema is not None:
-                    train_state[ckpt.TRAIN_WEIGHTS_KEY] = _cpu(ckpt.unwrap(model).state_dict())
-                    train_state[ckpt.EMA_STEPS_KEY] = int(ema.n_averaged.item())
-                meta = {
-                    "model_args": args, "config": cfg.to_dict(), "metrics": metrics,
-                    "data": manifest, "epoch": epoch, "step": step,
-                    "total_steps": total_steps, "created": time.time(),
-                }
-                save_dir = str(ckpt.save(tmp, _cpu(evaluated.state_dict()), train_state, meta))
-            else:
-                _gather_rng(augment_rng, hooks)
-            hooks.report(metrics, save_dir, name)
+        name = save(epoch, metrics, evaluated, None)
         if rank == 0:  # only once the checkpoint is stored: history never runs ahead of it
             hooks.send(dict(metrics, kind="epoch", checkpoint=name))
+    hooks.progress.enter("done", step)
+
+
+def _restore(directory: str, model: nn.Module, optimizer, ema, device) -> _State:
+    state = ckpt.load_train_state(directory)
+    saved = ckpt.load_model_state(directory, device)
+    if ema is not None and ckpt.TRAIN_WEIGHTS_KEY in state:
+        ema.module.load_state_dict(saved)
+        ema.n_averaged.fill_(state[ckpt.EMA_STEPS_KEY])
+        saved = state[ckpt.TRAIN_WEIGHTS_KEY]
+    ckpt.unwrap(model).load_state_dict(saved)
+    optimizer.load_state_dict(state[ckpt.OPTIMIZER_KEY])
+    torch.set_rng_state(state[ckpt.RNG_KEY]["torch"])
+    in_epoch = state.get(ckpt.EPOCH_PROGRESS_KEY)
+    return _State(
+        epoch=state[ckpt.EPOCH_KEY] + 1, step=state[ckpt.STEP_KEY], schedule=state[ckpt.SCHEDULER_KEY],
+        epoch_step=in_epoch["steps"] if in_epoch else 0,
+        sums=in_epoch["sums"].double() if in_epoch else None,
+        elapsed_s=in_epoch["elapsed_s"] if in_epoch else 0.0,
+    )
+
+
+class _Ledger:
+    """Appends the ids of the rows this rank trains on, one line per step (``--ledger``).
+
+    Every line names its worker group (``group``: an id rank 0 draws and shares, and
+    ``group_step``: the global step the group started from). When a group dies, the steps it
+    trained after its last checkpoint are trained again by the next group, whose lines for
+    those steps supersede the dead group's: their updates never reached a checkpoint.
+    """
+
+    def __init__(self, hooks: Hooks, start_step: int):
+        mine = float(int.from_bytes(os.urandom(6), "little")) if hooks.rank == 0 else 0.0
+        group = int(hooks.all_reduce_sum(torch.tensor([mine], dtype=torch.float64)).item())
+        directory = Path(hooks.run_dir) / "ledger"
+        directory.mkdir(parents=True, exist_ok=True)
+        self.file = open(directory / f"rank-{hooks.rank}.jsonl", "a")
+        self.fixed = {"rank": hooks.rank, "world_size": hooks.world_size, "group": group,
+                      "group_step": start_step, "group_started": time.time()}
+
+    def write(self, epoch: int, epoch_step: int, step: int, ids: torch.Tensor) -> None:
+        line = dict(self.fixed, epoch=epoch, epoch_step=epoch_step, step=step, ids=ids.tolist())
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
 
 
 def evaluate(
@@ -234,15 +352,6 @@ def _buffers_from_rank0(model: nn.Module, hooks: Hooks) -> None:
             offset += b.numel()
 
 
-def _gather_rng(gen: torch.Generator, hooks: Hooks) -> list[torch.Tensor]:
-    """Every rank's augmentation RNG state, gathered on all ranks (a collective: all call it)."""
-    state = gen.get_state()  # uint8 [5056]
-    buf = torch.zeros(hooks.world_size, state.numel(), dtype=torch.float64)
-    buf[hooks.rank] = state.double()
-    buf = hooks.all_reduce_sum(buf)
-    return [row.to(torch.uint8) for row in buf]
-
-
 def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, nesterov=True,
@@ -278,13 +387,15 @@ def _one_cycle(optimizer, cfg: TrainConfig, remaining: int, saved: dict | None):
     another step limit) a fresh cycle covers the steps that remain."""
     remaining = max(1, remaining)
     if saved is not None and saved["total_steps"] - saved["last_epoch"] == remaining:
+        # Constructing the scheduler resets every group's LR and momentum (betas) to the
+        # cycle's start; the optimizer's restored values are the ones the next step must use.
+        restored = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         sched = torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=cfg.lr, total_steps=saved["total_steps"], pct_start=cfg.warmup_fraction
         )
         sched.load_state_dict(saved)
-        # Constructing the scheduler reset each group's LR to the cycle's start; restore it.
-        for group, lr in zip(optimizer.param_groups, sched.get_last_lr()):
-            group["lr"] = lr
+        for group, values in zip(optimizer.param_groups, restored):
+            group.update(values)
         return sched
     return torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=cfg.lr, total_steps=remaining, pct_start=cfg.warmup_fraction
@@ -324,124 +435,3 @@ class _Window:
         }
         self.__init__()
         return rec
-
-
-# ---------------------------------------------------------------- Ray Train workers
-
-
-def train_loop_per_worker(config: dict) -> None:
-    """Ray Train entry point. ``config`` is a plain dict: {"cfg", "manifest", "monitor"}."""
-    import ray.train
-    import ray.train.torch
-
-    cfg = TrainConfig(**config["cfg"])
-    manifest = config["manifest"]
-    monitor = config.get("monitor")
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    threads = cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // ctx.get_local_world_size())
-    torch.set_num_threads(threads)
-    device = ray.train.torch.get_device()
-
-    def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-        if world == 1:
-            return t
-        import torch.distributed as dist
-
-        moved = t.to(device)
-        dist.all_reduce(moved)
-        return moved.cpu()
-
-    resume = config.get("resume") or {}
-
-    @contextlib.contextmanager
-    def restored_checkpoint():
-        # Ray's latest checkpoint: on a retry the one this run last reported, on a re-run the
-        # run's latest. If its files fail their sha256, the driver's newest good one instead
-        # (None: no good one was left, and the driver said it starts from scratch).
-        found = ray.train.get_checkpoint()
-        if found is None:
-            yield resume.get("fallback")
-            return
-        with found.as_directory() as d:
-            try:
-                ckpt.verify(d)
-            except ckpt.CheckpointError:
-                d = resume.get("fallback")
-            yield d
-
-    def report(metrics: dict, save_dir: str | None, name: str) -> None:
-        checkpoint = ray.train.Checkpoint.from_directory(save_dir) if save_dir else None
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
-
-    def send(record: dict) -> None:
-        if monitor is not None:
-            monitor.push.remote(record)  # fire and forget: never a barrier
-
-    if cfg.ingest == "torch":
-        train_batches, val_batches = _torch_ingest(cfg, rank, world, device)
-    else:
-        train_batches, val_batches = _ray_data_ingest(cfg, rank, world, device)
-
-    hooks = Hooks(
-        rank=rank, world_size=world, device=device,
-        prepare_model=ray.train.torch.prepare_model,
-        train_batches=train_batches, val_batches=val_batches, all_reduce_sum=all_reduce_sum,
-        restored_checkpoint=restored_checkpoint, report=report, send=send,
-        damaged=resume.get("damaged") or [],
-    )
-    run_loop(cfg, manifest, hooks)
-
-
-BATCH_DTYPES = {"id": torch.int64, "image": torch.uint8, "label": torch.int64}
-SHUFFLE_BUFFER_ROWS = 20_000
-
-
-def _ray_data_ingest(cfg: TrainConfig, rank: int, world: int, device):
-    import ray.train
-
-    train_shard = ray.train.get_dataset_shard("train")
-
-    def train_batches(epoch: int, local_batch: int):
-        # The prepared files are already in a seeded random order; the local shuffle buffer
-        # reorders this rank's rows differently every epoch, reproducibly.
-        return train_shard.iter_torch_batches(
-            batch_size=local_batch, dtypes=BATCH_DTYPES, device=device, drop_last=True,
-            local_shuffle_buffer_size=SHUFFLE_BUFFER_ROWS,
-            local_shuffle_seed=cfg.seed * 100_003 + epoch * 1_009 + rank,
-        )
-
-    return train_batches, _in_memory_val_batches(cfg, device)
-
-
-def _in_memory_val_batches(cfg: TrainConfig, device):
-    """The test split read once into memory on each worker (evaluation keeps rows by id)."""
-    from imgtrain.data.parquet import read_split
-
-    ids, images, labels = map(torch.from_numpy, read_split(cfg.data, "test"))
-
-    def val_batches():
-        for start in range(0, len(ids), cfg.eval_batch_size):
-            sl = slice(start, start + cfg.eval_batch_size)
-            yield {"id": ids[sl], "image": images[sl].to(device), "label": labels[sl].to(device)}
-
-    return val_batches
-
-
-def _torch_ingest(cfg: TrainConfig, rank: int, world: int, device):
-    """DataLoader over the split held in memory, sharded by a seeded DistributedSampler."""
-    import ray.train.torch
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-    from imgtrain.data.parquet import read_split
-
-    train = TensorDataset(*map(torch.from_numpy, read_split(cfg.data, "train")))
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
-
-    def train_batches(epoch: int, local_batch: int):
-        sampler.set_epoch(epoch)  # a different, reproducible order every epoch
-        loader = DataLoader(train, batch_size=local_batch, sampler=sampler, drop_last=True)
-        for ids, images, labels in ray.train.torch.prepare_data_loader(loader, add_dist_sampler=False):
-            yield {"id": ids, "image": images, "label": labels}
-
-    return train_batches, _in_memory_val_batches(cfg, device)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import os
 import threading
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ import torch
 from imgtrain import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain import checkpoint as ckpt
+from imgtrain import faults
 from imgtrain.config import TrainConfig, changed_fields, steps_per_epoch, validate
 from imgtrain.display import TrainingDisplay
 from imgtrain.errors import ImgtrainError
@@ -83,14 +86,14 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
         if latest is not None and ckpt.read_meta(latest).get("epoch", -1) + 1 >= cfg.epochs:
             display.note(f"run {cfg.name!r} is already complete ({cfg.epochs} epochs); nothing to do")
             return runs.load_run(cfg.storage, cfg.name)
+        where = _resume_point(latest)
     if not cfg.data:
         raise ImgtrainError("--data is required for a new run (a directory made by `imgtrain data prepare`)")
     manifest = verify_dataset(cfg.data)
-    n_train, world = manifest["splits"]["train"]["num_samples"], cfg.effective_workers()
-    if steps_per_epoch(n_train, cfg.batch_size, world) == 0:
+    n_train = manifest["splits"]["train"]["num_samples"]
+    if steps_per_epoch(n_train, cfg.batch_size) == 0:
         raise ImgtrainError(
-            f"--batch-size {cfg.batch_size} is larger than {world} worker(s) can take from {n_train} "
-            "training samples in one step; use a smaller batch size"
+            f"--batch-size {cfg.batch_size} is larger than the {n_train} training samples; use a smaller batch size"
         )
     if replace_existing:  # only now that the new request is known to be good: no data lost for nothing
         runs.delete_run(run_dir)
@@ -99,7 +102,7 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
     runs.write_config(run_dir, cfg.to_dict())
     runs.write_status(run_dir, "running", started=time.time())
     if stored is not None:
-        display.note(f"resuming run {cfg.name!r} from {run_dir}")
+        display.note(f"resuming run {cfg.name!r} {where} ({run_dir})")
 
     try:
         if cfg.backend == "local":
@@ -121,6 +124,15 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
     runs.write_status(run_dir, "finished", val_accuracy=result.final_accuracy)
     result.status = "finished"
     return result
+
+
+def _resume_point(checkpoint: Path | None) -> str:
+    """'at epoch E, step S from checkpoint_...' (1-based epoch, as the display counts them)."""
+    if checkpoint is None:
+        return "from the start"
+    meta = ckpt.read_meta(checkpoint)
+    epoch = (meta.get("in_epoch") or {}).get("epoch", meta.get("epoch", -1) + 1)
+    return f"at epoch {epoch + 1}, step {meta.get('step', 0)} from {checkpoint.name}"
 
 
 def _make_run_dir(run_dir: Path) -> None:
@@ -153,9 +165,12 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDispl
     from ray.train.torch import TorchTrainer
 
     from imgtrain.monitor import Monitor
-    from imgtrain.train_loop import train_loop_per_worker
+    from imgtrain.watchdog import Watchdog
+    from imgtrain.worker import train_loop_per_worker
 
     logs = run_dir / runs.LOGS_DIR
+    fault = os.environ.get(faults.ENV_VAR)
+    faults.parse(fault)  # a malformed spec fails here, not on every worker
     cluster = cluster_mod.connect(cfg, logs / "driver.log")
     try:
         _link_session_logs(logs, cluster.session_logs)
@@ -164,14 +179,16 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDispl
         if cluster.dashboard_url:
             display.note(f"Ray dashboard: {cluster.dashboard_url}")
         monitor = Monitor.remote()
-        datasets = _datasets(cfg)
+        watchdog = Watchdog(run_dir, cfg.stall_timeout_s, note=display.note)
+        elastic = cfg.min_workers and cfg.min_workers < cfg.workers
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={"cfg": cfg.to_dict(), "manifest": manifest, "monitor": monitor,
-                               "resume": resume.to_worker()},
+                               "resume": resume.to_worker(), "run_dir": str(run_dir), "fault": fault},
             scaling_config=ray.train.ScalingConfig(
-                num_workers=cfg.workers, use_gpu=cfg.use_gpu,
+                num_workers=(cfg.min_workers, cfg.workers) if elastic else cfg.workers, use_gpu=cfg.use_gpu,
                 resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})},
+                **({"elastic_resize_monitor_interval_s": ELASTIC_CHECK_S} if elastic else {}),
             ),
             run_config=ray.train.RunConfig(
                 name=cfg.name, storage_path=str(run_dir.parent),
@@ -181,21 +198,28 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDispl
                     checkpoint_score_order="max",
                 ),
             ),
-            datasets=datasets,
+            datasets=_datasets(cfg),
+            # Every worker gets the whole data set and takes its rows of each global batch
+            # itself (worker._ray_data_ingest): exact resumption at any world size.
+            dataset_config=ray.train.DataConfig(datasets_to_split=[]),
         )
         try:
-            with _forward_records(monitor, runs.MetricsLog(run_dir), display):
+            with _forward_records(monitor, runs.MetricsLog(run_dir), display, watchdog):
                 trainer.fit()
         except ray.train.TrainingFailedError as e:
-            raise ImgtrainError(f"training failed: {_root_cause(e)}; logs: {logs}") from None
+            raise ImgtrainError(_failure_message(e, watchdog.incident, run_dir, logs)) from None
         finally:
             ray.kill(monitor)  # on a shared cluster it would outlive this run
     finally:
         cluster_mod.shutdown(cluster)
 
 
+# How often an elastic run checks whether more workers fit (Ray's default is 60 s).
+ELASTIC_CHECK_S = 10.0
+
+
 def _datasets(cfg: TrainConfig):
-    """Ray Data ingest: the train split, sharded across workers by Ray Train."""
+    """Ray Data ingest: the train split, handed whole to every worker."""
     if cfg.ingest != "ray-data":
         return None
     import ray.data
@@ -204,6 +228,33 @@ def _datasets(cfg: TrainConfig):
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     return {"train": ray_dataset(cfg.data, "train")}
+
+
+def _failure_message(error: Exception, incident: str | None, run_dir: Path, logs: Path) -> str:
+    cause = _root_cause(error)
+    if incident:
+        cause = f"{incident} ({cause})"
+    elif _disk_full(error):
+        cause = (f"the disk holding {run_dir.parent} is full (No space left on device); "
+                 "free space or choose another --storage")
+    latest = next(reversed(runs.verified_checkpoints(run_dir)[0]), None)
+    saved = (f"; the run resumes from {latest.name} when you run the same command again"
+             if latest else "; no checkpoint was saved")
+    return f"training failed: {cause}{saved}; logs: {logs}"
+
+
+def _disk_full(error: BaseException) -> bool:
+    seen = set()
+    stack = [error, *(getattr(error, "worker_failures", None) or {}).values()]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        stack += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    return False
 
 
 def _root_cause(error: Exception) -> str:
@@ -231,21 +282,25 @@ def _link_session_logs(logs: Path, session_logs: Path | None) -> None:
 
 
 @contextlib.contextmanager
-def _forward_records(monitor, log: runs.MetricsLog, display: TrainingDisplay):
-    """While training runs, move records from the monitor actor to metrics.jsonl and the display."""
+def _forward_records(monitor, log: runs.MetricsLog, display: TrainingDisplay, watchdog):
+    """While training runs, move records from the monitor actor to metrics.jsonl and the
+    display, and heartbeats to the watchdog."""
     import ray
 
     stop = threading.Event()
 
     def deliver():
-        for record in ray.get(monitor.drain.remote(), timeout=30):
+        records, beats = ray.get(monitor.drain.remote(), timeout=30)
+        for record in records:
             log.append(record)
             display.update(record)
+        watchdog.observe(beats)
 
     def poll():
         while not stop.wait(POLL_S):
             with contextlib.suppress(Exception):
                 deliver()
+                watchdog.check()
 
     thread = threading.Thread(target=poll, name="imgtrain-progress", daemon=True)
     thread.start()
@@ -263,25 +318,25 @@ def _forward_records(monitor, log: runs.MetricsLog, display: TrainingDisplay):
 
 def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDisplay, resume: Resume) -> None:
     """The same loop in this process, no Ray: the tutorial's single-device baseline."""
-    import os
-
     from imgtrain.data.parquet import read_split
+    from imgtrain.order import ordered_batches, sort_by_id
     from imgtrain.train_loop import Hooks, run_loop
 
     if cfg.use_gpu and not torch.cuda.is_available():
         raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
     device = torch.device("cuda" if cfg.use_gpu else "cpu")
     torch.set_num_threads(cfg.threads_per_worker or os.cpu_count() or 1)
-    ids, images, labels = map(torch.from_numpy, read_split(cfg.data, "train"))
+    rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
     test = [t for t in map(torch.from_numpy, read_split(cfg.data, "test"))]
     log = runs.MetricsLog(run_dir)
     display.note(f"run {cfg.name}: {run_dir}  (local backend, {device})")
 
-    def train_batches(epoch: int, local_batch: int):
-        order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(cfg.seed * 1_009 + epoch))
-        for start in range(0, len(order) - local_batch + 1, local_batch):
-            idx = order[start : start + local_batch]
-            yield {"id": ids[idx], "image": images[idx].to(device), "label": labels[idx].to(device)}
+    steps = max(1, steps_per_epoch(len(rows[0]), cfg.batch_size, cfg.limit_train_batches))
+    batches = ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world_size=1, rank=0)
+
+    def train_batches(epoch: int, first_step: int):
+        for b in batches(epoch, first_step):
+            yield {"id": b["id"], "image": b["image"].to(device), "label": b["label"].to(device)}
 
     def val_batches():
         for start in range(0, len(test[0]), cfg.eval_batch_size):
@@ -298,7 +353,14 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, display: Train
         target = run_dir / name
         tmp = run_dir / f".{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(save_dir, tmp)
+        try:
+            shutil.copytree(save_dir, tmp)
+        except (OSError, shutil.Error) as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # never leave half a checkpoint behind
+            if _disk_full(e) or "No space left on device" in str(e):
+                raise ImgtrainError(f"cannot save checkpoint {name}: the disk holding {run_dir.parent} is "
+                                    "full (No space left on device); free space or choose another --storage") from None
+            raise
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)  # complete or invisible
         runs.retain(run_dir, cfg.num_to_keep, ignore=resume.damaged)
@@ -311,5 +373,6 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, display: Train
         rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device), damaged=resume.damaged,
         train_batches=train_batches, val_batches=val_batches, all_reduce_sum=lambda t: t,
         restored_checkpoint=restored_checkpoint, report=report, send=send,
+        run_dir=run_dir, fault=faults.parse(os.environ.get(faults.ENV_VAR)),
     )
     run_loop(cfg, manifest, hooks)

@@ -1,0 +1,68 @@
+"""Which training rows each rank takes at each step: one global order, whatever the world size.
+
+Epoch ``e`` visits the training split in a seeded random permutation ``perm_e``. Global step
+``k`` of that epoch trains on rows ``perm_e[k*B:(k+1)*B]`` (``B`` the global batch), cut
+between the ranks by ``per_worker_batch_sizes``. The order depends only on the seed and the
+epoch, never on the number of workers, so a run that stops after step ``k`` restarts at row
+``(k+1)*B`` of the same permutation with any world size: no row of the epoch is replayed,
+none is skipped.
+
+Augmentation draws its random numbers the same way: one seeded draw per global step for
+the whole global batch, each rank taking its rows' share. A sample gets the same
+transformation at the same step with 1 worker or 8.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from imgtrain.config import per_worker_batch_sizes
+
+AUGMENT_PARAMS = 4  # random numbers per image: rotation, scale, x and y shift
+
+
+def epoch_permutation(num_rows: int, seed: int, epoch: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_rows, generator=generator)
+
+
+def rank_share(global_batch: int, world_size: int, rank: int) -> slice:
+    """This rank's part of a global batch: positions [start, start + size) within it."""
+    sizes = per_worker_batch_sizes(global_batch, world_size)
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def rank_rows(perm: torch.Tensor, step: int, global_batch: int, world_size: int, rank: int) -> torch.Tensor:
+    """Row positions this rank trains on at ``step`` (0-based within the epoch)."""
+    share = rank_share(global_batch, world_size, rank)
+    base = step * global_batch
+    return perm[base + share.start : base + share.stop]
+
+
+def augment_draw(seed: int, global_step: int, global_batch: int, world_size: int, rank: int) -> torch.Tensor:
+    """Uniform [-1, 1) numbers [local batch, AUGMENT_PARAMS] for this rank's rows at this step."""
+    generator = torch.Generator().manual_seed(seed * 7_919 + global_step * 104_729 + 1)
+    draw = torch.rand(global_batch, AUGMENT_PARAMS, generator=generator).mul_(2).sub_(1)
+    return draw[rank_share(global_batch, world_size, rank)]
+
+
+def sort_by_id(ids: torch.Tensor, *columns: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The canonical row order both ingests share: ascending id (ids are unique per data set),
+    whatever order the files or Ray Data blocks delivered the rows in."""
+    index = torch.argsort(ids)
+    return (ids[index], *(c[index] for c in columns))
+
+
+def ordered_batches(rows: tuple[torch.Tensor, ...], seed: int, global_batch: int, steps: int,
+                    world_size: int, rank: int):
+    """``train_batches(epoch, first_step)`` over rows (ids, images, labels) held in memory."""
+
+    def train_batches(epoch: int, first_step: int):
+        ids, images, labels = rows
+        perm = epoch_permutation(len(ids), seed, epoch)
+        for step in range(first_step, steps):
+            index = rank_rows(perm, step, global_batch, world_size, rank)
+            yield {"id": ids[index], "image": images[index], "label": labels[index]}
+
+    return train_batches

@@ -1,0 +1,120 @@
+"""The driver's view of its workers: who they are (``workers.json``) and whether one is stuck.
+
+Every rank sends a heartbeat each second with its step and phase (``worker.py``). A rank is
+*stuck* when its heartbeats stop (the process is frozen) or when it has spent longer than
+``stall_timeout_s`` in a phase where it waits for nobody. The other ranks are then blocked in
+a collective (DDP's all-reduce, the report barrier) and would wait forever: the default in Ray
+Train and torch.distributed. The watchdog names the stuck ranks and kills their processes,
+which turns the hang into an ordinary worker failure: Ray Train retries it from the latest
+checkpoint while ``max_failures`` allows, and otherwise the run fails with this message.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from imgtrain.fileutil import atomic_write_text
+from imgtrain.train_loop import COLLECTIVE_PHASES
+from imgtrain.worker import HEARTBEAT_S
+
+WORKERS_FILE = "workers.json"
+
+
+class Watchdog:
+    def __init__(self, run_dir: Path, timeout_s: float, note=print):
+        self.path = run_dir / WORKERS_FILE
+        self.timeout_s = timeout_s
+        self.note = note
+        self.beats: dict[int, dict] = {}  # rank -> latest heartbeat of the current worker group
+        self.incident: str | None = None  # what was found stuck, for the final error
+
+    def observe(self, beats: list[dict]) -> None:
+        changed = False
+        for beat in sorted(beats, key=lambda b: b["time"]):
+            known = self.beats.get(beat["rank"])
+            if known is None or known["pid"] != beat["pid"]:
+                changed = True
+                # A new process: maybe a new worker group (a retry, another world size). Ranks
+                # of an old group have stopped beating and must not be taken for stuck ones.
+                self.beats = {r: b for r, b in self.beats.items()
+                              if b["time"] >= beat["time"] - 3 * HEARTBEAT_S and r < beat["world_size"]}
+            self.beats[beat["rank"]] = beat
+        if changed:
+            self._write()
+
+    def check(self, now: float | None = None) -> None:
+        """Kill the stuck ranks, if any; afterwards ``incident`` says what happened."""
+        if not self.timeout_s or not self.beats:
+            return
+        now = now or time.time()
+        stuck = [b for b in self.beats.values() if _stuck(b, now, self.timeout_s)]
+        if not stuck:
+            return
+        killed = [b for b in stuck if kill_worker(b)]
+        for b in stuck:
+            self.beats.pop(b["rank"], None)
+        if not killed:  # the processes were already gone: a failure Ray Train handles itself
+            return
+        waiting = sorted(b["rank"] for b in self.beats.values() if b["phase"] in COLLECTIVE_PHASES)
+        described = "; ".join(_describe(b, now) for b in killed)
+        self.incident = (
+            f"rank{'s' if len(killed) > 1 else ''} {', '.join(str(b['rank']) for b in killed)} stuck: {described}"
+            + (f" (rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waited for it)" if waiting else "")
+            + f"; no progress for {self.timeout_s:g} s (--stall-timeout), so it was killed"
+        )
+        self.note(f"warning: {self.incident}")
+
+    def _write(self) -> None:
+        workers = [{k: b[k] for k in ("rank", "world_size", "pid", "node_ip", "node_id")}
+                   for _, b in sorted(self.beats.items())]
+        atomic_write_text(self.path, json.dumps({"updated": time.time(), "workers": workers}, indent=2))
+
+
+def read_workers(run_dir: Path) -> list[dict]:
+    """The current worker group of a run (rank, pid, node) as the driver last saw it."""
+    path = Path(run_dir) / WORKERS_FILE
+    return json.loads(path.read_text())["workers"] if path.is_file() else []
+
+
+def _stuck(beat: dict, now: float, timeout_s: float) -> bool:
+    if now - beat["time"] > timeout_s:  # no heartbeat at all: frozen (or gone)
+        return True
+    waits_for_others = beat["phase"] in COLLECTIVE_PHASES or beat["phase"] == "done"
+    return not waits_for_others and now - beat["phase_since"] > timeout_s
+
+
+def _describe(beat: dict, now: float) -> str:
+    silent = now - beat["time"]
+    what = (f"no heartbeat for {silent:.0f} s" if silent > 5
+            else f"in phase {beat['phase']!r} for {now - beat['phase_since']:.0f} s")
+    return f"rank {beat['rank']} (pid {beat['pid']} on {beat['node_ip']}) at step {beat['step']}, {what}"
+
+
+def kill_worker(beat: dict) -> bool:
+    """SIGKILL a training worker on whichever node it runs; False if it no longer exists."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(_kill_if_ray_worker).options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(beat["node_id"], soft=False)
+    )
+    try:
+        return ray.get(task.remote(beat["pid"]), timeout=60)
+    except Exception:  # node gone: so is the worker
+        return False
+
+
+def _kill_if_ray_worker(pid: int) -> bool:
+    import os
+    import signal
+
+    try:  # never a process that is not a Ray worker (the pid could have been reused)
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if not f.read().startswith(b"ray::"):
+                return False
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except (OSError, ProcessLookupError):
+        return False
