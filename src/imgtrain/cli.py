@@ -23,7 +23,7 @@ data_app = typer.Typer(no_args_is_help=True, help="Prepare data sets.")
 runs_app = typer.Typer(no_args_is_help=True, help="Inspect runs.")
 app.add_typer(data_app, name="data")
 app.add_typer(runs_app, name="runs")
-console = Console()
+console = Console(markup=False)  # messages hold paths and errors: never rich markup
 
 STORAGE_HELP = "Where runs live (local or shared path)."
 
@@ -185,7 +185,7 @@ def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP
     if json_out:
         print(json.dumps(r.to_json(), indent=2))
         return
-    console.print(f"[bold]{r.name}[/bold]  status: {r.status}  ({r.path})", highlight=False)
+    console.print(f"{r.name}  status: {r.status}  ({r.path})", highlight=False)
     if r.error:
         console.print(f"error: {r.error}", highlight=False)
     cfg = r.config
@@ -273,7 +273,7 @@ def predict_cmd(
     opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k)
     result = predict(run, input, out, checkpoint=checkpoint, storage=storage, on_error=on_error,
                      split=split, image_column=image_column, options=opts, overwrite=overwrite)
-    err = Console(stderr=True)
+    err = Console(stderr=True, markup=False)
     for name, why in result.skipped:
         err.print(f"skipped {name}: {why}", highlight=False, soft_wrap=True)
     summary = f"wrote {result.num_predictions} predictions to {result.out}"
@@ -320,7 +320,7 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except ImgtrainError as e:
-        Console(stderr=True).print(f"[bold red]error:[/bold red] {e}", highlight=False, soft_wrap=True)
+        Console(stderr=True, markup=False).print(f"error: {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except (KeyboardInterrupt, typer.Abort):
         Console(stderr=True).print("interrupted; run the same command again to resume")
@@ -334,8 +334,8 @@ def main() -> None:
         if os.environ.get("IMGTRAIN_DEBUG"):
             raise
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        Console(stderr=True).print(
-            f"[bold red]error:[/bold red] unexpected {type(e).__name__}: {first} "
+        Console(stderr=True, markup=False).print(
+            f"error: unexpected {type(e).__name__}: {first} "
             "(run logs are in the run's logs/ folder; IMGTRAIN_DEBUG=1 shows the traceback)",
             highlight=False, soft_wrap=True,
         )

@@ -42,7 +42,7 @@ class TrainingDisplay:
 
     def note(self, text: str) -> None:
         if not self.quiet:
-            (self.progress.console if self.progress else self.console).print(text, highlight=False)
+            (self.progress.console if self.progress else self.console).print(text, highlight=False, markup=False)
 
     def update(self, record: dict) -> None:
         if self.quiet:

@@ -155,6 +155,23 @@ def verified_checkpoints(run_dir: Path) -> tuple[list[Path], list[tuple[Path, st
     return good, bad
 
 
+def remove_incomplete_checkpoints(run_dir: Path, keep=()) -> list[str]:
+    """Delete checkpoint directories that fail verification (half written when the disk filled
+    up or the process died), except those named in ``keep``; return the names removed."""
+    import shutil
+
+    removed = []
+    for d in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
+        if not d.is_dir() or not d.name.startswith(CHECKPOINT_PREFIX) or d.name in keep:
+            continue
+        try:
+            ckpt.verify(d)
+        except ImgtrainError:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+    return removed
+
+
 def _val_accuracy(meta: dict) -> float:
     return (meta.get("metrics") or {}).get("val_accuracy", -1.0)
 

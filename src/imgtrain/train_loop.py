@@ -32,8 +32,10 @@ from imgtrain.order import augment_draw
 
 Batch = dict  # {"id": int64 [B], "image": uint8 [B, H, W, C], "label": int64 [B]} on the device
 
-# Phases in which a rank waits for the others: a rank stuck there is a victim, not the cause.
-COLLECTIVE_PHASES = frozenset({"backward", "sync", "report"})
+# Phases in which a rank may wait for the others (with DDP the forward pass broadcasts rank 0's
+# BatchNorm buffers, the backward pass all-reduces gradients): a rank stuck there is more
+# likely a victim than the cause.
+COLLECTIVE_PHASES = frozenset({"forward", "backward", "sync", "report"})
 
 
 class Progress:
@@ -181,7 +183,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
                     f"rank {rank} ran out of training data after {i} of {steps_per_epoch} steps in epoch {epoch}"
                 )
             data_wait = time.perf_counter() - t0
-            hooks.progress.enter("forward")
+            hooks.progress.enter("compute")
             faults.maybe_fire(hooks.fault, rank, step, hooks.run_dir)
             if ledger is not None:
                 ledger.write(epoch, i, step, batch["id"])
@@ -190,13 +192,14 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
                 draw = augment_draw(cfg.seed, step, cfg.batch_size, world, rank)
                 x = random_affine(x, draw, cfg.max_rotate_deg, cfg.max_shift, cfg.max_scale)
             y = batch["label"]
+            hooks.progress.enter("forward")
             logits = model(x.contiguous(memory_format=memory_format))
             # DDP averages gradients over ranks; scaling the summed loss by world/global_batch
             # makes that average the exact mean over the global batch even when ranks hold
             # unequal shares (global batch not divisible by the number of workers).
             loss = criterion(logits, y) * (world / cfg.batch_size)
             optimizer.zero_grad(set_to_none=True)
-            hooks.progress.enter("backward" if world > 1 else "forward")  # DDP all-reduces in backward
+            hooks.progress.enter("backward")
             loss.backward()
             hooks.progress.enter("optimizer")
             optimizer.step()

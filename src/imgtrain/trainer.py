@@ -110,13 +110,13 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
         else:
             _train_ray(cfg, manifest, run_dir, display, resume)
     except KeyboardInterrupt:
-        runs.write_status(run_dir, "interrupted")
+        _record_status(run_dir, "interrupted")
         raise
     except ImgtrainError as e:
-        runs.write_status(run_dir, "failed", error=str(e))
+        _record_status(run_dir, "failed", error=str(e))
         raise
     except Exception as e:  # an unexpected failure still leaves a truthful status behind
-        runs.write_status(run_dir, "failed", error=f"{type(e).__name__}: {e}")
+        _record_status(run_dir, "failed", error=f"{type(e).__name__}: {e}")
         raise
     finally:
         display.close()
@@ -124,6 +124,12 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
     runs.write_status(run_dir, "finished", val_accuracy=result.final_accuracy)
     result.status = "finished"
     return result
+
+
+def _record_status(run_dir: Path, status: str, **extra) -> None:
+    # On a full disk this write fails too; the error being raised matters more.
+    with contextlib.suppress(OSError):
+        runs.write_status(run_dir, status, **extra)
 
 
 def _resume_point(checkpoint: Path | None) -> str:
@@ -207,6 +213,10 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDispl
             with _forward_records(monitor, runs.MetricsLog(run_dir), display, watchdog):
                 trainer.fit()
         except ray.train.TrainingFailedError as e:
+            # A checkpoint half copied when the failure struck (a full disk) must not stay visible.
+            removed = runs.remove_incomplete_checkpoints(run_dir, keep=resume.damaged)
+            if removed:
+                display.note(f"removed incomplete checkpoint(s): {', '.join(removed)}")
             raise ImgtrainError(_failure_message(e, watchdog.incident, run_dir, logs)) from None
         finally:
             ray.kill(monitor)  # on a shared cluster it would outlive this run

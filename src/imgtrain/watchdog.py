@@ -29,40 +29,52 @@ class Watchdog:
         self.note = note
         self.beats: dict[int, dict] = {}  # rank -> latest heartbeat of the current worker group
         self.incident: str | None = None  # what was found stuck, for the final error
+        self.acted = False  # killed ranks of the current worker group: wait for the next one
+        self.seen_pids: set[int] = set()
+        self.gone_pids: set[int] = set()  # found dead already: Ray Train handles those itself
 
     def observe(self, beats: list[dict]) -> None:
         changed = False
         for beat in sorted(beats, key=lambda b: b["time"]):
-            known = self.beats.get(beat["rank"])
-            if known is None or known["pid"] != beat["pid"]:
+            if beat["pid"] not in self.seen_pids:
+                self.seen_pids.add(beat["pid"])
                 changed = True
+                self.acted = False
                 # A new process: maybe a new worker group (a retry, another world size). Ranks
                 # of an old group have stopped beating and must not be taken for stuck ones.
                 self.beats = {r: b for r, b in self.beats.items()
                               if b["time"] >= beat["time"] - 3 * HEARTBEAT_S and r < beat["world_size"]}
-            self.beats[beat["rank"]] = beat
+            if beat["pid"] not in self.gone_pids:
+                self.beats[beat["rank"]] = beat
         if changed:
             self._write()
 
     def check(self, now: float | None = None) -> None:
         """Kill the stuck ranks, if any; afterwards ``incident`` says what happened."""
-        if not self.timeout_s or not self.beats:
+        if not self.timeout_s or not self.beats or self.acted:
             return
         now = now or time.time()
         stuck = [b for b in self.beats.values() if _stuck(b, now, self.timeout_s)]
+        if not stuck and all(now - b["phase_since"] > self.timeout_s for b in self.beats.values()):
+            stuck = list(self.beats.values())  # every rank waits in a collective: a deadlock
         if not stuck:
             return
         killed = [b for b in stuck if kill_worker(b)]
         for b in stuck:
-            self.beats.pop(b["rank"], None)
-        if not killed:  # the processes were already gone: a failure Ray Train handles itself
+            if b not in killed:  # already gone: a failure Ray Train handles itself
+                self.gone_pids.add(b["pid"])
+                self.beats.pop(b["rank"], None)
+        if not killed:
             return
-        waiting = sorted(b["rank"] for b in self.beats.values() if b["phase"] in COLLECTIVE_PHASES)
-        described = "; ".join(_describe(b, now) for b in killed)
+        self.acted = True  # the survivors fail next, as Ray Train restarts or ends the group
+        waiting = sorted(b["rank"] for b in self.beats.values() if b not in killed and b["phase"] in COLLECTIVE_PHASES)
+        described = "; ".join(_describe(b, now) for b in sorted(killed, key=lambda b: b["rank"]))
+        many = len(killed) > 1
         self.incident = (
-            f"rank{'s' if len(killed) > 1 else ''} {', '.join(str(b['rank']) for b in killed)} stuck: {described}"
-            + (f" (rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waited for it)" if waiting else "")
-            + f"; no progress for {self.timeout_s:g} s (--stall-timeout), so it was killed"
+            f"rank{'s' if many else ''} {', '.join(str(b['rank']) for b in killed)} stuck: {described}"
+            + (f" (rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waited for "
+               f"{'them' if many else 'it'})" if waiting else "")
+            + f"; no progress for {self.timeout_s:g} s (--stall-timeout), so {'they were' if many else 'it was'} killed"
         )
         self.note(f"warning: {self.incident}")
 

@@ -9,7 +9,9 @@ import time
 
 import pytest
 
+import imgtrain
 from imgtrain import runs
+from imgtrain.faults import ENV_VAR as FAULT_ENV
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.integration
@@ -51,3 +53,50 @@ def test_killed_driver_then_the_same_command_resumes(ray_cluster, tiny_data, tmp
     starts = [r["step"] for r in runs.read_metrics(run_dir) if r["kind"] == "start"]
     assert starts[0] == 0 and starts[-1] >= 8  # the second run began after a saved epoch
     assert runs.read_status(run_dir)["status"] == "finished"
+
+
+def test_a_stuck_rank_is_named_and_killed_within_the_stall_timeout(ray_cluster, tiny_data, tmp_path):
+    # Rank 1 stops making progress before its forward pass of step 3 (it sleeps forever, the
+    # process alive); rank 0 waits in DDP's all-reduce, which by default would wait forever.
+    env = {**os.environ, FAULT_ENV: "hang:1:3", "COLUMNS": "200"}
+    args = ("train", "--data", str(tiny_data), "--name", "stuck", "--epochs", "1", "--batch-size", "32",
+            "--storage", str(tmp_path), "--address", ray_cluster, "--stall-timeout", "8", "--log-every-steps", "1")
+    done = subprocess.run([sys.executable, "-m", "imgtrain.cli", *args], capture_output=True, text=True,
+                          timeout=240, env=env)
+
+    assert done.returncode == 2
+    message = done.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: training failed: rank 1 stuck: rank 1 (pid "), done.stderr
+    assert "at step 3, in phase 'compute'" in message and "(rank 0 waited for it)" in message
+    assert "no progress for 8 s (--stall-timeout)" in message
+    records = runs.read_metrics(tmp_path / "stuck")
+    last_step = max(r["time"] for r in records if r["kind"] == "step")
+    failed_at = runs.read_status(tmp_path / "stuck")["time"]
+    assert failed_at - last_step < 8 + 30  # detected and ended soon after the timeout, not never
+
+
+def test_a_full_disk_leaves_no_broken_checkpoint_and_says_the_disk_is_full(ray_cluster, tiny_data, tmp_path):
+    storage = tmp_path / "small-disk"
+    storage.mkdir()
+    # 280 MB: room for one checkpoint (about 171 MB for ResNet-18 with AdamW state), not two.
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=280m", "tmpfs", str(storage)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); needs root")
+    try:
+        done = run_cli("train", "--data", str(tiny_data), "--name", "full", "--epochs", "3",
+                       "--batch-size", "32", "--storage", str(storage), "--address", ray_cluster)
+        assert done.returncode == 2
+        message = done.stderr.strip().splitlines()[-1]
+        assert "is full (No space left on device)" in message, done.stderr
+        assert "resumes from checkpoint_epoch_0000" in message
+        run_dir = storage / "full"
+        good, bad = runs.verified_checkpoints(run_dir)
+        assert [p.name for p in good] == ["checkpoint_epoch_0000"] and bad == []
+        leftovers = [d.name for d in run_dir.iterdir() if d.is_dir() and d.name.startswith("checkpoint_epoch")
+                     and d not in good]
+        assert leftovers == []  # nothing half written left visible
+        model, _ = imgtrain.load_model(good[0])  # the last good checkpoint still loads
+        assert sum(p.numel() for p in model.parameters()) > 11_000_000
+    finally:
+        subprocess.run(["umount", "-l", str(storage)], check=False)

@@ -1,0 +1,40 @@
+"""A real multi-node Ray cluster on this machine, driven by a test over stdin and stdout.
+
+It runs in its own process (the test process is already connected to the session cluster):
+a head node with no CPUs and two 1-CPU worker nodes, each with its own raylet. Commands, one
+per line: ``remove NODE_ID`` kills that node's processes, ``add`` starts another 1-CPU node,
+``quit`` (or end of input) stops them all. Every reply is one JSON line.
+"""
+
+import json
+import sys
+
+from ray.cluster_utils import Cluster
+
+
+def main() -> None:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = {}
+
+    def add() -> str:
+        node = cluster.add_node(num_cpus=1)
+        nodes[node.node_id] = node
+        return node.node_id
+
+    try:
+        print(json.dumps({"address": cluster.address, "nodes": [add(), add()]}), flush=True)
+        for line in sys.stdin:
+            command, *args = line.split()
+            if command == "remove":
+                cluster.remove_node(nodes.pop(args[0]), allow_graceful=False)
+                print(json.dumps({"removed": args[0]}), flush=True)
+            elif command == "add":
+                print(json.dumps({"added": add()}), flush=True)
+            elif command == "quit":
+                break
+    finally:
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()
