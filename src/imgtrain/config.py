@@ -36,7 +36,8 @@ class TrainConfig:
     backend: str = "ray"
     """``ray``: Ray Train workers. ``local``: the same loop in one plain PyTorch process."""
     ingest: str = "ray-data"
-    """``ray-data``: get_dataset_shard + iter_torch_batches. ``torch``: DataLoader + DistributedSampler."""
+    """``ray-data``: rows delivered by Ray Data. ``torch``: Parquet files into a DataLoader. Either
+    way each worker takes its share of every global batch in the run's one seeded order."""
     workers: int = 2
     """Number of data-parallel training workers (Ray backend); the most, when elastic."""
     min_workers: int = 0

@@ -124,9 +124,9 @@ def _ray_data_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, de
     ``streaming_split``, which rows a rank sees never depends on timing or world size."""
     import ray.train
 
-    shard = ray.train.get_dataset_shard("train")
+    whole = ray.train.get_dataset_shard("train")  # not split: DataConfig(datasets_to_split=[])
     columns = {"id": [], "image": [], "label": []}
-    for batch in shard.iter_torch_batches(batch_size=8192, dtypes=BATCH_DTYPES):
+    for batch in whole.iter_torch_batches(batch_size=8192, dtypes=BATCH_DTYPES):
         for key in columns:
             columns[key].append(batch[key])
     rows = sort_by_id(*(torch.cat(columns[key]) for key in ("id", "image", "label")))

@@ -38,6 +38,6 @@ def ray_dataset(data_dir: str | Path, split: str):
     import pyarrow as pa
 
     # One block, its metadata computed here: from_arrow would run one remote task per block
-    # (a new worker process each on a cold cluster). Ray Train's equal split cuts a block by rows.
+    # (a new worker process each on a cold cluster).
     table = pa.concat_tables(pq.read_table(f, columns=["id", "image", "label"]) for f in files)
     return ray.data.from_blocks([table.combine_chunks()])
