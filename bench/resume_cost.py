@@ -14,7 +14,6 @@ where Ray outlives the driver. Usage: ``python bench/resume_cost.py [--repeats 3
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -26,6 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, fmt, summarize, write_result  # noqa: E402
 
+from imgtrain.runs import read_metrics as records  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "mnist-sample"
 PORT = "6391"
@@ -34,17 +35,6 @@ PORT = "6391"
 def imgtrain(*args: str) -> list[str]:
     return [sys.executable, "-m", "imgtrain.cli", "train", "--data", str(DATA), "--workers", "2",
             "--address", "auto", "--quiet", "--log-every-steps", "1", *args]
-
-
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
 
 
 def epoch_rate(storage: Path, name: str, every: int) -> float:

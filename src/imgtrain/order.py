@@ -55,14 +55,16 @@ def sort_by_id(ids: torch.Tensor, *columns: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def ordered_batches(rows: tuple[torch.Tensor, ...], seed: int, global_batch: int, steps: int,
-                    world_size: int, rank: int):
-    """``train_batches(epoch, first_step)`` over rows (ids, images, labels) held in memory."""
+                    world_size: int, rank: int, device: torch.device | str = "cpu"):
+    """``train_batches(epoch, first_step)`` over rows (ids, images, labels) held in memory;
+    images and labels are moved to ``device``, ids stay on the CPU."""
 
     def train_batches(epoch: int, first_step: int):
         ids, images, labels = rows
         perm = epoch_permutation(len(ids), seed, epoch)
         for step in range(first_step, steps):
             index = rank_rows(perm, step, global_batch, world_size, rank)
-            yield {"id": ids[index], "image": images[index], "label": labels[index]}
+            yield {"id": ids[index], "image": images[index].to(device, non_blocking=True),
+                   "label": labels[index].to(device, non_blocking=True)}
 
     return train_batches

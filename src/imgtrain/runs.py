@@ -107,8 +107,9 @@ class MetricsLog:
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / METRICS_FILE
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file ([] if it does not exist), skipping a last line cut
+    short by a process that was killed while writing it."""
     if not path.is_file():
         return []
     records = []
@@ -116,8 +117,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            continue  # a line cut short by a killed driver
+            continue
     return records
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return read_jsonl(run_dir / METRICS_FILE)
 
 
 def epoch_history(run_dir: Path) -> list[dict]:

@@ -342,11 +342,7 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, display: Train
     display.note(f"run {cfg.name}: {run_dir}  (local backend, {device})")
 
     steps = max(1, steps_per_epoch(len(rows[0]), cfg.batch_size, cfg.limit_train_batches))
-    batches = ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world_size=1, rank=0)
-
-    def train_batches(epoch: int, first_step: int):
-        for b in batches(epoch, first_step):
-            yield {"id": b["id"], "image": b["image"].to(device), "label": b["label"].to(device)}
+    train_batches = ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world_size=1, rank=0, device=device)
 
     def val_batches():
         for start in range(0, len(test[0]), cfg.eval_batch_size):
@@ -367,7 +363,7 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, display: Train
             shutil.copytree(save_dir, tmp)
         except (OSError, shutil.Error) as e:
             shutil.rmtree(tmp, ignore_errors=True)  # never leave half a checkpoint behind
-            if _disk_full(e) or "No space left on device" in str(e):
+            if _disk_full(e):
                 raise ImgtrainError(f"cannot save checkpoint {name}: the disk holding {run_dir.parent} is "
                                     "full (No space left on device); free space or choose another --storage") from None
             raise

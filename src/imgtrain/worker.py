@@ -1,7 +1,7 @@
 """The Ray Train side of the loop: ``train_loop_per_worker`` wires ``run_loop`` to Ray.
 
 Each worker also runs a heartbeat thread that tells the driver, once a second, which step
-and phase it is in, so that a stuck rank can be named (``trainer._Watchdog``).
+and phase it is in, so that a stuck rank can be named (``watchdog.Watchdog``).
 """
 
 from __future__ import annotations
@@ -130,14 +130,7 @@ def _ray_data_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, de
         for key in columns:
             columns[key].append(batch[key])
     rows = sort_by_id(*(torch.cat(columns[key]) for key in ("id", "image", "label")))
-    batches = ordered_batches(rows, cfg.seed, cfg.batch_size, _steps(cfg, manifest), world, rank)
-
-    def train_batches(epoch: int, first_step: int):
-        for b in batches(epoch, first_step):
-            yield {"id": b["id"], "image": b["image"].to(device, non_blocking=True),
-                   "label": b["label"].to(device, non_blocking=True)}
-
-    return train_batches
+    return ordered_batches(rows, cfg.seed, cfg.batch_size, _steps(cfg, manifest), world, rank, device)
 
 
 def _torch_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, device):

@@ -7,7 +7,6 @@ with another world size and the other ingest, and SIGKILLed worker processes.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -58,14 +57,7 @@ def reference(ray_cluster, tiny_data, tmp_path_factory) -> Path:
 
 
 def ledger_lines(run_dir: Path) -> list[dict]:
-    lines = []
-    for path in sorted((run_dir / "ledger").glob("rank-*.jsonl")):
-        for text in path.read_text().splitlines():
-            try:
-                lines.append(json.loads(text))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a killed process
-    return lines
+    return [line for path in sorted((run_dir / "ledger").glob("rank-*.jsonl")) for line in runs.read_jsonl(path)]
 
 
 def committed_batches(run_dir: Path) -> dict[int, dict[int, list[int]]]:
