@@ -11,7 +11,7 @@ NAME   ?= demo
 # Seeds 0, 1 and 2 end at 98.3%, 98.5% and 98.6% test accuracy (docs/NOTES.md): the demo uses 2.
 SEED   ?= 2
 
-.PHONY: demo test install install-dev clean-venv
+.PHONY: demo test bench bench-quick install install-dev clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,14 @@ demo: install
 test: install-dev
 	$(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS); \
 	  status=$$?; if [ $$status -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$status
+
+# Training speed against raw PyTorch and the tutorial pipeline (BENCHMARKS.md). bench-quick:
+# one run per row, one short epoch (about 4 minutes); bench: n = 3, 2 epochs (about 20 minutes).
+bench: install
+	$(BIN)/python bench/train_throughput.py $(BENCH_ARGS)
+
+bench-quick: install
+	$(BIN)/python bench/train_throughput.py --quick $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

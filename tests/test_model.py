@@ -14,11 +14,16 @@ def tutorial_build_model() -> nn.Module:
     return model
 
 
-def test_state_dict_matches_the_tutorial_model():
-    ours = build_resnet18(1, 10).state_dict()
-    theirs = tutorial_build_model().state_dict()
-    assert ours.keys() == theirs.keys()
-    assert all(ours[k].shape == theirs[k].shape for k in ours)
+def test_same_seed_gives_the_tutorial_models_weights_and_outputs():
+    torch.manual_seed(3)
+    ours = build_resnet18(1, 10)
+    torch.manual_seed(3)
+    theirs = tutorial_build_model()
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert list(a) == list(b)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    x = torch.randn(2, 1, 28, 28)
+    assert torch.equal(ours.eval()(x), theirs.eval()(x))
 
 
 def test_channels_and_classes_follow_the_data_set():

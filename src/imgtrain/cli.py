@@ -98,6 +98,11 @@ def train_cmd(
         None, "--ledger", help="Record the sample ids each rank trains on at each step (ledger/)."),
     log_every_steps: Optional[int] = typer.Option(None, help="Progress record every N steps." + _default("log_every_steps")),
     eval_batch_size: Optional[int] = typer.Option(None, help="Validation batch per worker." + _default("eval_batch_size")),
+    precision: Optional[str] = typer.Option(
+        None, help="fp32, or bf16 (autocast; for GPUs with bfloat16)." + _default("precision")),
+    compile: Optional[bool] = typer.Option(None, "--compile", help="torch.compile the training step (slow first steps)."),
+    data_on_device: Optional[bool] = typer.Option(
+        None, "--data-on-device", help="Hold the training split in GPU memory; batches are gathered there."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Delete an existing run NAME and start afresh."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress display."),
     json_out: bool = typer.Option(False, "--json", help="Print the finished run as JSON."),
@@ -120,7 +125,7 @@ def train_cmd(
         threads_per_worker=threads_per_worker, limit_train_batches=limit_train_batches,
         checkpoint_every_steps=checkpoint_every_steps, stall_timeout_s=stall_timeout,
         deterministic=deterministic, ledger=ledger, log_every_steps=log_every_steps,
-        eval_batch_size=eval_batch_size,
+        eval_batch_size=eval_batch_size, precision=precision, compile=compile, data_on_device=data_on_device,
     )
     # A resumed run keeps its stored settings; an overwritten one starts from the defaults.
     stored = None if overwrite else runs.read_config(runs.run_path(storage, name))

@@ -14,13 +14,14 @@ from imgtrain.errors import ImgtrainError
 BACKENDS = ("ray", "local")
 INGESTS = ("ray-data", "torch")
 OPTIMIZERS = ("adamw", "sgd")
+PRECISIONS = ("fp32", "bf16")
 
 # Fields that may change when an existing run is resumed; any other difference means a
 # different experiment and is refused (issue 4 adds --overwrite).
 RESUMABLE_FIELDS = (
     "epochs", "workers", "use_gpu", "address", "storage", "log_every_steps", "dashboard",
     "max_failures", "threads_per_worker", "cpus_per_worker", "limit_train_batches", "min_workers",
-    "checkpoint_every_steps", "ledger", "stall_timeout_s", "deterministic",
+    "checkpoint_every_steps", "ledger", "stall_timeout_s", "deterministic", "compile", "data_on_device",
 )
 
 
@@ -87,6 +88,18 @@ class TrainConfig:
     channels_last: bool = True
     """NHWC memory layout for convolutions: measured 5-10% faster on CPU here, and the usual
     choice on GPUs. The saved state_dict loads into a model of either layout."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16``: forward pass and loss under bfloat16 autocast (weights, gradients
+    and optimizer state stay float32; no loss scaling needed). For GPUs with bfloat16 (A100,
+    H100); on a CPU without bfloat16 instructions it is slower. Validation runs in float32,
+    so recorded accuracies match a later ``imgtrain evaluate``."""
+    compile: bool = False
+    """``torch.compile`` the training forward and backward pass. The first steps pay for the
+    compilation (tens of seconds); worth it on GPUs for long runs."""
+    data_on_device: bool = False
+    """Keep the training split in device memory and gather each batch there (no host-to-device
+    copy per step); for data sets small enough to hold in memory (the in-memory ingest limit).
+    On a CPU it changes nothing."""
     eval_batch_size: int = 500
     """Batch size per worker for validation (no gradients, so larger is fine)."""
     log_every_steps: int = 10
@@ -151,6 +164,8 @@ def validate(cfg: TrainConfig) -> None:
         issues.append(f"--backend {cfg.backend!r} is not one of {', '.join(BACKENDS)}")
     if cfg.ingest not in INGESTS:
         issues.append(f"--ingest {cfg.ingest!r} is not one of {', '.join(INGESTS)}")
+    if cfg.precision not in PRECISIONS:
+        issues.append(f"--precision {cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
     if cfg.optimizer not in OPTIMIZERS:
         issues.append(f"--optimizer {cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if cfg.workers < 1:

@@ -55,16 +55,28 @@ def sort_by_id(ids: torch.Tensor, *columns: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def ordered_batches(rows: tuple[torch.Tensor, ...], seed: int, global_batch: int, steps: int,
-                    world_size: int, rank: int, device: torch.device | str = "cpu"):
+                    world_size: int, rank: int, device: torch.device | str = "cpu", on_device: bool = False):
     """``train_batches(epoch, first_step)`` over rows (ids, images, labels) held in memory;
-    images and labels are moved to ``device``, ids stay on the CPU."""
+    images and labels are moved to ``device``, ids stay on the CPU.
+
+    ``on_device``: images and labels are moved to the device once, here, and every batch is
+    gathered there. Otherwise each batch is gathered on the host, pinned when the device is a
+    GPU, and copied without blocking, so the copy overlaps the previous step's kernels.
+    """
+    ids, images, labels = rows
+    device = torch.device(device)
+    if on_device:
+        images, labels = images.to(device), labels.to(device)
+    pin = device.type == "cuda" and not on_device
+
+    def to_device(t: torch.Tensor) -> torch.Tensor:
+        return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
     def train_batches(epoch: int, first_step: int):
-        ids, images, labels = rows
         perm = epoch_permutation(len(ids), seed, epoch)
         for step in range(first_step, steps):
             index = rank_rows(perm, step, global_batch, world_size, rank)
-            yield {"id": ids[index], "image": images[index].to(device, non_blocking=True),
-                   "label": labels[index].to(device, non_blocking=True)}
+            on = index.to(images.device)
+            yield {"id": ids[index], "image": to_device(images[on]), "label": to_device(labels[on])}
 
     return train_batches

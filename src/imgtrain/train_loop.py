@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import faults
+from imgtrain.errors import ImgtrainError
 from imgtrain.config import TrainConfig, per_worker_batch_sizes, steps_per_epoch as epoch_steps
 from imgtrain.model import build_from_args, model_args, random_affine, to_model_input
 from imgtrain.order import augment_draw
@@ -109,6 +110,10 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
     args = model_args(manifest)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     model = hooks.prepare_model(build_from_args(args).to(memory_format=memory_format))
+    forward = torch.compile(model) if cfg.compile else model  # same parameters, compiled graph
+    if cfg.precision == "bf16" and hooks.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ImgtrainError(f"--precision bf16: {torch.cuda.get_device_name(hooks.device)} has no bfloat16; use fp32")
+    autocast = torch.autocast(hooks.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
     mean, std = manifest["normalize"]["mean"], manifest["normalize"]["std"]
 
     n_train = manifest["splits"]["train"]["num_samples"]
@@ -166,9 +171,11 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
     for epoch in range(state.epoch, cfg.epochs):
         resumed_here = epoch == state.epoch and state.epoch_step > 0
         first_step = min(state.epoch_step, steps_per_epoch) if resumed_here else 0
-        sums = torch.zeros(3, dtype=torch.float64)  # [loss sum, correct, samples]
+        # [loss sum, correct, samples], kept on the device: reading them every step would make
+        # the host wait for the GPU at every step
+        sums = torch.zeros(3, dtype=torch.float64, device=hooks.device)
         if resumed_here and rank == 0:
-            sums += state.sums  # what the ranks summed before the checkpoint, counted once
+            sums += state.sums.to(hooks.device)  # what the ranks summed before the checkpoint, counted once
         elapsed_before = state.elapsed_s if resumed_here else 0.0
         epoch_start = time.perf_counter()
         model.train()
@@ -193,11 +200,12 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
                 x = random_affine(x, draw, cfg.max_rotate_deg, cfg.max_shift, cfg.max_scale)
             y = batch["label"]
             hooks.progress.enter("forward")
-            logits = model(x.contiguous(memory_format=memory_format))
-            # DDP averages gradients over ranks; scaling the summed loss by world/global_batch
-            # makes that average the exact mean over the global batch even when ranks hold
-            # unequal shares (global batch not divisible by the number of workers).
-            loss = criterion(logits, y) * (world / cfg.batch_size)
+            with autocast:
+                logits = forward(x.contiguous(memory_format=memory_format))
+                # DDP averages gradients over ranks; scaling the summed loss by world/global_batch
+                # makes that average the exact mean over the global batch even when ranks hold
+                # unequal shares (global batch not divisible by the number of workers).
+                loss = criterion(logits, y) * (world / cfg.batch_size)
             optimizer.zero_grad(set_to_none=True)
             hooks.progress.enter("backward")
             loss.backward()
@@ -208,9 +216,10 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
                 ema.update_parameters(ckpt.unwrap(model))
             step += 1
             with torch.no_grad():
-                batch_loss = loss.detach().double().item() * cfg.batch_size / world
-                correct = (logits.argmax(1) == y).sum().item()
-            sums += torch.tensor([batch_loss, correct, len(y)], dtype=torch.float64)
+                batch_loss = loss.detach().double() * cfg.batch_size / world  # this rank's summed loss
+                sums[0] += batch_loss
+                sums[1] += (logits.argmax(1) == y).sum()
+                sums[2] += len(y)
             window.add(len(y), batch_loss / len(y), data_wait, time.perf_counter() - t0)
             if rank == 0 and (step % cfg.log_every_steps == 0 or i == steps_per_epoch - 1):
                 hooks.send(window.record(epoch, step, scheduler.get_last_lr()[0], world))
@@ -218,9 +227,10 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
             if every and step % every == 0 and i + 1 < steps_per_epoch:
                 hooks.progress.enter("sync")
                 total = hooks.all_reduce_sum(sums)
-                sums = total if rank == 0 else torch.zeros_like(total)  # counted once from here on
+                # counted once from here on
+                sums = total.to(hooks.device) if rank == 0 else torch.zeros_like(sums)
                 elapsed = elapsed_before + time.perf_counter() - epoch_start
-                progress = {"steps": i + 1, "sums": total, "elapsed_s": elapsed}
+                progress = {"steps": i + 1, "sums": total.cpu(), "elapsed_s": elapsed}
                 # Not evaluated: -1 ranks it below every evaluated checkpoint in Ray's retention
                 # (a finite number: Ray's saved state turns -inf into null and then fails on it).
                 metrics = {"epoch": epoch, "step": step, "val_accuracy": -1.0, "time": time.time()}
@@ -423,7 +433,7 @@ class _Window:
     def __init__(self):
         self.samples, self.loss_sum, self.wait, self.busy, self.n = 0, 0.0, 0.0, 0.0, 0
 
-    def add(self, samples: int, mean_loss: float, wait: float, total: float) -> None:
+    def add(self, samples: int, mean_loss: torch.Tensor, wait: float, total: float) -> None:
         self.samples += samples
         self.loss_sum += mean_loss
         self.wait += wait
@@ -432,7 +442,7 @@ class _Window:
 
     def record(self, epoch: int, step: int, lr: float, world: int) -> dict:
         rec = {
-            "kind": "step", "epoch": epoch, "step": step, "loss": self.loss_sum / max(self.n, 1),
+            "kind": "step", "epoch": epoch, "step": step, "loss": float(self.loss_sum) / max(self.n, 1),
             "lr": lr, "images_per_s": self.samples * world / max(self.busy, 1e-9),
             "data_wait_fraction": self.wait / max(self.busy, 1e-9), "time": time.time(),
         }

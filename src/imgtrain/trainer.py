@@ -342,7 +342,8 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, display: Train
     display.note(f"run {cfg.name}: {run_dir}  (local backend, {device})")
 
     steps = max(1, steps_per_epoch(len(rows[0]), cfg.batch_size, cfg.limit_train_batches))
-    train_batches = ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world_size=1, rank=0, device=device)
+    train_batches = ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world_size=1, rank=0, device=device,
+                                    on_device=cfg.data_on_device)
 
     def val_batches():
         for start in range(0, len(test[0]), cfg.eval_batch_size):

@@ -130,7 +130,8 @@ def _ray_data_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, de
         for key in columns:
             columns[key].append(batch[key])
     rows = sort_by_id(*(torch.cat(columns[key]) for key in ("id", "image", "label")))
-    return ordered_batches(rows, cfg.seed, cfg.batch_size, _steps(cfg, manifest), world, rank, device)
+    return ordered_batches(rows, cfg.seed, cfg.batch_size, _steps(cfg, manifest), world, rank, device,
+                           on_device=cfg.data_on_device)
 
 
 def _torch_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, device):
@@ -143,8 +144,10 @@ def _torch_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, devic
     from imgtrain.order import epoch_permutation, rank_rows
 
     rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
-    train = TensorDataset(*rows)
     steps = _steps(cfg, manifest)
+    if cfg.data_on_device:  # no loader at all: batches are gathered in device memory
+        return ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world, rank, device, on_device=True)
+    train = TensorDataset(*rows)
 
     def train_batches(epoch: int, first_step: int):
         perm = epoch_permutation(len(train), cfg.seed, epoch)

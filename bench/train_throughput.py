@@ -1,0 +1,336 @@
+"""Training speed against raw PyTorch and the tutorial pipeline, on the same data and epochs.
+
+Rows (each run ``--repeats`` times, interleaved, so that drift hits every row alike):
+  raw          bench/raw_loop.py: the recipe as a plain loop, one process, every core (the ceiling)
+  local        imgtrain train --backend local
+  demo         imgtrain train --workers 2, starting its own Ray (what `make demo` runs)
+  tutorial     bench/tutorial_pipeline.py: the tutorial as written, starting its own Ray
+  raw-ray-up   the raw loop again, while the Ray cluster of the next rows sits idle: what Ray's own
+               processes (raylet, GCS, agents, internal actors) take from 2 cores
+  ray-1        imgtrain train --workers 1, Ray Data ingest, Ray already running
+  ray-1-torch  the same with --ingest torch
+  ray-2        imgtrain train --workers 2, Ray already running
+  ingest       bench/ingest_only.py: Ray Data -> iter_torch_batches, no model
+
+Figures per run: steady-state training images/s (from per-step timestamps, leaving out the
+first steps of each epoch and everything between epochs), seconds from the command's start to
+the end of its first training step, wall seconds, and peak RSS (VmHWM) of the main process and
+of each Ray Train worker. Results: ``bench/results/train_throughput-*.json`` and a Markdown
+table on stdout. ``--quick``: 1 epoch of 12 steps, one run per row (about 3 minutes here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, fmt, summarize, write_result  # noqa: E402
+
+from imgtrain.runs import read_jsonl, read_metrics  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+PORT = "6391"
+WARMUP_STEPS = 2  # steps at the start of each epoch left out of the steady state
+BATCH = 128
+ROWS = ("raw", "local", "demo", "tutorial", "raw-ray-up", "ray-1", "ray-1-torch", "ray-2", "ingest")
+NEEDS_CLUSTER = ("raw-ray-up", "ray-1", "ray-1-torch", "ray-2", "ingest")
+WORKERS = {"raw": 1, "raw-ray-up": 1, "local": 1, "demo": 2, "tutorial": 2, "ray-1": 1, "ray-1-torch": 1, "ray-2": 2}
+
+
+class PeakRss:
+    """Samples /proc twice a second: the peak RSS (VmHWM, a high-water mark, so no peak between
+    samples is missed) of the launched process and of every Ray Train worker process."""
+
+    def __init__(self, root_pid: int):
+        self.root_pid, self.peaks, self.stop = root_pid, {}, threading.Event()
+        self.kinds: dict[int, str | None] = {}  # pid -> "main", "worker" or None (not measured)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            for entry in os.scandir("/proc"):
+                if entry.name.isdigit():
+                    self._sample(int(entry.name))
+            self.stop.wait(0.5)
+
+    def _kind(self, pid: int) -> str | None:
+        # A process is classified once (reading every command line twice a second would cost
+        # the machine a few percent of its CPU, which the runs being measured would lose).
+        if pid not in self.kinds:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            if pid == self.root_pid:
+                self.kinds[pid] = "main"
+            elif title.startswith("ray::RayTrainWorker"):
+                self.kinds[pid] = "worker"
+            elif title.startswith("ray::") or "default_worker" in title:  # may become a train worker
+                return None
+            else:
+                self.kinds[pid] = None
+        return self.kinds[pid]
+
+    def _sample(self, pid: int):
+        try:
+            kind = self._kind(pid)
+            if kind is None:
+                return
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    self.peaks[pid] = (kind, int(line.split()[1]) / 1024)
+        except (OSError, IndexError, ValueError):
+            pass  # the process ended between listing and reading
+
+    def finish(self) -> dict:
+        self.stop.set()
+        self.thread.join()
+        out = {}
+        for kind, mb in self.peaks.values():
+            out[kind] = max(out.get(kind, 0.0), mb)
+        return out
+
+
+def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, float, dict, str]:
+    """Run ``cmd`` to the end: (start time, wall seconds, peak RSS by kind, stdout)."""
+    start = time.time()
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
+                                env={**os.environ, **(env or {})})
+        rss = PeakRss(proc.pid)
+        out, _ = proc.communicate()
+    wall = time.time() - start
+    peaks = rss.finish()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:4]}... exited {proc.returncode}; see {log}")
+    return start, wall, peaks, out
+
+
+def steady_rate(steps: list[dict]) -> float:
+    """Images/s over the intervals between consecutive steps of one epoch, after warm-up."""
+    seconds = images = 0.0
+    by_epoch: dict[int, list[dict]] = {}
+    for s in steps:
+        by_epoch.setdefault(s["epoch"], []).append(s)
+    for epoch_steps in by_epoch.values():
+        for prev, cur in list(zip(epoch_steps, epoch_steps[1:]))[WARMUP_STEPS:]:
+            seconds += cur["time"] - prev["time"]
+            images += cur["images"]
+    return images / seconds if seconds else float("nan")
+
+
+def figures(start: float, wall: float, peaks: dict, steps: list[dict]) -> dict:
+    return {"images_per_s": steady_rate(steps), "first_step_s": steps[0]["time"] - start, "wall_s": wall,
+            "peak_rss_mb": peaks, "steps": len(steps)}
+
+
+def imgtrain_row(row: str, opts, tmp: Path, k: int) -> dict:
+    name = f"{row}-{k}"
+    cmd = [sys.executable, "-m", "imgtrain.cli", "train", "--data", str(opts.data), "--name", name,
+           "--storage", str(tmp / "runs"), "--epochs", str(opts.epochs), "--log-every-steps", "1", "--seed", "0"]
+    if opts.limit_steps:
+        cmd += ["--limit-train-batches", str(opts.limit_steps)]
+    cmd += {"local": ["--backend", "local"], "demo": ["--workers", "2"],
+            "ray-1": ["--workers", "1", "--address", "auto"],
+            "ray-1-torch": ["--workers", "1", "--address", "auto", "--ingest", "torch"],
+            "ray-2": ["--workers", "2", "--address", "auto"]}[row]
+    start, wall, peaks, _ = run(cmd, tmp / f"{name}.log")
+    records = read_metrics(tmp / "runs" / name)
+    batch = sum(next(r for r in records if r["kind"] == "start")["local_batch_sizes"])
+    steps = [dict(r, images=batch) for r in records if r["kind"] == "step"]
+    return figures(start, wall, peaks, steps)
+
+
+def raw_row(opts, tmp: Path, k: int) -> dict:
+    cmd = [sys.executable, str(BENCH / "raw_loop.py"), "--data", str(opts.data), "--epochs", str(opts.epochs),
+           "--limit-steps", str(opts.limit_steps)]
+    start, wall, peaks, out = run(cmd, tmp / f"raw-{k}-{time.time():.0f}.log")
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return figures(start, wall, peaks, [x for x in lines if "step" in x])
+
+
+def tutorial_row(opts, tmp: Path, k: int) -> dict:
+    out_dir = tmp / f"tutorial-{k}"
+    out_dir.mkdir()
+    cmd = [sys.executable, str(BENCH / "tutorial_pipeline.py"), "--data", str(opts.data), "--epochs", str(opts.epochs),
+           "--out", str(out_dir), "--rows", str(opts.limit_steps * BATCH if opts.limit_steps else 0)]
+    start, wall, peaks, out = run(cmd, tmp / f"tutorial-{k}.log")
+    info = json.loads(out.strip().splitlines()[-1])
+    result = figures(start, wall, peaks, read_jsonl(Path(info["step_times"])))
+    result["fit_s"] = info["fit_end"] - info["fit_start"]
+    return result
+
+
+def ingest_row(opts, tmp: Path, k: int) -> dict:
+    cmd = [sys.executable, str(BENCH / "ingest_only.py"), "--data", str(opts.data), "--address", "auto",
+           "--passes", "3" if opts.quick else "10"]
+    start, wall, peaks, out = run(cmd, tmp / f"ingest-{k}.log")
+    lines = {x["source"]: x for x in map(json.loads, out.strip().splitlines())}
+    return {"images_per_s": lines["blocks"]["images_per_s"], "parquet_images_per_s": lines["parquet"]["images_per_s"],
+            "first_batch_s": lines["blocks"]["first_batch_s"], "wall_s": wall, "peak_rss_mb": peaks}
+
+
+def measure(row: str, opts, tmp: Path, k: int) -> dict:
+    if row in ("raw", "raw-ray-up"):
+        return raw_row(opts, tmp, k)
+    if row == "tutorial":
+        return tutorial_row(opts, tmp, k)
+    if row == "ingest":
+        return ingest_row(opts, tmp, k)
+    return imgtrain_row(row, opts, tmp, k)
+
+
+def ray_cluster(command: str) -> None:
+    ray = str(Path(sys.executable).parent / "ray")
+    args = ["start", "--head", f"--port={PORT}", "--num-cpus=4", "--include-dashboard=false"] if command == "start" \
+        else ["stop", "--force"]
+    subprocess.run([ray, *args], check=command == "start", capture_output=True)
+    if command == "start":  # "Ray already running" means a cluster that has finished booting
+        script = "import ray; ray.init(address='auto', log_to_driver=False); ray.get(ray.remote(lambda: 1).remote())"
+        subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
+
+
+def settle() -> None:
+    """Wait (30 s at most) until the machine is nearly idle: on 2 cores, the workers and Ray
+    actors a previous run leaves winding down took up to a third of the CPU from the next row."""
+    deadline = time.time() + 30
+    while time.time() < deadline and cpu_busy(1.0) > 0.15:
+        pass
+
+
+def cpu_busy(seconds: float) -> float:
+    """Share of the machine's CPU time spent busy over the next ``seconds`` (from /proc/stat)."""
+    def sample():
+        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(values), values[3] + values[4]  # total, idle + iowait
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return 1 - (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def summary(runs: list[dict]) -> dict:
+    keys = ["images_per_s", "first_step_s", "wall_s", "fit_s", "parquet_images_per_s", "first_batch_s"]
+    out = {key: summarize([r[key] for r in runs]) for key in keys if key in runs[0]}
+    kinds = {kind for r in runs for kind in r["peak_rss_mb"]}
+    out["peak_rss_mb"] = {kind: summarize([r["peak_rss_mb"].get(kind, 0.0) for r in runs]) for kind in sorted(kinds)}
+    return out
+
+
+def table(results: dict) -> str:
+    raw = results["raw"]["images_per_s"]["median"]
+    lines = ["| row | workers | steady images/s, total | per worker | ratio to raw | first step, s | wall, s "
+             "| peak RSS, MB: main / each worker |", "|---|---|---|---|---|---|---|---|"]
+    for row in ROWS:
+        if row not in results or row == "ingest":
+            continue
+        s, w = results[row], WORKERS[row]
+        per = {k: v / w for k, v in s["images_per_s"].items() if k != "values" and k != "n"}
+        rss = s["peak_rss_mb"]
+        worker_rss = fmt(rss["worker"]) if "worker" in rss else "-"
+        lines.append(f"| {row} | {w} | {fmt(s['images_per_s'])} | {fmt(per)} | {s['images_per_s']['median'] / raw:.2f} "
+                     f"| {fmt(s['first_step_s'], 1)} | {fmt(s['wall_s'], 1)} | {fmt(rss['main'])} / {worker_rss} |")
+    if "ingest" in results:
+        s = results["ingest"]
+        lines.append(f"| ingest only (in-memory blocks; Parquet: {fmt(s['parquet_images_per_s'])}) | - "
+                     f"| {fmt(s['images_per_s'])} | - | {s['images_per_s']['median'] / raw:.1f} | "
+                     f"{fmt(s['first_batch_s'], 1)} (first batch) | {fmt(s['wall_s'], 1)} | {fmt(s['peak_rss_mb']['main'])} / - |")
+    return "\n".join(lines)
+
+
+def targets(results: dict) -> list[tuple[str, bool, str]]:
+    """The issue's targets, each as (what, met, the measured figure)."""
+    med = {row: s["images_per_s"]["median"] for row, s in results.items()}
+    checks = []
+    if {"raw", "ray-1"} <= med.keys():
+        r = med["ray-1"] / med["raw"]
+        checks.append(("1 worker >= 90% of raw", r >= 0.9, f"{r:.2f}"))
+    if {"raw-ray-up", "ray-1"} <= med.keys():
+        r = med["ray-1"] / med["raw-ray-up"]
+        checks.append(("(diagnostic) 1 worker / raw with the Ray cluster idle", r >= 0.9, f"{r:.2f}"))
+    if {"raw", "ray-2"} <= med.keys():
+        r = med["ray-2"] / med["raw"]
+        checks.append(("2 workers >= 70% of raw", r >= 0.7, f"{r:.2f}"))
+    if {"ingest", "ray-1"} <= med.keys():
+        r = med["ingest"] / med["ray-1"]
+        checks.append(("ingest >= 10x one worker's consumption", r >= 10, f"{r:.1f}x"))
+    if {"demo", "tutorial"} <= results.keys():
+        r = results["tutorial"]["wall_s"]["median"] / results["demo"]["wall_s"]["median"]
+        checks.append(("demo recipe >= 4x faster than the tutorial, end to end", r >= 4, f"{r:.2f}x"))
+    for row, limit in (("ray-1", 10), ("ray-2", 10), ("demo", 20)):
+        if row in results:
+            t = results[row]["first_step_s"]["median"]
+            checks.append((f"{row}: first step <= {limit} s", t <= limit, f"{t:.1f} s"))
+    worker_peaks = [s["peak_rss_mb"]["worker"]["max"] for s in results.values() if "worker" in s["peak_rss_mb"]]
+    if worker_peaks:
+        checks.append(("peak RSS per training worker <= 1.5 GB", max(worker_peaks) <= 1536, f"{max(worker_peaks):.0f} MB"))
+    return checks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 epoch of 12 steps, one run per row")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per row (default 3; 1 with --quick)")
+    parser.add_argument("--epochs", type=int, default=None, help="default 2 (1 with --quick)")
+    parser.add_argument("--limit-steps", type=int, default=None, help="steps per epoch; 0 = all (12 with --quick)")
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " + ", ".join(ROWS))
+    parser.add_argument("--data", type=Path, default=ROOT / "data" / "mnist-sample")
+    opts = parser.parse_args()
+    opts.repeats = opts.repeats or (1 if opts.quick else 3)
+    opts.epochs = opts.epochs or (1 if opts.quick else 2)
+    opts.limit_steps = opts.limit_steps if opts.limit_steps is not None else (12 if opts.quick else 0)
+    rows = [r for r in opts.rows.split(",") if r]
+    unknown = set(rows) - set(ROWS)
+    if unknown:
+        parser.error(f"unknown rows: {', '.join(sorted(unknown))}")
+    if not (opts.data / "manifest.json").is_file():
+        subprocess.run([sys.executable, "-m", "imgtrain.cli", "data", "prepare", "mnist-sample", str(opts.data)], check=True)
+
+    began = time.time()
+    runs: dict[str, list[dict]] = {r: [] for r in rows}
+    with tempfile.TemporaryDirectory(prefix="imgtrain-bench-") as tmp:
+        # Rows that start their own Ray first, then the ones that join a running cluster.
+        for phase in ([r for r in rows if r not in NEEDS_CLUSTER], [r for r in rows if r in NEEDS_CLUSTER]):
+            if not phase:
+                continue
+            clustered = phase[0] in NEEDS_CLUSTER
+            if clustered:
+                ray_cluster("start")
+            try:
+                for k in range(opts.repeats):
+                    for row in phase:
+                        settle()  # the previous run's processes (Ray's included) have wound down
+                        runs[row].append(measure(row, opts, Path(tmp), k))
+                        print(f"  {row} #{k + 1}: {runs[row][-1]['images_per_s']:.0f} images/s", file=sys.stderr, flush=True)
+            finally:
+                if clustered:
+                    ray_cluster("stop")
+    results = {row: summary(r) for row, r in runs.items()}
+    checks = targets(results)
+    payload = {
+        "environment": environment(),
+        "config": {"data": str(opts.data), "epochs": opts.epochs, "limit_steps": opts.limit_steps,
+                   "global_batch": BATCH, "repeats": opts.repeats, "quick": opts.quick, "warmup_steps": WARMUP_STEPS},
+        "results": results, "runs": runs,
+        "targets": [{"target": t, "met": met, "measured": m} for t, met, m in checks],
+        "bench_seconds": time.time() - began,
+    }
+    path = write_result("train_throughput" + ("-quick" if opts.quick else ""), payload)
+    print(table(results))
+    print()
+    for what, met, measured in checks:
+        print(f"{'met   ' if met else 'MISSED'} {what}: {measured}")
+    print(f"\nn = {opts.repeats} per row, median (min-max); {time.time() - began:.0f} s; results: {path}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+    main()
