@@ -56,7 +56,7 @@ def main() -> None:
         links[int(n)] = (float(bus), float(latency))
     links.setdefault(1, (1.0, 0.0))
     print("| devices | all-reduce, ms | images/s (no overlap - full overlap) | efficiency | "
-          f"per-device batch where compute = all-reduce |")
+          "per-device batch where compute = all-reduce |")
     print("|---|---|---|---|---|")
     for n, worst, best, eff_worst, eff_best, comm_ms, b_star in rows(opts.per_image_us, opts.fixed_ms, opts.batch, links):
         print(f"| {n} | {comm_ms:.2f} | {worst:,.0f} - {best:,.0f} | {eff_worst:.0%} - {eff_best:.0%} | "

@@ -11,6 +11,13 @@ Rows (each run ``--repeats`` times, interleaved, so that drift hits every row al
   ray-1-torch  the same with --ingest torch
   ray-2        imgtrain train --workers 2, Ray already running
   ingest       bench/ingest_only.py: Ray Data -> iter_torch_batches, no model
+  to-accuracy  (with --time-to-accuracy A) the demo recipe on 1 worker until its test accuracy
+               first reaches A: seconds from the command's start to the end of that epoch
+
+``--gpu``: the raw loop and every imgtrain row run on CUDA with ``--precision bf16
+--data-on-device`` (one GPU per worker); the tutorial row stays as written (CPU). On a machine
+with one GPU choose the 1-worker rows: ``--gpu --rows raw,local,ray-1,to-accuracy
+--time-to-accuracy 0.985``.
 
 Figures per run: steady-state training images/s (from per-step timestamps, leaving out the
 first steps of each epoch and everything between epochs), seconds from the command's start to
@@ -41,9 +48,10 @@ BENCH = ROOT / "bench"
 PORT = "6391"
 WARMUP_STEPS = 2  # steps at the start of each epoch left out of the steady state
 BATCH = 128
-ROWS = ("raw", "local", "demo", "tutorial", "raw-ray-up", "ray-1", "ray-1-torch", "ray-2", "ingest")
-NEEDS_CLUSTER = ("raw-ray-up", "ray-1", "ray-1-torch", "ray-2", "ingest")
-WORKERS = {"raw": 1, "raw-ray-up": 1, "local": 1, "demo": 2, "tutorial": 2, "ray-1": 1, "ray-1-torch": 1, "ray-2": 2}
+ROWS = ("raw", "local", "demo", "tutorial", "raw-ray-up", "ray-1", "ray-1-torch", "ray-2", "ingest", "to-accuracy")
+NEEDS_CLUSTER = ("raw-ray-up", "ray-1", "ray-1-torch", "ray-2", "ingest", "to-accuracy")
+GPU_FLAGS = ["--gpu", "--precision", "bf16", "--data-on-device"]
+WORKERS = {"to-accuracy": 1, "raw": 1, "raw-ray-up": 1, "local": 1, "demo": 2, "tutorial": 2, "ray-1": 1, "ray-1-torch": 1, "ray-2": 2}
 
 
 class PeakRss:
@@ -67,12 +75,12 @@ class PeakRss:
         # A process is classified once (reading every command line twice a second would cost
         # the machine a few percent of its CPU, which the runs being measured would lose).
         if pid not in self.kinds:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
             if pid == self.root_pid:
                 self.kinds[pid] = "main"
-            elif title.startswith("ray::RayTrainWorker"):
+            elif cmdline.startswith("ray::RayTrainWorker"):
                 self.kinds[pid] = "worker"
-            elif title.startswith("ray::") or "default_worker" in title:  # may become a train worker
+            elif cmdline.startswith("ray::") or "_worker.py" in cmdline:  # may become a train worker
                 return None
             else:
                 self.kinds[pid] = None
@@ -98,12 +106,11 @@ class PeakRss:
         return out
 
 
-def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, float, dict, str]:
+def run(cmd: list[str], log: Path) -> tuple[float, float, dict, str]:
     """Run ``cmd`` to the end: (start time, wall seconds, peak RSS by kind, stdout)."""
     start = time.time()
     with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
-                                env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
         rss = PeakRss(proc.pid)
         out, _ = proc.communicate()
     wall = time.time() - start
@@ -137,20 +144,39 @@ def imgtrain_row(row: str, opts, tmp: Path, k: int) -> dict:
            "--storage", str(tmp / "runs"), "--epochs", str(opts.epochs), "--log-every-steps", "1", "--seed", "0"]
     if opts.limit_steps:
         cmd += ["--limit-train-batches", str(opts.limit_steps)]
+    if opts.gpu:
+        cmd += GPU_FLAGS
     cmd += {"local": ["--backend", "local"], "demo": ["--workers", "2"],
             "ray-1": ["--workers", "1", "--address", "auto"],
             "ray-1-torch": ["--workers", "1", "--address", "auto", "--ingest", "torch"],
             "ray-2": ["--workers", "2", "--address", "auto"]}[row]
     start, wall, peaks, _ = run(cmd, tmp / f"{name}.log")
-    records = read_metrics(tmp / "runs" / name)
+    return figures(start, wall, peaks, _steps(read_metrics(tmp / "runs" / name)))
+
+
+def _steps(records: list[dict]) -> list[dict]:
     batch = sum(next(r for r in records if r["kind"] == "start")["local_batch_sizes"])
-    steps = [dict(r, images=batch) for r in records if r["kind"] == "step"]
-    return figures(start, wall, peaks, steps)
+    return [dict(r, images=batch) for r in records if r["kind"] == "step"]
+
+
+def accuracy_row(opts, tmp: Path, k: int) -> dict:
+    """The demo recipe (all its epochs) on 1 worker: when does test accuracy first reach the target?"""
+    name = f"to-accuracy-{k}"
+    cmd = [sys.executable, "-m", "imgtrain.cli", "train", "--data", str(opts.data), "--name", name, "--workers", "1",
+           "--storage", str(tmp / "runs"), "--address", "auto", "--log-every-steps", "1", "--seed", "2",
+           *(GPU_FLAGS if opts.gpu else [])]
+    start, wall, peaks, _ = run(cmd, tmp / f"{name}.log")
+    records = read_metrics(tmp / "runs" / name)
+    reached = [r for r in records if r["kind"] == "epoch" and r["val_accuracy"] >= opts.time_to_accuracy]
+    result = figures(start, wall, peaks, _steps(records))
+    result["to_accuracy_s"] = reached[0]["time"] - start if reached else float("nan")
+    result["best_accuracy"] = max(r["val_accuracy"] for r in records if r["kind"] == "epoch")
+    return result
 
 
 def raw_row(opts, tmp: Path, k: int) -> dict:
     cmd = [sys.executable, str(BENCH / "raw_loop.py"), "--data", str(opts.data), "--epochs", str(opts.epochs),
-           "--limit-steps", str(opts.limit_steps)]
+           "--limit-steps", str(opts.limit_steps), *(["--device", "cuda", "--precision", "bf16"] if opts.gpu else [])]
     start, wall, peaks, out = run(cmd, tmp / f"raw-{k}-{time.time():.0f}.log")
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return figures(start, wall, peaks, [x for x in lines if "step" in x])
@@ -184,6 +210,8 @@ def measure(row: str, opts, tmp: Path, k: int) -> dict:
         return tutorial_row(opts, tmp, k)
     if row == "ingest":
         return ingest_row(opts, tmp, k)
+    if row == "to-accuracy":
+        return accuracy_row(opts, tmp, k)
     return imgtrain_row(row, opts, tmp, k)
 
 
@@ -218,7 +246,8 @@ def cpu_busy(seconds: float) -> float:
 
 
 def summary(runs: list[dict]) -> dict:
-    keys = ["images_per_s", "first_step_s", "wall_s", "fit_s", "parquet_images_per_s", "first_batch_s"]
+    keys = ["images_per_s", "first_step_s", "wall_s", "fit_s", "parquet_images_per_s", "first_batch_s",
+            "to_accuracy_s", "best_accuracy"]
     out = {key: summarize([r[key] for r in runs]) for key in keys if key in runs[0]}
     kinds = {kind for r in runs for kind in r["peak_rss_mb"]}
     out["peak_rss_mb"] = {kind: summarize([r["peak_rss_mb"].get(kind, 0.0) for r in runs]) for kind in sorted(kinds)}
@@ -226,7 +255,7 @@ def summary(runs: list[dict]) -> dict:
 
 
 def table(results: dict) -> str:
-    raw = results["raw"]["images_per_s"]["median"]
+    raw = results["raw"]["images_per_s"]["median"] if "raw" in results else float("nan")
     lines = ["| row | workers | steady images/s, total | per worker | ratio to raw | first step, s | wall, s "
              "| peak RSS, MB: main / each worker |", "|---|---|---|---|---|---|---|---|"]
     for row in ROWS:
@@ -283,11 +312,14 @@ def main() -> None:
     parser.add_argument("--limit-steps", type=int, default=None, help="steps per epoch; 0 = all (12 with --quick)")
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " + ", ".join(ROWS))
     parser.add_argument("--data", type=Path, default=ROOT / "data" / "mnist-sample")
+    parser.add_argument("--gpu", action="store_true", help="CUDA, bf16 and data on the device for raw and imgtrain")
+    parser.add_argument("--time-to-accuracy", type=float, default=0.0, metavar="A",
+                        help="add the to-accuracy row: seconds until test accuracy first reaches A (e.g. 0.985)")
     opts = parser.parse_args()
     opts.repeats = opts.repeats or (1 if opts.quick else 3)
     opts.epochs = opts.epochs or (1 if opts.quick else 2)
     opts.limit_steps = opts.limit_steps if opts.limit_steps is not None else (12 if opts.quick else 0)
-    rows = [r for r in opts.rows.split(",") if r]
+    rows = [r for r in opts.rows.split(",") if r and (r != "to-accuracy" or opts.time_to_accuracy)]
     unknown = set(rows) - set(ROWS)
     if unknown:
         parser.error(f"unknown rows: {', '.join(sorted(unknown))}")
@@ -317,7 +349,8 @@ def main() -> None:
     checks = targets(results)
     payload = {
         "environment": environment(),
-        "config": {"data": str(opts.data), "epochs": opts.epochs, "limit_steps": opts.limit_steps,
+        "config": {"data": str(opts.data), "epochs": opts.epochs, "gpu": opts.gpu,
+                   "time_to_accuracy": opts.time_to_accuracy, "limit_steps": opts.limit_steps,
                    "global_batch": BATCH, "repeats": opts.repeats, "quick": opts.quick, "warmup_steps": WARMUP_STEPS},
         "results": results, "runs": runs,
         "targets": [{"target": t, "met": met, "measured": m} for t, met, m in checks],
@@ -328,6 +361,10 @@ def main() -> None:
     print()
     for what, met, measured in checks:
         print(f"{'met   ' if met else 'MISSED'} {what}: {measured}")
+    if "to-accuracy" in results:
+        s = results["to-accuracy"]
+        print(f"time to {opts.time_to_accuracy:.1%} test accuracy: {fmt(s['to_accuracy_s'], 1)} s "
+              f"(best {fmt(s['best_accuracy'], 4)})")
     print(f"\nn = {opts.repeats} per row, median (min-max); {time.time() - began:.0f} s; results: {path}")
 
 
