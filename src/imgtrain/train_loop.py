@@ -26,8 +26,8 @@ import torch.nn as nn
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import faults
-from imgtrain.errors import ImgtrainError
 from imgtrain.config import TrainConfig, per_worker_batch_sizes, steps_per_epoch as epoch_steps
+from imgtrain.errors import ImgtrainError
 from imgtrain.model import build_from_args, model_args, random_affine, to_model_input
 from imgtrain.order import augment_draw
 
