@@ -5,15 +5,40 @@ A benchmark states its hardware, n, median and spread, and stores its inputs wit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SAMPLE_DATA = Path(__file__).resolve().parent.parent / "data" / "mnist-sample"
+PORT = "6391"  # the benchmarks' own head node, away from Ray's default 6379
+
+
+def ensure_data(data: Path) -> None:
+    """Prepare the embedded sample at ``data`` unless it is there already."""
+    if not (data / "manifest.json").is_file():
+        subprocess.run([sys.executable, "-m", "imgtrain.cli", "data", "prepare", "mnist-sample", str(data)], check=True)
+
+
+@contextlib.contextmanager
+def ray_head():
+    """A Ray cluster started here (``ray start --head``, 4 logical CPUs) for ``--address auto``,
+    as on a cluster where Ray outlives the driver; ready once a first task has run; stopped on exit."""
+    ray = str(Path(sys.executable).parent / "ray")
+    subprocess.run([ray, "start", "--head", f"--port={PORT}", "--num-cpus=4", "--include-dashboard=false"],
+                   check=True, capture_output=True)
+    try:
+        script = "import ray; ray.init(address='auto', log_to_driver=False); ray.get(ray.remote(lambda: 1).remote())"
+        subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
+        yield
+    finally:
+        subprocess.run([ray, "stop", "--force"], capture_output=True)
 
 
 def environment() -> dict:

@@ -23,13 +23,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, fmt, summarize, write_result  # noqa: E402
+from common import SAMPLE_DATA as DATA, ensure_data, environment, fmt, ray_head, summarize, write_result  # noqa: E402
 
 from imgtrain.runs import read_metrics as records  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "data" / "mnist-sample"
-PORT = "6391"
 
 
 def imgtrain(*args: str) -> list[str]:
@@ -74,21 +71,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--every", type=int, default=10, help="step checkpoint interval to measure")
     opts = parser.parse_args()
-    if not (DATA / "manifest.json").is_file():
-        subprocess.run([sys.executable, "-m", "imgtrain.cli", "data", "prepare", "mnist-sample", str(DATA)], check=True)
-    ray = str(Path(sys.executable).parent / "ray")
-    subprocess.run([ray, "start", "--head", f"--port={PORT}", "--num-cpus=4", "--include-dashboard=false"],
-                   check=True, capture_output=True)
-    try:
-        with tempfile.TemporaryDirectory(prefix="imgtrain-bench-") as tmp:
-            storage = Path(tmp)
-            rates = {0: [], opts.every: []}
-            for k in range(opts.repeats):
-                for every in rates:  # interleaved, so that drift hits both alike
-                    rates[every].append(epoch_rate(storage, f"rate-{every}-{k}", every))
-            resumes = [resume_seconds(storage, f"resume-{k}", opts.every) for k in range(opts.repeats)]
-    finally:
-        subprocess.run([ray, "stop", "--force"], capture_output=True)
+    ensure_data(DATA)
+    with ray_head(), tempfile.TemporaryDirectory(prefix="imgtrain-bench-") as tmp:
+        storage = Path(tmp)
+        rates = {0: [], opts.every: []}
+        for k in range(opts.repeats):
+            for every in rates:  # interleaved, so that drift hits both alike
+                rates[every].append(epoch_rate(storage, f"rate-{every}-{k}", every))
+        resumes = [resume_seconds(storage, f"resume-{k}", opts.every) for k in range(opts.repeats)]
     base, with_steps = summarize(rates[0]), summarize(rates[opts.every])
     payload = {
         "environment": environment(),

@@ -39,13 +39,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, fmt, summarize, write_result  # noqa: E402
+from common import SAMPLE_DATA, ensure_data, environment, fmt, ray_head, summarize, write_result  # noqa: E402
 
 from imgtrain.runs import read_jsonl, read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
-PORT = "6391"
 WARMUP_STEPS = 2  # steps at the start of each epoch left out of the steady state
 BATCH = 128
 ROWS = ("raw", "local", "demo", "tutorial", "raw-ray-up", "ray-1", "ray-1-torch", "ray-2", "ingest", "to-accuracy")
@@ -138,14 +137,17 @@ def figures(start: float, wall: float, peaks: dict, steps: list[dict]) -> dict:
             "peak_rss_mb": peaks, "steps": len(steps)}
 
 
+def imgtrain_cmd(opts, tmp: Path, name: str, *args: str) -> list[str]:
+    """``imgtrain train`` with a step record after every step (the timestamps), into ``tmp/runs``."""
+    return [sys.executable, "-m", "imgtrain.cli", "train", "--data", str(opts.data), "--name", name,
+            "--storage", str(tmp / "runs"), "--log-every-steps", "1", *(GPU_FLAGS if opts.gpu else []), *args]
+
+
 def imgtrain_row(row: str, opts, tmp: Path, k: int) -> dict:
     name = f"{row}-{k}"
-    cmd = [sys.executable, "-m", "imgtrain.cli", "train", "--data", str(opts.data), "--name", name,
-           "--storage", str(tmp / "runs"), "--epochs", str(opts.epochs), "--log-every-steps", "1", "--seed", "0"]
+    cmd = imgtrain_cmd(opts, tmp, name, "--epochs", str(opts.epochs), "--seed", "0")
     if opts.limit_steps:
         cmd += ["--limit-train-batches", str(opts.limit_steps)]
-    if opts.gpu:
-        cmd += GPU_FLAGS
     cmd += {"local": ["--backend", "local"], "demo": ["--workers", "2"],
             "ray-1": ["--workers", "1", "--address", "auto"],
             "ray-1-torch": ["--workers", "1", "--address", "auto", "--ingest", "torch"],
@@ -162,9 +164,7 @@ def _steps(records: list[dict]) -> list[dict]:
 def accuracy_row(opts, tmp: Path, k: int) -> dict:
     """The demo recipe (all its epochs) on 1 worker: when does test accuracy first reach the target?"""
     name = f"to-accuracy-{k}"
-    cmd = [sys.executable, "-m", "imgtrain.cli", "train", "--data", str(opts.data), "--name", name, "--workers", "1",
-           "--storage", str(tmp / "runs"), "--address", "auto", "--log-every-steps", "1", "--seed", "2",
-           *(GPU_FLAGS if opts.gpu else [])]
+    cmd = imgtrain_cmd(opts, tmp, name, "--workers", "1", "--address", "auto", "--seed", "2")
     start, wall, peaks, _ = run(cmd, tmp / f"{name}.log")
     records = read_metrics(tmp / "runs" / name)
     reached = [r for r in records if r["kind"] == "epoch" and r["val_accuracy"] >= opts.time_to_accuracy]
@@ -213,16 +213,6 @@ def measure(row: str, opts, tmp: Path, k: int) -> dict:
     if row == "to-accuracy":
         return accuracy_row(opts, tmp, k)
     return imgtrain_row(row, opts, tmp, k)
-
-
-def ray_cluster(command: str) -> None:
-    ray = str(Path(sys.executable).parent / "ray")
-    args = ["start", "--head", f"--port={PORT}", "--num-cpus=4", "--include-dashboard=false"] if command == "start" \
-        else ["stop", "--force"]
-    subprocess.run([ray, *args], check=command == "start", capture_output=True)
-    if command == "start":  # "Ray already running" means a cluster that has finished booting
-        script = "import ray; ray.init(address='auto', log_to_driver=False); ray.get(ray.remote(lambda: 1).remote())"
-        subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
 
 
 def settle() -> None:
@@ -311,7 +301,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None, help="default 2 (1 with --quick)")
     parser.add_argument("--limit-steps", type=int, default=None, help="steps per epoch; 0 = all (12 with --quick)")
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " + ", ".join(ROWS))
-    parser.add_argument("--data", type=Path, default=ROOT / "data" / "mnist-sample")
+    parser.add_argument("--data", type=Path, default=SAMPLE_DATA)
     parser.add_argument("--gpu", action="store_true", help="CUDA, bf16 and data on the device for raw and imgtrain")
     parser.add_argument("--time-to-accuracy", type=float, default=0.0, metavar="A",
                         help="add the to-accuracy row: seconds until test accuracy first reaches A (e.g. 0.985)")
@@ -323,28 +313,24 @@ def main() -> None:
     unknown = set(rows) - set(ROWS)
     if unknown:
         parser.error(f"unknown rows: {', '.join(sorted(unknown))}")
-    if not (opts.data / "manifest.json").is_file():
-        subprocess.run([sys.executable, "-m", "imgtrain.cli", "data", "prepare", "mnist-sample", str(opts.data)], check=True)
+    ensure_data(opts.data)
 
     began = time.time()
     runs: dict[str, list[dict]] = {r: [] for r in rows}
+    def measure_all(phase: list[str], tmp: Path) -> None:
+        for k in range(opts.repeats):
+            for row in phase:
+                settle()  # the previous run's processes (Ray's included) have wound down
+                runs[row].append(measure(row, opts, tmp, k))
+                print(f"  {row} #{k + 1}: {runs[row][-1]['images_per_s']:.0f} images/s", file=sys.stderr, flush=True)
+
     with tempfile.TemporaryDirectory(prefix="imgtrain-bench-") as tmp:
         # Rows that start their own Ray first, then the ones that join a running cluster.
-        for phase in ([r for r in rows if r not in NEEDS_CLUSTER], [r for r in rows if r in NEEDS_CLUSTER]):
-            if not phase:
-                continue
-            clustered = phase[0] in NEEDS_CLUSTER
-            if clustered:
-                ray_cluster("start")
-            try:
-                for k in range(opts.repeats):
-                    for row in phase:
-                        settle()  # the previous run's processes (Ray's included) have wound down
-                        runs[row].append(measure(row, opts, Path(tmp), k))
-                        print(f"  {row} #{k + 1}: {runs[row][-1]['images_per_s']:.0f} images/s", file=sys.stderr, flush=True)
-            finally:
-                if clustered:
-                    ray_cluster("stop")
+        measure_all([r for r in rows if r not in NEEDS_CLUSTER], Path(tmp))
+        clustered = [r for r in rows if r in NEEDS_CLUSTER]
+        if clustered:
+            with ray_head():
+                measure_all(clustered, Path(tmp))
     results = {row: summary(r) for row, r in runs.items()}
     checks = targets(results)
     payload = {
