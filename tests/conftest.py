@@ -18,7 +18,8 @@ def ray_cluster():
     set their own torch thread counts. Yields the address other processes can join."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # address="local": a new cluster even when `ray start` left an address for ray.init() to join
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     address = ray.get_runtime_context().gcs_address
     yield address
     ray.shutdown()
@@ -56,5 +57,5 @@ def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subpro
     """Run the real ``imgtrain`` command in a new process; never hangs the suite."""
     return subprocess.run(
         [sys.executable, "-m", "imgtrain.cli", *args], capture_output=True, text=True,
-        timeout=timeout, cwd=cwd, env={**os.environ, "COLUMNS": "200"},
+        stdin=subprocess.DEVNULL, timeout=timeout, cwd=cwd, env={**os.environ, "COLUMNS": "200"},
     )

@@ -22,7 +22,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 data_app = typer.Typer(no_args_is_help=True, help="Prepare data sets.")
 runs_app = typer.Typer(no_args_is_help=True, help="Inspect runs.")
 app.add_typer(data_app, name="data")
+config_app = typer.Typer(no_args_is_help=True, help="Training settings: defaults and config files.")
+clean_app = typer.Typer(no_args_is_help=True, help="Delete runs or prepared data sets (only what imgtrain made).")
+app.add_typer(clean_app, name="clean")
 app.add_typer(runs_app, name="runs")
+app.add_typer(config_app, name="config")
 console = Console(markup=False)  # messages hold paths and errors: never rich markup
 
 STORAGE_HELP = "Where runs live (local or shared path)."
@@ -64,7 +68,10 @@ def _default(field: str) -> str:
 
 @app.command("train")
 def train_cmd(
-    name: str = typer.Option(..., help="Run name; the same name again resumes the run."),
+    config: Optional[Path] = typer.Option(
+        None, "--config", help="TOML (or JSON) file of settings; flags given here override it. "
+        "`imgtrain config show --toml` prints a template."),
+    name: Optional[str] = typer.Option(None, help="Run name; the same name again resumes the run."),
     data: Optional[Path] = typer.Option(None, help="Prepared data set directory (not needed to resume)."),
     workers: Optional[str] = typer.Option(
         None, help="Data-parallel workers: N, or MIN-MAX for elastic training (continues with fewer "
@@ -80,7 +87,7 @@ def train_cmd(
     seed: Optional[int] = typer.Option(None, help="Seed for init, shuffling and augmentation." + _default("seed")),
     ingest: Optional[str] = typer.Option(None, help="ray-data or torch (DataLoader)." + _default("ingest")),
     backend: Optional[str] = typer.Option(None, help="ray or local (one plain PyTorch process)." + _default("backend")),
-    storage: str = typer.Option("./runs", help=STORAGE_HELP),
+    storage: Optional[str] = typer.Option(None, help=STORAGE_HELP + _default("storage")),
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster (e.g. auto); default: start one."),
     dashboard: Optional[bool] = typer.Option(None, "--dashboard", help="Start the Ray dashboard (local cluster)."),
     max_failures: Optional[int] = typer.Option(None, help="Worker failures retried from the latest checkpoint."),
@@ -103,17 +110,25 @@ def train_cmd(
     compile: Optional[bool] = typer.Option(None, "--compile", help="torch.compile the training step (slow first steps)."),
     data_on_device: Optional[bool] = typer.Option(
         None, "--data-on-device", help="Hold the training split in GPU memory; batches are gathered there."),
+    mlflow: Optional[str] = typer.Option(
+        None, "--mlflow", metavar="URI", help="Log params, metrics and the final model to this MLflow "
+        "tracking URI (sqlite:///mlflow.db, http://host:5000). Needs imgtrain[mlflow]."),
+    mlflow_experiment: Optional[str] = typer.Option(None, help="MLflow experiment." + _default("mlflow_experiment")),
+    tensorboard: Optional[bool] = typer.Option(
+        None, "--tensorboard", help="Write TensorBoard event files to RUN/tensorboard. Needs imgtrain[tensorboard]."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Delete an existing run NAME and start afresh."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress display."),
     json_out: bool = typer.Option(False, "--json", help="Print the finished run as JSON."),
 ):
     """Train a ResNet-18 on a prepared data set with Ray Train, or resume the run NAME.
 
-    Only the options given override: a resumed run keeps the settings it was started with.
+    Settings come from the defaults, then the stored config of the run being resumed, then
+    --config FILE, then the flags given here.
     """
     import imgtrain
     from imgtrain import runs
-    from imgtrain.config import resolve
+    from imgtrain.config import TrainConfig, resolve, validate
+    from imgtrain.configfile import read_config_file
     from imgtrain.display import TrainingDisplay
 
     min_workers, max_workers = _parse_workers(workers)
@@ -126,10 +141,16 @@ def train_cmd(
         checkpoint_every_steps=checkpoint_every_steps, stall_timeout_s=stall_timeout,
         deterministic=deterministic, ledger=ledger, log_every_steps=log_every_steps,
         eval_batch_size=eval_batch_size, precision=precision, compile=compile, data_on_device=data_on_device,
+        mlflow=mlflow, mlflow_experiment=mlflow_experiment, tensorboard=tensorboard,
     )
+    from_file, problems = read_config_file(config) if config else ({}, [])
+    requested = {**from_file, **{k: v for k, v in overrides.items() if v is not None}}
     # A resumed run keeps its stored settings; an overwritten one starts from the defaults.
-    stored = None if overwrite else runs.read_config(runs.run_path(storage, name))
-    cfg = resolve(overrides, stored)
+    run_name, run_storage = requested.get("name"), requested.get("storage", TrainConfig.storage)
+    stored = None if overwrite or not run_name else runs.read_config(runs.run_path(run_storage, run_name))
+    cfg = resolve(requested, stored)
+    if problems:  # the file's problems and the resolved config's, in one message
+        validate(cfg, [f"{config}: {p}" for p in problems])
     result = imgtrain.train(cfg, display=TrainingDisplay(console, quiet=quiet or json_out), overwrite=overwrite)
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
@@ -190,18 +211,44 @@ def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP
     if json_out:
         print(json.dumps(r.to_json(), indent=2))
         return
-    console.print(f"{r.name}  status: {r.status}  ({r.path})", highlight=False)
+    console.print(f"{r.name}  status: {r.status}  ({r.path})", highlight=False, soft_wrap=True)
     if r.error:
-        console.print(f"error: {r.error}", highlight=False)
+        console.print(f"error: {r.error}", highlight=False, soft_wrap=True)
     cfg = r.config
     console.print(
         f"data {cfg.get('data')}  backend {cfg.get('backend')}  ingest {cfg.get('ingest')}  "
-        f"workers {cfg.get('workers')}  batch {cfg.get('batch_size')}  lr {cfg.get('lr')}", highlight=False,
+        f"workers {cfg.get('workers')}  batch {cfg.get('batch_size')}  lr {cfg.get('lr')}", highlight=False, soft_wrap=True,
     )
     for rec in r.history:
-        console.print(epoch_line(rec, cfg.get("epochs", 0)), highlight=False)
-    console.print(f"best checkpoint:   {r.best_checkpoint}", highlight=False)
-    console.print(f"latest checkpoint: {r.latest_checkpoint}", highlight=False)
+        console.print(epoch_line(rec, cfg.get("epochs", 0)), highlight=False, soft_wrap=True)
+    last = r.history[-1] if r.history else {}
+    if last.get("rank_step_time_s"):  # is any rank starved by data?
+        per_rank = "; ".join(
+            f"rank {rank}: {step:.3f} s/step, {wait:.3f} s waiting for data ({wait / max(step, 1e-9):.0%})"
+            for rank, (step, wait) in enumerate(zip(last["rank_step_time_s"], last["rank_data_wait_s"])))
+        console.print(f"last epoch per rank: {per_rank}", highlight=False, soft_wrap=True)
+    console.print(f"best checkpoint:   {r.best_checkpoint}", highlight=False, soft_wrap=True)
+    console.print(f"latest checkpoint: {r.latest_checkpoint}", highlight=False, soft_wrap=True)
+
+
+@config_app.command("show")
+def config_show(
+    run: Optional[str] = typer.Option(None, "--run", help="Show this run's resolved config instead of the defaults."),
+    storage: str = typer.Option("./runs", help=STORAGE_HELP),
+    toml: bool = typer.Option(False, "--toml", help="Print a commented TOML file, ready for --config."),
+):
+    """Every training setting with its default (or a run's value) and a one-line description."""
+    from imgtrain.configfile import as_toml, describe_fields
+    from imgtrain.runs import load_run
+
+    values = load_run(storage, run).config if run else None
+    if toml:
+        print(as_toml(values))
+        return
+    rows = [("field", "value" if run else "default", "description"), *describe_fields(values)]
+    width = max(len(value) for _, value, _ in rows)
+    for field, value, description in rows:  # one line each: easy to grep, wrapped by the terminal
+        console.print(f"{field:<22} {value:<{width}}  {description}", highlight=False, soft_wrap=True)
 
 
 CHECKPOINT_HELP = "best, latest, or a checkpoint directory."
@@ -321,9 +368,91 @@ def serve_cmd(
                announce=lambda line: console.print(line, highlight=False, soft_wrap=True))
 
 
+YES_OPTION = typer.Option(False, "--yes", "-y", help="Delete without asking.")
+DRY_RUN_OPTION = typer.Option(False, "--dry-run", help="Only list what would be deleted.")
+
+
+@clean_app.command("runs")
+def clean_runs(
+    names: Optional[list[str]] = typer.Argument(None, help="Runs to delete."),
+    all_runs: bool = typer.Option(False, "--all", help="Every run in --storage."),
+    storage: str = typer.Option("./runs", help=STORAGE_HELP),
+    yes: bool = YES_OPTION, dry_run: bool = DRY_RUN_OPTION,
+):
+    """Delete runs: their checkpoints, metrics, logs and reports. Never a run being trained."""
+    from imgtrain.clean import plan_runs
+
+    _clean(plan_runs(storage, names or [], everything=all_runs), yes, dry_run)
+
+
+@clean_app.command("data")
+def clean_data(
+    data_dirs: list[Path] = typer.Argument(..., help="Prepared data set directories."),
+    yes: bool = YES_OPTION, dry_run: bool = DRY_RUN_OPTION,
+):
+    """Delete prepared data sets: the manifest and the Parquet files it lists, nothing else."""
+    from imgtrain.clean import plan_dataset
+
+    _clean([plan_dataset(d) for d in data_dirs], yes, dry_run)
+
+
+def _clean(plan, yes: bool, dry_run: bool) -> None:
+    from imgtrain.clean import remove
+
+    if not plan:
+        console.print("nothing to delete", highlight=False)
+        return
+    for removal in plan:
+        console.print(("would delete " if dry_run else "") + removal.describe(), highlight=False, soft_wrap=True)
+    if dry_run:
+        return
+    total = sum(r.size for r in plan) / 2**20
+    if not yes:
+        try:
+            agreed = typer.confirm(f"delete these {len(plan)} item(s), {total:,.1f} MiB?", default=False)
+        except typer.Abort:  # end of input (a script, CI): never a yes
+            raise ImgtrainError("no answer to the confirmation; nothing deleted (pass --yes to delete without asking)") from None
+        if not agreed:
+            console.print("nothing deleted", highlight=False)
+            raise typer.Exit(1)
+    for removal in plan:
+        remove(removal)
+        console.print(f"deleted {removal.path}", highlight=False, soft_wrap=True)
+        for kept in removal.kept:
+            console.print(f"  kept {kept} (not written by imgtrain)", highlight=False, soft_wrap=True)
+
+
+@app.command("doctor")
+def doctor_cmd(
+    storage: str = typer.Option("./runs", help=STORAGE_HELP),
+    address: Optional[str] = typer.Option(None, help="Check this Ray cluster (default: RAY_ADDRESS, or one running here)."),
+    data: Optional[Path] = typer.Option(None, help="Also check this prepared data set (and that every node reads it)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """Versions, CUDA, the Ray cluster's resources, whether storage is writable and shared: a verdict.
+
+    Exits 0 when ready to train, 1 when something needs fixing first.
+    """
+    from imgtrain.doctor import diagnose
+
+    found = diagnose(storage=storage, address=address, data=str(data) if data else None)
+    if json_out:
+        print(json.dumps(found.to_json(), indent=2))
+    else:
+        for check in found.checks:
+            console.print(f"{check.status:<5} {check.name}: {check.detail}", highlight=False, soft_wrap=True)
+            for line in check.lines:
+                console.print(f"        {line}", highlight=False, soft_wrap=True)
+        console.print(f"verdict: {found.verdict}", highlight=False, soft_wrap=True)
+    if not found.ready:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # a command's typer.Exit(N) comes back as N
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except ImgtrainError as e:
         Console(stderr=True, markup=False).print(f"error: {e}", highlight=False, soft_wrap=True)
         sys.exit(2)

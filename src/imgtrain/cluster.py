@@ -53,6 +53,7 @@ def start_or_join(
     kwargs = dict(log_to_driver=False, configure_logging=False, include_dashboard=dashboard)
     try:
         if address:
+            check_joinable(address)
             ctx = ray.init(address=address, **kwargs)
         else:
             # Logical CPUs: enough for every worker plus ingest. Threads are set per worker,
@@ -62,9 +63,96 @@ def start_or_join(
             os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
             ctx = ray.init(address="local", num_cpus=num_cpus, **kwargs)
     except ConnectionError as e:
-        raise ImgtrainError(f"cannot reach the Ray cluster at {address!r}: {e}") from None
+        raise ImgtrainError(f"could not join the Ray cluster at {address}: {e}") from None
     url = getattr(ctx, "dashboard_url", None)
     return Cluster(True, f"http://{url}" if url else None, _session_logs())
+
+
+def check_joinable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds when nothing answers at ``address`` (ray.init would wait for minutes) or
+    when the cluster refuses this process (token authentication: ray.init retries for ~20 s).
+
+    ``ray start --head`` turns token authentication on by default since Ray 2.59, but a process
+    that joins does not (until Ray 2.61). When the cluster asks for a token and this machine has
+    one (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), token mode is turned on here;
+    only then: a client in token mode cannot run actors on a cluster without authentication.
+    """
+    target = _reachable(address, timeout_s)
+    if address.startswith("ray://"):  # Ray Client has its own handshake
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+        from ray._raylet import GcsClient
+        from ray.exceptions import AuthenticationError
+    except ImportError:  # another Ray version: ray.init will tell
+        return
+
+    def refuses() -> bool:
+        try:
+            with _stderr_silenced():  # Ray's C++ client logs each refusal to fd 2
+                GcsClient(address=target).internal_kv_get(b"session_name", b"session", timeout=timeout_s)
+            return False
+        except AuthenticationError:
+            return True
+        except Exception:  # anything else: let ray.init report it
+            return False
+
+    def use_local_token() -> bool:
+        quiet = logging.getLogger(maybe_enable_token_auth_if_token_available.__module__)
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # not Ray's "token authentication is enabled" warning on the terminal
+        try:
+            return maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        finally:
+            quiet.setLevel(level)
+
+    if refuses() and (not use_local_token() or refuses()):
+        raise ImgtrainError(
+            f"the Ray cluster at {address} requires token authentication and refused this process; set "
+            "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the output of `ray get-auth-token` on its head node>"
+        )
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _reachable(address: str, timeout_s: float) -> str:
+    """The cluster's GCS host:port, after a TCP connection to it succeeded."""
+    import socket
+
+    import ray._private.services as services
+
+    target = address
+    if address.startswith("ray://"):
+        target = address.removeprefix("ray://")
+    else:
+        try:  # "auto": the cluster `ray start` last started here, or RAY_ADDRESS
+            target = services.canonicalize_bootstrap_address(address) or address
+        except ConnectionError:
+            raise ImgtrainError(f"--address {address}: no running Ray cluster found on this machine; "
+                                "start one with `ray start --head`, or pass its address (HOST:6379)") from None
+    host, _, port = target.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+        raise ImgtrainError(
+            f"cannot reach the Ray cluster at {address} ({reason}); check the address (HOST:PORT, port 6379 "
+            "by default) and that `ray start --head` runs there"
+        ) from None
+    return target
 
 
 def check_resources(cfg: TrainConfig) -> None:
@@ -92,6 +180,90 @@ def check_resources(cfg: TrainConfig) -> None:
         raise ImgtrainError(
             f"each worker needs {cfg.cpus_per_worker:g} CPUs on one node, the largest node has {biggest:g}"
         )
+
+
+def require_shared_paths(run_dir: Path, data_dir: str | None) -> None:
+    """On a cluster of several nodes, refuse to start unless every node sees the run directory
+    (and can write there) and the data set at the same paths as this driver. Otherwise workers
+    would write checkpoints to disks of their own and the run could never resume."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) == 1 and nodes[0]["NodeID"] == ray.get_runtime_context().get_node_id():
+        return  # one machine: the driver's own files
+    manifest = [str(Path(data_dir) / "manifest.json")] if data_dir else []
+    problems = check_shared_paths(run_dir, manifest)
+    if problems:
+        raise ImgtrainError(
+            f"storage is not shared by every node of the cluster: {'; '.join(problems)}; --storage and --data must "
+            "be on a filesystem every node mounts at the same path (NFS or another shared file system, see "
+            "'From a laptop to a cluster' in the README)"
+        )
+
+
+PROBE_TIMEOUT_S = 60.0
+
+
+def check_shared_paths(write_dir: Path, read_files=()) -> list[str]:
+    """One line per problem: a live node that cannot see a file this process writes in
+    ``write_dir``, cannot write there itself, or cannot read one of ``read_files``."""
+    import time
+    import uuid
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    token = uuid.uuid4().hex
+    probe = Path(write_dir) / f".imgtrain-probe-{token}"
+    probe.write_text(token)
+    problems = []
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        pending = {
+            n["NodeID"]: ray.remote(_probe_node).options(
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+            ).remote(str(probe), token, list(map(str, read_files)))
+            for n in nodes
+        }
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        for node in nodes:
+            where = f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]})"
+            try:
+                found = ray.get(pending[node["NodeID"]], timeout=max(1.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                problems.append(f"{where} did not answer within {PROBE_TIMEOUT_S:g} s")
+                continue
+            if not found and not Path(f"{probe}-{node['NodeID']}").is_file():  # its write went elsewhere
+                found = [f"writes in {write_dir} where this driver cannot see them"]
+            problems += [f"{where} {what}" for what in found]
+    finally:
+        for leftover in Path(write_dir).glob(f"{probe.name}*"):
+            leftover.unlink(missing_ok=True)
+    return problems
+
+
+def _probe_node(probe: str, token: str, read_files: list[str]) -> list[str]:
+    """Runs on one node: what it cannot see, write or read there."""
+    import os
+
+    import ray
+
+    problems = []
+    try:
+        with open(probe) as f:
+            seen = f.read() == token
+    except OSError:
+        seen = False
+    if not seen:
+        problems.append(f"cannot see {os.path.dirname(probe)} (a file written there by the driver is missing)")
+    else:
+        try:
+            with open(f"{probe}-{ray.get_runtime_context().get_node_id()}", "w") as f:
+                f.write(token)
+        except OSError as e:
+            problems.append(f"cannot write in {os.path.dirname(probe)} ({e.strerror})")
+    problems += [f"cannot read {path}" for path in read_files if not os.path.isfile(path)]
+    return problems
 
 
 def route_ray_logs(log_file: Path | None) -> None:

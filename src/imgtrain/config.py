@@ -22,7 +22,11 @@ RESUMABLE_FIELDS = (
     "epochs", "workers", "use_gpu", "address", "storage", "log_every_steps", "dashboard",
     "max_failures", "threads_per_worker", "cpus_per_worker", "limit_train_batches", "min_workers",
     "checkpoint_every_steps", "ledger", "stall_timeout_s", "deterministic", "compile", "data_on_device",
+    "mlflow", "mlflow_experiment", "tensorboard",
 )
+
+# Names a config file may also use for a field: the CLI flag's name where it differs.
+ALIASES = {"gpu": "use_gpu", "stall_timeout": "stall_timeout_s"}
 
 
 @dataclass
@@ -35,10 +39,10 @@ class TrainConfig:
     """Where runs live: a local path or a shared filesystem path (NFS) on a cluster."""
 
     backend: str = "ray"
-    """``ray``: Ray Train workers. ``local``: the same loop in one plain PyTorch process."""
+    """Where the loop runs: ``ray`` (Ray Train workers) or ``local`` (one plain PyTorch process)."""
     ingest: str = "ray-data"
-    """``ray-data``: rows delivered by Ray Data. ``torch``: Parquet files into a DataLoader. Either
-    way each worker takes its share of every global batch in the run's one seeded order."""
+    """How rows reach the workers: ``ray-data`` (Ray Data) or ``torch`` (Parquet files into a
+    DataLoader). Either way each worker takes its share of every global batch in the run's one seeded order."""
     workers: int = 2
     """Number of data-parallel training workers (Ray backend); the most, when elastic."""
     min_workers: int = 0
@@ -51,7 +55,7 @@ class TrainConfig:
     threads_per_worker: int = 0
     """torch intra-op threads per worker; 0 = this node's cores divided by workers on it."""
     address: str | None = None
-    """Ray cluster address (``auto``, ``ray://host:10001``); None starts a local cluster."""
+    """Ray cluster address (``HOST:6379``, ``auto``, ``ray://host:10001``); unset starts a local cluster."""
     dashboard: bool = False
     """Start the Ray dashboard with a local cluster (about ten more processes; off to start fast)."""
 
@@ -62,7 +66,7 @@ class TrainConfig:
     ``batch_size % workers`` ranks take one extra sample, so the global batch is exact. An
     epoch is ``train rows // batch_size`` steps at every world size."""
     optimizer: str = "adamw"
-    """``adamw`` or ``sgd`` (Nesterov momentum 0.9)."""
+    """The optimizer: ``adamw`` or ``sgd`` (Nesterov momentum 0.9)."""
     lr: float = 3e-3
     """Peak learning rate of the one-cycle schedule."""
     weight_decay: float = 0.05
@@ -89,12 +93,12 @@ class TrainConfig:
     """NHWC memory layout for convolutions: measured 5-10% faster on CPU here, and the usual
     choice on GPUs. The saved state_dict loads into a model of either layout."""
     precision: str = "fp32"
-    """``fp32``, or ``bf16``: forward pass and loss under bfloat16 autocast (weights, gradients
-    and optimizer state stay float32; no loss scaling needed). For GPUs with bfloat16 (A100,
-    H100); on a CPU without bfloat16 instructions it is slower. Validation runs in float32,
+    """Training precision: ``fp32``, or ``bf16`` (forward pass and loss under bfloat16 autocast;
+    weights, gradients and optimizer state stay float32, no loss scaling needed). For GPUs with
+    bfloat16 (A100, H100); on a CPU without bfloat16 instructions it is slower. Validation runs in float32,
     so recorded accuracies match a later ``imgtrain evaluate``."""
     compile: bool = False
-    """``torch.compile`` the training forward and backward pass. The first steps pay for the
+    """Compile the training forward and backward pass with ``torch.compile``. The first steps pay for the
     compilation (tens of seconds); worth it on GPUs for long runs."""
     data_on_device: bool = False
     """Keep the training split in device memory and gather each batch there (no host-to-device
@@ -103,7 +107,7 @@ class TrainConfig:
     eval_batch_size: int = 500
     """Batch size per worker for validation (no gradients, so larger is fine)."""
     log_every_steps: int = 10
-    """Rank 0 sends a progress record to the driver every N steps (no barrier)."""
+    """Every N steps each rank sends a progress record to the driver (fire and forget, no barrier)."""
     num_to_keep: int = 1
     """Checkpoints kept, ranked by validation accuracy; the latest is always kept in addition."""
     max_failures: int = 0
@@ -112,8 +116,9 @@ class TrainConfig:
     """Also checkpoint every N optimizer steps inside an epoch (0 = only at epoch ends). A
     crash then costs at most N steps, and the epoch resumes exactly where it stopped."""
     stall_timeout_s: float = 300.0
-    """When a rank makes no progress for this long (outside a collective the others wait in),
-    name it, kill it and fail or retry the run; 0 = wait forever."""
+    """Seconds without progress (outside a collective the others wait in) after which a rank is
+    named, its Python stacks and log files printed, and killed, failing or retrying the run; 0 =
+    wait forever."""
     deterministic: bool = False
     """Deterministic kernels only (torch.use_deterministic_algorithms): a resumed run ends
     with the same weights as an uninterrupted one."""
@@ -121,6 +126,14 @@ class TrainConfig:
     """Record the sample ids every rank trains on at every step in ``ledger/rank-R.jsonl``."""
     limit_train_batches: int = 0
     """Smoke mode: stop each epoch after N batches per worker (0 = whole epoch)."""
+
+    mlflow: str | None = None
+    """MLflow tracking URI (``sqlite:///mlflow.db``, ``http://host:5000``): log params, step and
+    epoch metrics and the final model there. Needs ``pip install 'imgtrain[mlflow]'``."""
+    mlflow_experiment: str = "imgtrain"
+    """MLflow experiment the run is logged under (created when missing)."""
+    tensorboard: bool = False
+    """Write TensorBoard event files to ``{run}/tensorboard``. Needs ``pip install 'imgtrain[tensorboard]'``."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -153,9 +166,10 @@ def _field_docs() -> dict[str, str]:
     return docs
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Check every field; raise one ImgtrainError listing every problem found."""
-    issues = []
+def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
+    """Check every field; raise one ImgtrainError listing every problem found, after the
+    ``problems`` already found elsewhere (a config file's unknown keys and wrong types)."""
+    issues = list(problems)
     if not cfg.name:
         issues.append("--name is required (the run is stored under {storage}/{name})")
     elif "/" in cfg.name or cfg.name.startswith("."):
@@ -205,6 +219,10 @@ def validate(cfg: TrainConfig) -> None:
         issues.append(f"--stall-timeout must be >= 0 seconds, got {cfg.stall_timeout_s}")
     if cfg.limit_train_batches < 0:
         issues.append(f"limit_train_batches must be >= 0, got {cfg.limit_train_batches}")
+    if cfg.mlflow is not None and not cfg.mlflow.strip():
+        issues.append("--mlflow needs a tracking URI, e.g. sqlite:///mlflow.db")
+    if not cfg.mlflow_experiment.strip():
+        issues.append("mlflow_experiment must not be empty")
     if issues:
         raise ImgtrainError("invalid configuration: " + "; ".join(issues))
 

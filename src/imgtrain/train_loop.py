@@ -179,7 +179,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
         elapsed_before = state.elapsed_s if resumed_here else 0.0
         epoch_start = time.perf_counter()
         model.train()
-        window = _Window()
+        window, timing = _Window(), _EpochTiming()
         batches = iter(hooks.train_batches(epoch, first_step))
         for i in range(first_step, steps_per_epoch):
             t0 = time.perf_counter()
@@ -218,11 +218,19 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
             with torch.no_grad():
                 batch_loss = loss.detach().double() * cfg.batch_size / world  # this rank's summed loss
                 sums[0] += batch_loss
-                sums[1] += (logits.argmax(1) == y).sum()
+                correct = (logits.argmax(1) == y).sum()
+                sums[1] += correct
                 sums[2] += len(y)
-            window.add(len(y), batch_loss / len(y), data_wait, time.perf_counter() - t0)
-            if rank == 0 and (step % cfg.log_every_steps == 0 or i == steps_per_epoch - 1):
-                hooks.send(window.record(epoch, step, scheduler.get_last_lr()[0], world))
+            step_time = time.perf_counter() - t0
+            window.add(len(y), batch_loss / len(y), correct, data_wait, step_time)
+            timing.add(data_wait, step_time)
+            if step % cfg.log_every_steps == 0 or i == steps_per_epoch - 1:
+                # Every rank reports its own step and data-wait times, rank 0 also the training
+                # figures; fire and forget, so no rank ever waits for the driver.
+                if rank == 0:
+                    hooks.send(window.step_record(epoch, step, scheduler.get_last_lr()[0], world))
+                hooks.send(window.rank_record(rank, epoch, step))
+                window.reset()
             every = cfg.checkpoint_every_steps
             if every and step % every == 0 and i + 1 < steps_per_epoch:
                 hooks.progress.enter("sync")
@@ -243,6 +251,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
         train_time = elapsed_before + time.perf_counter() - epoch_start
         hooks.progress.enter("sync", step)
         train_loss, train_acc, seen = _global_means(hooks, sums)
+        rank_timing = timing.gather(hooks)
         evaluated = ema.module if ema is not None else ckpt.unwrap(model)
         _buffers_from_rank0(evaluated, hooks)
         hooks.progress.enter("eval")
@@ -254,6 +263,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
             "epoch_time_s": elapsed_before + time.perf_counter() - epoch_start,  # training + validation
         }
         metrics["images_per_s"] = seen / max(train_time, 1e-9)  # training only, validation excluded
+        metrics.update(rank_timing)
         metrics["time"] = time.time()
         name = save(epoch, metrics, evaluated, None)
         if rank == 0:  # only once the checkpoint is stored: history never runs ahead of it
@@ -428,23 +438,62 @@ def _drain(batches: Iterator) -> None:
 
 
 class _Window:
-    """Running figures between two progress records (rank 0)."""
+    """This rank's running figures between two progress records."""
 
     def __init__(self):
-        self.samples, self.loss_sum, self.wait, self.busy, self.n = 0, 0.0, 0.0, 0.0, 0
+        self.reset()
 
-    def add(self, samples: int, mean_loss: torch.Tensor, wait: float, total: float) -> None:
+    def reset(self) -> None:
+        # loss and correct stay tensors on the device until a record is sent: reading them at
+        # every step would make the host wait for the GPU at every step
+        self.samples, self.loss_sum, self.correct, self.wait, self.busy, self.n = 0, 0.0, 0, 0.0, 0.0, 0
+
+    def add(self, samples: int, mean_loss, correct, wait: float, total: float) -> None:
         self.samples += samples
         self.loss_sum += mean_loss
+        self.correct += correct
         self.wait += wait
         self.busy += total
         self.n += 1
 
-    def record(self, epoch: int, step: int, lr: float, world: int) -> dict:
-        rec = {
+    def step_record(self, epoch: int, step: int, lr: float, world: int) -> dict:
+        """Rank 0's view of the last steps: loss, accuracy, throughput of the whole group."""
+        return {
             "kind": "step", "epoch": epoch, "step": step, "loss": float(self.loss_sum) / max(self.n, 1),
-            "lr": lr, "images_per_s": self.samples * world / max(self.busy, 1e-9),
+            "accuracy": float(self.correct) / max(self.samples, 1), "lr": lr,
+            "images_per_s": self.samples * world / max(self.busy, 1e-9),
             "data_wait_fraction": self.wait / max(self.busy, 1e-9), "time": time.time(),
         }
-        self.__init__()
-        return rec
+
+    def rank_record(self, rank: int, epoch: int, step: int) -> dict:
+        """Where this rank's time went over the last steps: is it starved by data?"""
+        n = max(self.n, 1)
+        return {
+            "kind": "rank", "rank": rank, "epoch": epoch, "step": step, "steps": self.n,
+            "step_time_s": self.busy / n, "data_wait_s": self.wait / n,
+            "data_wait_fraction": self.wait / max(self.busy, 1e-9), "time": time.time(),
+        }
+
+
+class _EpochTiming:
+    """This rank's step and data-wait seconds over an epoch, gathered from every rank at its end."""
+
+    def __init__(self):
+        self.wait, self.busy, self.n = 0.0, 0.0, 0
+
+    def add(self, wait: float, total: float) -> None:
+        self.wait, self.busy, self.n = self.wait + wait, self.busy + total, self.n + 1
+
+    def gather(self, hooks: Hooks) -> dict:
+        """Per-rank mean step and data-wait times (a collective: every rank calls it, at the
+        epoch-end synchronisation that already exists, so no step waits for it)."""
+        table = torch.zeros(hooks.world_size, 3, dtype=torch.float64)
+        table[hooks.rank] = torch.tensor([self.busy, self.wait, self.n], dtype=torch.float64)
+        table = hooks.all_reduce_sum(table)  # each rank filled its own row: a gather
+        steps = table[:, 2].clamp(min=1)
+        step_time, wait = (table[:, 0] / steps).tolist(), (table[:, 1] / steps).tolist()
+        return {
+            "rank_step_time_s": step_time, "rank_data_wait_s": wait,
+            # the slowest-fed rank sets the pace: DDP waits for it at every step
+            "data_wait_fraction": max(w / max(t, 1e-9) for w, t in zip(wait, step_time)),
+        }

@@ -20,7 +20,7 @@ import torch
 from imgtrain import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain import checkpoint as ckpt
-from imgtrain import faults
+from imgtrain import faults, tracking
 from imgtrain.config import TrainConfig, changed_fields, steps_per_epoch, validate
 from imgtrain.display import TrainingDisplay
 from imgtrain.errors import ImgtrainError
@@ -47,6 +47,7 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
     from imgtrain.data.parquet import verify_dataset
 
     validate(cfg)
+    tracking.require(cfg)  # a tracker asked for but not installed: before anything else
     display = display or TrainingDisplay()
     if cfg.data:
         cfg = dataclasses.replace(cfg, data=str(Path(cfg.data).expanduser().resolve()))
@@ -95,35 +96,63 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
         raise ImgtrainError(
             f"--batch-size {cfg.batch_size} is larger than the {n_train} training samples; use a smaller batch size"
         )
+    if cfg.backend == "ray" and cfg.address:  # an unreachable cluster: say so before making the run
+        cluster_mod.check_joinable(cfg.address)
     if replace_existing:  # only now that the new request is known to be good: no data lost for nothing
         runs.delete_run(run_dir)
         display.note(f"deleted the previous run {cfg.name!r} ({run_dir}); starting afresh")
     _make_run_dir(run_dir)
     runs.write_config(run_dir, cfg.to_dict())
     runs.write_status(run_dir, "running", started=time.time())
+    try:
+        records = Records(run_dir, display, tracking.open_trackers(cfg, run_dir, manifest, display.note))
+    except ImgtrainError as e:  # a tracking URI that does not work: fail before any training
+        _record_status(run_dir, "failed", error=str(e))
+        raise
     if stored is not None:
         display.note(f"resuming run {cfg.name!r} {where} ({run_dir})")
 
     try:
         if cfg.backend == "local":
-            _train_local(cfg, manifest, run_dir, display, resume)
+            _train_local(cfg, manifest, run_dir, records, resume)
         else:
-            _train_ray(cfg, manifest, run_dir, display, resume)
+            _train_ray(cfg, manifest, run_dir, records, resume)
     except KeyboardInterrupt:
         _record_status(run_dir, "interrupted")
+        records.finish("interrupted")
         raise
     except ImgtrainError as e:
         _record_status(run_dir, "failed", error=str(e))
+        records.finish("failed")
         raise
     except Exception as e:  # an unexpected failure still leaves a truthful status behind
         _record_status(run_dir, "failed", error=f"{type(e).__name__}: {e}")
+        records.finish("failed")
         raise
     finally:
         display.close()
     result = runs.load_run(cfg.storage, cfg.name)
     runs.write_status(run_dir, "finished", val_accuracy=result.final_accuracy)
+    records.finish("finished", result.best_checkpoint)
     result.status = "finished"
     return result
+
+
+class Records:
+    """Where the ranks' records go: metrics.jsonl, the progress display and the trackers."""
+
+    def __init__(self, run_dir: Path, display: TrainingDisplay, trackers: list):
+        self.log, self.display, self.trackers = runs.MetricsLog(run_dir), display, trackers
+
+    def send(self, record: dict) -> None:
+        self.log.append(record)
+        self.display.update(record)
+        for tracker in self.trackers:
+            tracker.log(record)
+
+    def finish(self, status: str, best_checkpoint: Path | None = None) -> None:
+        for tracker in self.trackers:
+            tracker.finish(status, best_checkpoint)
 
 
 def _record_status(run_dir: Path, status: str, **extra) -> None:
@@ -156,35 +185,41 @@ def _make_run_dir(run_dir: Path) -> None:
 # ---------------------------------------------------------------- Ray Train backend
 
 
-def _train_ray(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDisplay, resume: Resume) -> None:
+def _train_ray(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Records, resume: Resume) -> None:
     # Ray's core, raylet and driver write warnings straight to this process's stdout and
     # stderr; they go to logs/ so that the terminal shows only the progress display.
     logs = run_dir / runs.LOGS_DIR
-    display.pin_output()
+    records.display.pin_output()
     with cluster_mod.ray_output_to(logs):
-        _fit(cfg, manifest, run_dir, display, resume)
+        _fit(cfg, manifest, run_dir, records, resume)
 
 
-def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDisplay, resume: Resume) -> None:
+def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Records, resume: Resume) -> None:
     import ray
     import ray.train
     from ray.train.torch import TorchTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from imgtrain.monitor import Monitor
     from imgtrain.watchdog import Watchdog
     from imgtrain.worker import train_loop_per_worker
 
     logs = run_dir / runs.LOGS_DIR
+    display = records.display
     fault = os.environ.get(faults.ENV_VAR)
     faults.parse(fault)  # a malformed spec fails here, not on every worker
     cluster = cluster_mod.connect(cfg, logs / "driver.log")
     try:
         _link_session_logs(logs, cluster.session_logs)
         cluster_mod.check_resources(cfg)
+        cluster_mod.require_shared_paths(run_dir, cfg.data)
         display.note(f"run {cfg.name}: {run_dir}  (logs: {logs})")
         if cluster.dashboard_url:
             display.note(f"Ray dashboard: {cluster.dashboard_url}")
-        monitor = Monitor.remote()
+        # On the driver's own node: an actor placed on another node dies with it (an elastic run
+        # losing a node would go on training with nobody receiving its records).
+        monitor = Monitor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=True)).remote()
         watchdog = Watchdog(run_dir, cfg.stall_timeout_s, note=display.note)
         elastic = cfg.min_workers and cfg.min_workers < cfg.workers
         trainer = TorchTrainer(
@@ -210,7 +245,7 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDispl
             dataset_config=ray.train.DataConfig(datasets_to_split=[]),
         )
         try:
-            with _forward_records(monitor, runs.MetricsLog(run_dir), display, watchdog):
+            with _forward_records(monitor, records, watchdog):
                 trainer.fit()
         except ray.train.TrainingFailedError as e:
             # A checkpoint half copied when the failure struck (a full disk) must not stay visible.
@@ -292,25 +327,32 @@ def _link_session_logs(logs: Path, session_logs: Path | None) -> None:
 
 
 @contextlib.contextmanager
-def _forward_records(monitor, log: runs.MetricsLog, display: TrainingDisplay, watchdog):
-    """While training runs, move records from the monitor actor to metrics.jsonl and the
-    display, and heartbeats to the watchdog."""
+def _forward_records(monitor, records: Records, watchdog):
+    """While training runs, move records from the monitor actor to metrics.jsonl, the display
+    and the trackers, and heartbeats to the watchdog."""
     import ray
 
     stop = threading.Event()
 
     def deliver():
-        records, beats = ray.get(monitor.drain.remote(), timeout=30)
-        for record in records:
-            log.append(record)
-            display.update(record)
+        sent, beats = ray.get(monitor.drain.remote(), timeout=30)
+        for record in sent:
+            records.send(record)
         watchdog.observe(beats)
 
     def poll():
+        warned = False
         while not stop.wait(POLL_S):
-            with contextlib.suppress(Exception):
+            try:
                 deliver()
                 watchdog.check()
+            except ray.exceptions.RayActorError as e:  # the mailbox is gone: say so once
+                if not warned:
+                    records.display.note(f"warning: progress records no longer arrive ({type(e).__name__}); "
+                                         "training goes on, but metrics.jsonl and the trackers miss them")
+                warned = True
+            except Exception:  # a slow round trip: the records wait in the mailbox for the next one
+                pass
 
     thread = threading.Thread(target=poll, name="imgtrain-progress", daemon=True)
     thread.start()
@@ -326,7 +368,7 @@ def _forward_records(monitor, log: runs.MetricsLog, display: TrainingDisplay, wa
 # ---------------------------------------------------------------- local backend
 
 
-def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, display: TrainingDisplay, resume: Resume) -> None:
+def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Records, resume: Resume) -> None:
     """The same loop in this process, no Ray: the tutorial's single-device baseline."""
     from imgtrain.data.parquet import read_split
     from imgtrain.order import ordered_batches, sort_by_id
@@ -338,8 +380,7 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, display: Train
     torch.set_num_threads(cfg.threads_per_worker or os.cpu_count() or 1)
     rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
     test = [t for t in map(torch.from_numpy, read_split(cfg.data, "test"))]
-    log = runs.MetricsLog(run_dir)
-    display.note(f"run {cfg.name}: {run_dir}  (local backend, {device})")
+    records.display.note(f"run {cfg.name}: {run_dir}  (local backend, {device})")
 
     steps = max(1, steps_per_epoch(len(rows[0]), cfg.batch_size, cfg.limit_train_batches))
     train_batches = ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world_size=1, rank=0, device=device,
@@ -372,14 +413,10 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, display: Train
         os.replace(tmp, target)  # complete or invisible
         runs.retain(run_dir, cfg.num_to_keep, ignore=resume.damaged)
 
-    def send(record: dict) -> None:
-        log.append(record)
-        display.update(record)
-
     hooks = Hooks(
         rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device), damaged=resume.damaged,
         train_batches=train_batches, val_batches=val_batches, all_reduce_sum=lambda t: t,
-        restored_checkpoint=restored_checkpoint, report=report, send=send,
+        restored_checkpoint=restored_checkpoint, report=report, send=records.send,
         run_dir=run_dir, fault=faults.parse(os.environ.get(faults.ENV_VAR)),
     )
     run_loop(cfg, manifest, hooks)

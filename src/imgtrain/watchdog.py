@@ -4,7 +4,8 @@ Every rank sends a heartbeat each second with its step and phase (``worker.py``)
 *stuck* when its heartbeats stop (the process is frozen) or when it has spent longer than
 ``stall_timeout_s`` in a phase where it waits for nobody. The other ranks are then blocked in
 a collective (DDP's all-reduce, the report barrier) and would wait forever: the default in Ray
-Train and torch.distributed. The watchdog names the stuck ranks and kills their processes,
+Train and torch.distributed. The watchdog names the stuck ranks, prints their Python stacks
+and log files (every rank's stacks go to ``logs/hang-*.txt``), and kills their processes,
 which turns the hang into an ordinary worker failure: Ray Train retries it from the latest
 checkpoint while ``max_failures`` allows, and otherwise the run fails with this message.
 """
@@ -15,6 +16,7 @@ import json
 import time
 from pathlib import Path
 
+from imgtrain import stacks
 from imgtrain.fileutil import atomic_write_text
 from imgtrain.train_loop import COLLECTIVE_PHASES
 from imgtrain.worker import HEARTBEAT_S
@@ -59,11 +61,16 @@ class Watchdog:
             stuck = list(self.beats.values())  # every rank waits in a collective: a deadlock
         if not stuck:
             return
-        killed = [b for b in stuck if kill_worker(b)]
+        dumps = dump_stacks(list(self.beats.values()))  # before killing anything: where is each rank?
         for b in stuck:
-            if b not in killed:  # already gone: a failure Ray Train handles itself
+            if dumps.get(b["rank"]) is None:  # already gone: a failure Ray Train handles itself
                 self.gone_pids.add(b["pid"])
                 self.beats.pop(b["rank"], None)
+        stuck = [b for b in stuck if dumps.get(b["rank"]) is not None]
+        if not stuck:
+            return
+        report = self._write_report(stuck, dumps, now)
+        killed = [b for b in stuck if kill_worker(b)]
         if not killed:
             return
         self.acted = True  # the survivors fail next, as Ray Train restarts or ends the group
@@ -75,11 +82,25 @@ class Watchdog:
             + (f" (rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} waited for "
                f"{'them' if many else 'it'})" if waiting else "")
             + f"; no progress for {self.timeout_s:g} s (--stall-timeout), so {'they were' if many else 'it was'} killed"
+            + f"; stacks and logs: {report}"
         )
-        self.note(f"warning: {self.incident}")
+        self.note("\n".join([f"warning: {self.incident}", *_diagnosis(self.beats.values(), killed, dumps)]))
+
+    def _write_report(self, stuck: list[dict], dumps: dict[int, str], now: float) -> Path:
+        """Every rank's state, log files and full stacks, in ``logs/hang-*.txt``."""
+        path = stacks.report_path(self.path.parent / "logs")
+        lines = [f"imgtrain hang report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+                 f"run: {self.path.parent}; no progress for {self.timeout_s:g} s (--stall-timeout)", ""]
+        for b in sorted(self.beats.values(), key=lambda b: b["rank"]):
+            state = "STUCK" if b in stuck else "waiting" if b["phase"] in COLLECTIVE_PHASES else "running"
+            lines += [f"== {_describe(b, now)}: {state}",
+                      f"   node {b['node_id']}; logs: {', '.join(b.get('log_files') or []) or 'unknown'}",
+                      dumps.get(b["rank"]) or "   (no stacks: the process did not answer SIGUSR1)", ""]
+        path.write_text("\n".join(lines))
+        return path
 
     def _write(self) -> None:
-        workers = [{k: b[k] for k in ("rank", "world_size", "pid", "node_ip", "node_id")}
+        workers = [{k: b.get(k) for k in ("rank", "world_size", "pid", "node_ip", "node_id", "log_files")}
                    for _, b in sorted(self.beats.items())]
         atomic_write_text(self.path, json.dumps({"updated": time.time(), "workers": workers}, indent=2))
 
@@ -88,6 +109,41 @@ def read_workers(run_dir: Path) -> list[dict]:
     """The current worker group of a run (rank, pid, node) as the driver last saw it."""
     path = Path(run_dir) / WORKERS_FILE
     return json.loads(path.read_text())["workers"] if path.is_file() else []
+
+
+def _diagnosis(beats, killed: list[dict], dumps: dict[int, str]) -> list[str]:
+    """Terminal lines: each stuck rank's training stack and logs, where each other rank waits."""
+    lines = []
+    for b in sorted(beats, key=lambda b: b["rank"]):
+        frames = stacks.training_frames(dumps.get(b["rank"]) or "")
+        if b in killed:
+            lines.append(f"  rank {b['rank']} (stuck) stack, innermost last:")
+            lines += [f"    {frame}" for frame in frames] or ["    (no stack: the process did not answer SIGUSR1)"]
+            lines.append(f"  rank {b['rank']} logs (on {b['node_ip']}): {', '.join(b.get('log_files') or []) or 'unknown'}")
+        elif frames:
+            lines.append(f"  rank {b['rank']} waits in: {frames[-1]}")
+    return lines
+
+
+def dump_stacks(beats: list[dict]) -> dict[int, str | None]:
+    """rank -> its Python stacks, by a task on its node ('' no answer, None process gone)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    pending, found = {}, {}
+    for b in beats:
+        if not b.get("stack_file"):
+            found[b["rank"]] = ""
+            continue
+        task = ray.remote(stacks.dump).options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(b["node_id"], soft=False))
+        pending[b["rank"]] = task.remote(b["pid"], b["stack_file"])
+    for rank, ref in pending.items():
+        try:
+            found[rank] = ray.get(ref, timeout=30)
+        except Exception:  # node gone: so is the worker
+            found[rank] = None
+    return found
 
 
 def _stuck(beat: dict, now: float, timeout_s: float) -> bool:

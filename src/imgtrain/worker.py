@@ -1,7 +1,8 @@
 """The Ray Train side of the loop: ``train_loop_per_worker`` wires ``run_loop`` to Ray.
 
 Each worker also runs a heartbeat thread that tells the driver, once a second, which step
-and phase it is in, so that a stuck rank can be named (``watchdog.Watchdog``).
+and phase it is in, so that a stuck rank can be named (``watchdog.Watchdog``), and dumps its
+Python stacks when asked (``stacks.py``).
 """
 
 from __future__ import annotations
@@ -100,8 +101,12 @@ def _start_heartbeat(monitor, rank: int, world: int, progress: Progress):
     import ray
 
     stop = threading.Event()
+    from imgtrain import stacks
+
     ids = {"rank": rank, "world_size": world, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
-           "node_id": ray.get_runtime_context().get_node_id()}
+           "node_id": ray.get_runtime_context().get_node_id(),
+           # for hang diagnosis: where this rank writes its stacks on SIGUSR1, and its logs
+           "stack_file": stacks.enable_stack_dumps(), "log_files": stacks.worker_log_files()}
 
     def beat():
         while not stop.is_set():

@@ -122,3 +122,28 @@ def test_impossible_requests_fail_in_seconds_not_forever(ray_cluster, tiny_data,
 def test_unknown_run(tmp_path):
     proc = run_cli("runs", "show", "nope", "--storage", str(tmp_path))
     assert_one_line_error(proc, "no run named 'nope'")
+
+
+def test_a_cluster_address_where_nothing_answers_fails_in_seconds(tiny_data, tmp_path):
+    # ray.init waits for minutes at such an address; imgtrain finds out with a TCP connect first.
+    start = time.monotonic()
+    proc = run_cli(*train_args(tiny_data, tmp_path, "--address", "127.0.0.1:1"), timeout=20)
+    assert_one_line_error(proc, "cannot reach the Ray cluster at 127.0.0.1:1", "ray start --head")
+    assert time.monotonic() - start < 20
+    assert not (tmp_path / "runs").exists()  # no run directory left behind for nothing
+
+
+def test_a_config_file_with_several_problems_names_them_all(tiny_data, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(f'data = "{tiny_data}"\nepoch = 3\nlr = "fast"\nworkers = 0\n')
+    proc = run_cli("train", "--config", str(config), "--name", "bad", "--storage", str(tmp_path / "runs"))
+    assert_one_line_error(proc, "unknown field 'epoch' (did you mean 'epochs'?)", "lr must be a number, got 'fast'",
+                          "--workers must be at least 1")
+    assert not (tmp_path / "runs").exists()
+    # A flag fixes what the file got wrong: the flag wins.
+    fixed = tmp_path / "fixed.toml"
+    fixed.write_text(f'data = "{tiny_data}"\nworkers = 0\n')
+    proc = run_cli("train", "--config", str(fixed), "--name", "bad", "--storage", str(tmp_path / "runs"),
+                   "--workers", "1", "--batch-size", "0")
+    assert_one_line_error(proc, "--batch-size must be at least 1")
+    assert "--workers" not in proc.stderr

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -69,6 +70,24 @@ def test_a_stuck_rank_is_named_and_killed_within_the_stall_timeout(ray_cluster, 
     assert message.startswith("error: training failed: rank 1 stuck: rank 1 (pid "), done.stderr
     assert "at step 3, in phase 'compute'" in message and "(rank 0 waited for it)" in message
     assert "no progress for 8 s (--stall-timeout)" in message
+
+    # The diagnosis: the stuck rank's Python stack (where it hangs), its log files, where the
+    # other rank waits, and every rank's full stacks in logs/hang-*.txt.
+    out = done.stdout
+    stack = out.split("rank 1 (stuck) stack, innermost last:\n")[1].split("rank 1 logs")[0]
+    frames = [line.strip() for line in stack.splitlines() if line.strip()]
+    assert frames[0].endswith("in run_loop") and "train_loop.py" in frames[0]
+    assert "faults.py" in frames[-1] and frames[-1].endswith("in maybe_fire"), frames  # the injected hang
+    logs_line = next(line for line in out.splitlines() if line.strip().startswith("rank 1 logs (on "))
+    log_files = logs_line.split("): ", 1)[1].split(", ")
+    assert [Path(p).suffix for p in log_files] == [".out", ".err"] and all(Path(p).is_file() for p in log_files)
+    assert "rank 0 waits in: File " in out
+    report = Path(message.split("stacks and logs: ")[1].split(" (rank 0:")[0])
+    assert report.parent == tmp_path / "stuck" / "logs"
+    text = report.read_text()
+    assert "(pid" in text and ": STUCK" in text and ": waiting" in text
+    assert text.count("in run_loop") == 2 and "in maybe_fire" in text  # both ranks' training threads
+
     records = runs.read_metrics(tmp_path / "stuck")
     last_step = max(r["time"] for r in records if r["kind"] == "step")
     failed_at = runs.read_status(tmp_path / "stuck")["time"]

@@ -281,7 +281,7 @@ def load_manifest(data_dir: PathLike) -> dict:
     return manifest
 
 
-def _split_files(data_dir: Path, manifest: dict, split: str) -> list[Path]:
+def split_files(data_dir: Path, manifest: dict, split: str) -> list[Path]:
     if split not in SPLITS:
         raise ImgtrainError(f"unknown split {split!r}; choose one of: {', '.join(SPLITS)}")
     files = []
@@ -345,7 +345,7 @@ def verify_dataset(data_dir: PathLike, check_hashes: bool = True) -> dict:
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
     for split in SPLITS:
-        files = _split_files(data_dir, manifest, split)
+        files = split_files(data_dir, manifest, split)
         if not files or manifest["splits"][split]["num_samples"] <= 0:
             raise ImgtrainError(f"split {split!r} of {data_dir} is empty; prepare the data set again")
         rows = 0
@@ -375,7 +375,7 @@ def read_split(data_dir: PathLike, split: str) -> tuple[np.ndarray, np.ndarray, 
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
     ids, images, labels = [], [], []
-    for path in _split_files(data_dir, manifest, split):
+    for path in split_files(data_dir, manifest, split):
         try:
             table = pq.read_table(path, columns=list(COLUMNS))
         except (pa.ArrowException, OSError) as e:

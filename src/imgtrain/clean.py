@@ -1,0 +1,103 @@
+"""``imgtrain clean``: delete runs or prepared data sets (the tutorials' clean-up cell, made safe).
+
+Only what imgtrain made is ever deleted:
+  * a run: a real directory (not a link) directly inside the storage root that holds a
+    ``config.json``; never one that a live process is training right now.
+  * a data set: its ``manifest.json`` and the Parquet files the manifest lists, then the
+    folders they leave empty. Any other file in the folder stays where it is.
+Links inside a run (``logs/ray`` points at Ray's session logs) are removed as links, never
+followed, so nothing outside the run's own directory is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from imgtrain import runs
+from imgtrain.errors import ImgtrainError
+
+
+@dataclass
+class Removal:
+    """One run or data set to delete: what goes, its size, and what stays behind."""
+
+    kind: str  # "run" or "data set"
+    path: Path
+    files: list[Path] = field(default_factory=list)  # data set: the files imgtrain wrote
+    size: int = 0
+    kept: list[Path] = field(default_factory=list)  # data set: files in its folder imgtrain did not write
+
+    def describe(self) -> str:
+        kept = f"; keeps {len(self.kept)} file(s) imgtrain did not write" if self.kept else ""
+        return f"{self.kind} {self.path} ({self.size / 2**20:,.1f} MiB){kept}"
+
+
+def plan_runs(storage: str, names: list[str], everything: bool = False) -> list[Removal]:
+    """The runs to delete: those named, or with ``everything`` every run in ``storage``."""
+    root = runs.storage_root(storage)
+    if everything:
+        if names:
+            raise ImgtrainError("name runs or pass --all, not both")
+        found = sorted(d for d in root.iterdir() if _is_run(d)) if root.is_dir() else []
+    else:
+        if not names:
+            raise ImgtrainError("name the runs to delete (imgtrain runs list shows them), or pass --all")
+        found = []
+        for name in names:
+            if "/" in name or name in ("", ".", ".."):
+                raise ImgtrainError(f"{name!r} is not a run name; runs are plain names inside --storage {root}")
+            if not _is_run(root / name):
+                known = ", ".join(sorted(d.name for d in root.iterdir() if _is_run(d))) if root.is_dir() else ""
+                raise ImgtrainError(f"no run named {name!r} in {root} (runs there: {known or 'none'}); nothing deleted")
+            found.append(root / name)
+    for run_dir in found:
+        status = runs.read_status(run_dir)
+        if status.get("status") == "running":
+            raise ImgtrainError(f"run {run_dir.name!r} is being trained right now by process {status.get('pid')} "
+                                f"on {status.get('host')}; stop it first; nothing deleted")
+    return [Removal("run", d, size=_tree_size(d)) for d in found]
+
+
+def plan_dataset(data_dir: str | Path) -> Removal:
+    """A prepared data set: its manifest and the files the manifest lists, nothing else."""
+    from imgtrain.data.parquet import MANIFEST, SPLITS, load_manifest, split_files
+
+    data_dir = Path(data_dir).absolute()
+    if data_dir.is_symlink() or not data_dir.is_dir():
+        raise ImgtrainError(f"{data_dir} is not a data set directory; nothing deleted")
+    manifest = load_manifest(data_dir)  # refuses a folder imgtrain did not prepare
+    files = [data_dir / MANIFEST] + [p for s in SPLITS for p in split_files(data_dir, manifest, s) if p.is_file()]
+    ours = set(files)
+    kept = sorted(p for p in data_dir.rglob("*") if (p.is_file() or p.is_symlink()) and p not in ours)
+    return Removal("data set", data_dir, files=files, size=sum(p.lstat().st_size for p in files), kept=kept)
+
+
+def remove(removal: Removal) -> None:
+    if removal.kind == "run":
+        if removal.path.is_symlink() or not _is_run(removal.path):  # checked again: it may have changed
+            raise ImgtrainError(f"{removal.path} is no longer an imgtrain run; not deleting it")
+        shutil.rmtree(removal.path)  # removes links inside as links, never what they point to
+        return
+    for path in removal.files:
+        path.unlink(missing_ok=True)
+    folders = sorted({p.parent for p in removal.files}, key=lambda p: len(p.parts), reverse=True)
+    for folder in folders:  # the split folders, then the data set folder, if nothing else is left
+        if folder == removal.path or removal.path in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: something imgtrain did not write lives there
+                pass
+
+
+def _is_run(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and (path / runs.CONFIG_FILE).is_file()
+
+
+def _tree_size(path: Path) -> int:
+    total = 0
+    for folder, _, names in os.walk(path):  # does not descend into linked folders
+        total += sum(os.lstat(os.path.join(folder, n)).st_size for n in names)
+    return total

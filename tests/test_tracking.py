@@ -1,0 +1,125 @@
+"""The trackers against a real MLflow sqlite store and real TensorBoard event files."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from imgtrain import checkpoint as ckpt
+from imgtrain.config import TrainConfig
+from imgtrain.tracking import MLFLOW_RUN_FILE, MLflowTracker, TensorBoardTracker, metrics_of
+
+MANIFEST = {"name": "tiny", "splits": {"train": {"num_samples": 256}, "test": {"num_samples": 100}}}
+
+
+def records(first_step: int, last_step: int, loss_at=lambda s: 1.0 / s):
+    out = [{"kind": "start", "step": first_step, "time": 1.0}]
+    for s in range(first_step + 2, last_step + 1, 2):
+        out.append({"kind": "step", "epoch": 0, "step": s, "loss": loss_at(s), "accuracy": 0.5, "lr": 0.01,
+                    "images_per_s": 100.0, "data_wait_fraction": 0.1, "time": 1000.0 + s})
+        for rank in (0, 1):
+            out.append({"kind": "rank", "rank": rank, "epoch": 0, "step": s, "steps": 2, "step_time_s": 0.2,
+                        "data_wait_s": 0.02 * (rank + 1), "data_wait_fraction": 0.1 * (rank + 1), "time": 1000.0 + s})
+    out.append({"kind": "epoch", "epoch": 0, "step": last_step, "train_loss": 0.5, "train_accuracy": 0.6,
+                "val_loss": 0.4, "val_accuracy": 0.7, "images_per_s": 99.0, "epoch_time_s": 3.0,
+                "data_wait_fraction": 0.2, "rank_step_time_s": [0.2, 0.2], "time": 2000.0})
+    return out
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    (tmp_path / "run" / "logs").mkdir(parents=True)
+    return tmp_path / "run"
+
+
+def best_checkpoint(run_dir):
+    return ckpt.save(run_dir / "checkpoint_epoch_0000", {"w": torch.ones(2)}, {}, {"epoch": 0})
+
+
+def test_metric_names():
+    step, rank = records(0, 2)[1:3]
+    assert metrics_of(step) == {"step/loss": 0.5, "step/accuracy": 0.5, "step/images_per_s": 100.0,
+                                "step/data_wait_fraction": 0.1, "step/lr": 0.01}
+    assert set(metrics_of(rank)) == {"rank0/step_time_s", "rank0/data_wait_s", "rank0/data_wait_fraction"}
+    assert metrics_of({"kind": "start", "step": 0}) == {}
+
+
+def test_mlflow_gets_params_metrics_the_model_and_the_outcome_and_a_resume_continues_the_run(run_dir, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = TrainConfig(name="t", data="/d", epochs=1, mlflow=uri, mlflow_experiment="exp")
+    tracker = MLflowTracker(cfg, run_dir, MANIFEST)
+    for r in records(0, 8):
+        tracker.log(r)
+    tracker.finish("failed", None)
+
+    run_id = json.loads((run_dir / MLFLOW_RUN_FILE).read_text())["run_id"]
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED" and run.info.run_name == "t"
+    assert client.get_experiment(run.info.experiment_id).name == "exp"
+    assert run.data.params["lr"] == str(cfg.lr) and run.data.params["data_train_samples"] == "256"
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "step/loss")] == [
+        (2, 0.5), (4, 0.25), (6, 1 / 6), (8, 0.125)]
+    assert [m.value for m in client.get_metric_history(run_id, "rank1/data_wait_fraction")] == [0.2] * 4
+    assert client.get_metric_history(run_id, "epoch/val_accuracy")[0].step == 8
+
+    resumed = MLflowTracker(TrainConfig(name="t", data="/d", epochs=2, mlflow=uri, mlflow_experiment="exp"),
+                            run_dir, MANIFEST)
+    assert resumed.run_id == run_id  # the same MLflow run goes on
+    for r in records(8, 12):
+        resumed.log(r)
+    resumed.finish("finished", best_checkpoint(run_dir))
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["epochs"] == "1" and run.data.tags["imgtrain.resumed.epochs"] == "2"
+    assert [m.step for m in client.get_metric_history(run_id, "step/loss")] == [2, 4, 6, 8, 10, 12]
+    assert sorted(a.path for a in client.list_artifacts(run_id, "model")) == ["model/meta.json", "model/model.pt"]
+    model_pt = client.download_artifacts(run_id, "model/model.pt", str(tmp_path))
+    assert torch.equal(torch.load(model_pt, weights_only=True)["w"], torch.ones(2))
+
+
+def test_an_unusable_mlflow_uri_fails_at_once_with_the_uri_named(run_dir):
+    from imgtrain.errors import ImgtrainError
+
+    cfg = TrainConfig(name="t", data="/d", mlflow="nosuchscheme://x")
+    with pytest.raises(ImgtrainError, match="cannot log to MLflow at nosuchscheme://x"):
+        MLflowTracker(cfg, run_dir, MANIFEST)
+
+
+def scalars(directory, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def test_tensorboard_event_files_hold_the_metrics_and_a_restart_hides_the_steps_trained_again(run_dir):
+    tracker = TensorBoardTracker(TrainConfig(name="t", data="/d", tensorboard=True), run_dir)
+    for r in records(0, 8):
+        tracker.log(r)
+    # The worker group died after step 8 and restarts from a checkpoint at step 4: steps 6 and 8
+    # are trained again, with other losses.
+    for r in records(4, 8, loss_at=lambda s: 10.0 + s):
+        tracker.log(r)
+    tracker.finish("finished", None)
+    assert scalars(run_dir / "tensorboard", "step/loss") == [(2, 0.5), (4, 0.25), (6, 16.0), (8, 18.0)]
+    assert [v for _, v in scalars(run_dir / "tensorboard", "rank1/data_wait_s")] == pytest.approx([0.04] * 4)
+    assert scalars(run_dir / "tensorboard", "epoch/val_accuracy") == [(8, pytest.approx(0.7))]
+
+
+def test_the_base_install_needs_no_tracker_and_says_what_to_install(tmp_path):
+    # Hide MLflow as if the extra were not installed; nothing else changes.
+    code = ("import sys; sys.modules['mlflow'] = None; sys.argv = ['imgtrain'] + sys.argv[1:]; "
+            "import imgtrain.cli, imgtrain.trainer; assert 'tensorboard' not in sys.modules; imgtrain.cli.main()")
+    done = subprocess.run([sys.executable, "-c", code, "train", "--name", "x", "--data", str(tmp_path),
+                           "--mlflow", "sqlite:///m.db", "--storage", str(tmp_path / "runs")],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: --mlflow needs MLflow: pip install 'imgtrain[mlflow]'"
+    assert not (tmp_path / "runs").exists()
