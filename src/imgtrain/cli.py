@@ -21,12 +21,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Train image classifiers with data-parallel PyTorch on Ray.")
 data_app = typer.Typer(no_args_is_help=True, help="Prepare data sets.")
 runs_app = typer.Typer(no_args_is_help=True, help="Inspect runs.")
-app.add_typer(data_app, name="data")
 config_app = typer.Typer(no_args_is_help=True, help="Training settings: defaults and config files.")
 clean_app = typer.Typer(no_args_is_help=True, help="Delete runs or prepared data sets (only what imgtrain made).")
-app.add_typer(clean_app, name="clean")
-app.add_typer(runs_app, name="runs")
-app.add_typer(config_app, name="config")
+for group, group_name in ((data_app, "data"), (runs_app, "runs"), (config_app, "config"), (clean_app, "clean")):
+    app.add_typer(group, name=group_name)
 console = Console(markup=False)  # messages hold paths and errors: never rich markup
 
 STORAGE_HELP = "Where runs live (local or shared path)."
@@ -224,7 +222,7 @@ def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP
     last = r.history[-1] if r.history else {}
     if last.get("rank_step_time_s"):  # is any rank starved by data?
         per_rank = "; ".join(
-            f"rank {rank}: {step:.3f} s/step, {wait:.3f} s waiting for data ({wait / max(step, 1e-9):.0%})"
+            f"rank {rank}: {step:.3f} s/step, {wait * 1000:.1f} ms waiting for data ({wait / max(step, 1e-9):.0%})"
             for rank, (step, wait) in enumerate(zip(last["rank_step_time_s"], last["rank_data_wait_s"])))
         console.print(f"last epoch per rank: {per_rank}", highlight=False, soft_wrap=True)
     console.print(f"best checkpoint:   {r.best_checkpoint}", highlight=False, soft_wrap=True)

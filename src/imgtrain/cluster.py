@@ -77,6 +77,8 @@ def check_joinable(address: str, timeout_s: float = 5.0) -> None:
     one (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), token mode is turned on here;
     only then: a client in token mode cannot run actors on a cluster without authentication.
     """
+    if address == "local":  # Ray's name for "start a new local cluster"
+        return
     target = _reachable(address, timeout_s)
     if address.startswith("ray://"):  # Ray Client has its own handshake
         return

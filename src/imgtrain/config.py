@@ -42,7 +42,8 @@ class TrainConfig:
     """Where the loop runs: ``ray`` (Ray Train workers) or ``local`` (one plain PyTorch process)."""
     ingest: str = "ray-data"
     """How rows reach the workers: ``ray-data`` (Ray Data) or ``torch`` (Parquet files into a
-    DataLoader). Either way each worker takes its share of every global batch in the run's one seeded order."""
+    DataLoader). Either way each worker takes its share of every global batch in the run's one
+    seeded order."""
     workers: int = 2
     """Number of data-parallel training workers (Ray backend); the most, when elastic."""
     min_workers: int = 0
@@ -95,11 +96,11 @@ class TrainConfig:
     precision: str = "fp32"
     """Training precision: ``fp32``, or ``bf16`` (forward pass and loss under bfloat16 autocast;
     weights, gradients and optimizer state stay float32, no loss scaling needed). For GPUs with
-    bfloat16 (A100, H100); on a CPU without bfloat16 instructions it is slower. Validation runs in float32,
-    so recorded accuracies match a later ``imgtrain evaluate``."""
+    bfloat16 (A100, H100); on a CPU without bfloat16 instructions it is slower. Validation runs
+    in float32, so recorded accuracies match a later ``imgtrain evaluate``."""
     compile: bool = False
-    """Compile the training forward and backward pass with ``torch.compile``. The first steps pay for the
-    compilation (tens of seconds); worth it on GPUs for long runs."""
+    """Compile the training forward and backward pass with ``torch.compile``. The first steps pay
+    for the compilation (tens of seconds); worth it on GPUs for long runs."""
     data_on_device: bool = False
     """Keep the training split in device memory and gather each batch there (no host-to-device
     copy per step); for data sets small enough to hold in memory (the in-memory ingest limit).

@@ -90,7 +90,9 @@ class Watchdog:
         """Every rank's state, log files and full stacks, in ``logs/hang-*.txt``."""
         path = stacks.report_path(self.path.parent / "logs")
         lines = [f"imgtrain hang report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-                 f"run: {self.path.parent}; no progress for {self.timeout_s:g} s (--stall-timeout)", ""]
+                 f"run: {self.path.parent}; no progress for {self.timeout_s:g} s (--stall-timeout)",
+                 "Python stacks from faulthandler, innermost call first. For native (C++/CUDA) frames, run "
+                 "`py-spy dump --native --pid PID` on the rank's node while it hangs.", ""]
         for b in sorted(self.beats.values(), key=lambda b: b["rank"]):
             state = "STUCK" if b in stuck else "waiting" if b["phase"] in COLLECTIVE_PHASES else "running"
             lines += [f"== {_describe(b, now)}: {state}",

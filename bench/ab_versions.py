@@ -1,0 +1,79 @@
+"""A/B: two builds of imgtrain (this checkout and another one) trained alternately on one cluster.
+
+Measures whether a change costs training speed: `imgtrain train --workers 2` on the same data,
+epochs and seed, the two builds interleaved run by run so that the machine's drift hits both
+alike (which one goes first alternates). The other build is a checkout of another commit with its own virtual environment, e.g.
+
+    git clone -q . /tmp/old && git -C /tmp/old checkout -q f65bcf5 && make -C /tmp/old install
+    .venv/bin/python bench/ab_versions.py --other /tmp/old --log-every-steps 1 10
+
+Figures per run: steady images/s from the step records with ``--log-every-steps 1`` (as
+``train_throughput.py``), else the mean of the epoch records' training images/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SAMPLE_DATA, ensure_data, environment, fmt, ray_head, summarize, write_result  # noqa: E402
+from train_throughput import ROOT, _steps, settle, steady_rate  # noqa: E402
+
+from imgtrain.runs import read_metrics  # noqa: E402
+
+
+def rate(run_dir: Path, every: int) -> float:
+    records = read_metrics(run_dir)
+    if every == 1:
+        return steady_rate(_steps(records))
+    epochs = [r["images_per_s"] for r in records if r["kind"] == "epoch"]
+    return sum(epochs) / len(epochs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--other", type=Path, required=True, help="checkout of the other build, with its .venv")
+    parser.add_argument("--log-every-steps", type=int, nargs="+", default=[10])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--data", type=Path, default=SAMPLE_DATA)
+    opts = parser.parse_args()
+    opts.data, other = opts.data.resolve(), opts.other.resolve()
+    ensure_data(opts.data)
+    builds = {"this": ROOT, "other": other}
+    runs = {f"{b}@{every}": [] for every in opts.log_every_steps for b in builds}
+    began = time.time()
+    with tempfile.TemporaryDirectory(prefix="imgtrain-ab-") as tmp, ray_head():
+        for every in opts.log_every_steps:
+            for k in range(opts.repeats):
+                order = list(builds.items()) if k % 2 == 0 else list(builds.items())[::-1]  # ABBA: no order bias
+                for build, checkout in order:
+                    settle()
+                    name = f"{build}-{every}-{k}"
+                    subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-m", "imgtrain.cli", "train",
+                                    "--data", str(opts.data), "--name", name, "--storage", f"{tmp}/runs",
+                                    "--epochs", str(opts.epochs), "--seed", "0", "--workers", "2", "--address", "auto",
+                                    "--log-every-steps", str(every), "--quiet"],
+                                   cwd=checkout, check=True, capture_output=True)
+                    runs[f"{build}@{every}"].append(rate(Path(tmp) / "runs" / name, every))
+                    print(f"  {name}: {runs[f'{build}@{every}'][-1]:.0f} images/s", file=sys.stderr, flush=True)
+    other_sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=other, capture_output=True, text=True).stdout
+    results = {key: summarize(values) for key, values in runs.items()}
+    path = write_result("ab_versions", {"environment": environment(), "other": {"path": str(other), "git": other_sha.strip()},
+                                        "config": vars(opts) | {"data": str(opts.data), "other": str(other)},
+                                        "results": results, "bench_seconds": time.time() - began})
+    for every in opts.log_every_steps:
+        this, that = runs[f"this@{every}"], runs[f"other@{every}"]
+        pairs = ", ".join(f"{a / b:.2f}" for a, b in zip(this, that))
+        print(f"--log-every-steps {every}: this {fmt(results[f'this@{every}'])}, other {fmt(results[f'other@{every}'])} "
+              f"images/s; this/other per pair: {pairs}")
+    print(f"n = {opts.repeats} per build, median (min-max); results: {path}")
+
+
+if __name__ == "__main__":
+    main()
