@@ -2,18 +2,21 @@
 
 Measures whether a change costs training speed: `imgtrain train --workers 2` on the same data,
 epochs and seed, the two builds interleaved run by run so that the machine's drift hits both
-alike (which one goes first alternates). The other build is a checkout of another commit with its own virtual environment, e.g.
+alike (which one goes first alternates). The other build is a checkout of another commit with its
+own virtual environment (without one, its ``src`` runs on this Python), e.g.
 
     git clone -q . /tmp/old && git -C /tmp/old checkout -q f65bcf5 && make -C /tmp/old install
     .venv/bin/python bench/ab_versions.py --other /tmp/old --log-every-steps 1 10
 
 Figures per run: steady images/s from the step records with ``--log-every-steps 1`` (as
-``train_throughput.py``), else the mean of the epoch records' training images/s.
+``train_throughput.py``), else the mean of the epoch records' training images/s. ``--gpu``: one
+worker on CUDA with bf16 and the data on the device, as ``train_throughput.py --gpu``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -22,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SAMPLE_DATA, ensure_data, environment, fmt, ray_head, summarize, write_result  # noqa: E402
-from train_throughput import ROOT, _steps, settle, steady_rate  # noqa: E402
+from train_throughput import GPU_FLAGS, ROOT, _steps, settle, steady_rate  # noqa: E402
 
 from imgtrain.runs import read_metrics  # noqa: E402
 
@@ -35,13 +38,23 @@ def rate(run_dir: Path, every: int) -> float:
     return sum(epochs) / len(epochs)
 
 
+def command(checkout: Path) -> tuple[list[str], dict]:
+    """How to run the build in ``checkout``: its own virtual environment, else its source on this Python."""
+    venv_python = checkout / ".venv" / "bin" / "python"
+    if venv_python.exists():
+        return [str(venv_python), "-m", "imgtrain.cli"], dict(os.environ)
+    path = os.pathsep.join(filter(None, [str(checkout / "src"), os.environ.get("PYTHONPATH")]))
+    return [sys.executable, "-m", "imgtrain.cli"], dict(os.environ, PYTHONPATH=path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--other", type=Path, required=True, help="checkout of the other build, with its .venv")
+    parser.add_argument("--other", type=Path, required=True, help="checkout of the other build (with its .venv, if any)")
     parser.add_argument("--log-every-steps", type=int, nargs="+", default=[10])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--data", type=Path, default=SAMPLE_DATA)
+    parser.add_argument("--gpu", action="store_true", help="1 worker on CUDA, bf16, data on the device")
     opts = parser.parse_args()
     opts.data, other = opts.data.resolve(), opts.other.resolve()
     ensure_data(opts.data)
@@ -55,11 +68,14 @@ def main() -> None:
                 for build, checkout in order:
                     settle()
                     name = f"{build}-{every}-{k}"
-                    subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-m", "imgtrain.cli", "train",
-                                    "--data", str(opts.data), "--name", name, "--storage", f"{tmp}/runs",
-                                    "--epochs", str(opts.epochs), "--seed", "0", "--workers", "2", "--address", "auto",
-                                    "--log-every-steps", str(every), "--quiet"],
-                                   cwd=checkout, check=True, capture_output=True)
+                    imgtrain, env = command(checkout)
+                    args = ["--data", str(opts.data), "--name", name, "--storage", f"{tmp}/runs",
+                            "--epochs", str(opts.epochs), "--seed", "0", "--address", "auto",
+                            "--log-every-steps", str(every), "--quiet",
+                            *(["--workers", "1", *GPU_FLAGS] if opts.gpu else ["--workers", "2"])]
+                    done = subprocess.run([*imgtrain, "train", *args], cwd=checkout, env=env, capture_output=True, text=True)
+                    if done.returncode:
+                        sys.exit(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
                     runs[f"{build}@{every}"].append(rate(Path(tmp) / "runs" / name, every))
                     print(f"  {name}: {runs[f'{build}@{every}'][-1]:.0f} images/s", file=sys.stderr, flush=True)
     other_sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=other, capture_output=True, text=True).stdout
