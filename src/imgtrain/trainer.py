@@ -217,9 +217,11 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Records, resu
         if cluster.dashboard_url:
             display.note(f"Ray dashboard: {cluster.dashboard_url}")
         # On the driver's own node: an actor placed on another node dies with it (an elastic run
-        # losing a node would go on training with nobody receiving its records).
+        # losing a node would go on training with nobody receiving its records). Hard affinity:
+        # Ray places an actor that needs no resources on a random node despite a soft one (3 of
+        # 12 landed on the driver's node in a 3-node test); the driver's node lives as long as the driver.
         monitor = Monitor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-            ray.get_runtime_context().get_node_id(), soft=True)).remote()
+            ray.get_runtime_context().get_node_id(), soft=False)).remote()
         watchdog = Watchdog(run_dir, cfg.stall_timeout_s, note=display.note)
         elastic = cfg.min_workers and cfg.min_workers < cfg.workers
         trainer = TorchTrainer(
