@@ -13,7 +13,12 @@ from ray.cluster_utils import Cluster
 
 
 def main() -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    # A removed node is declared dead after 3 failed health checks a second apart (about 3 s)
+    # instead of Ray's 5 at 3 s: the surviving rank, blocked in an all-reduce, learns of the loss
+    # only then, and the test would spend the difference waiting.
+    health = {"health_check_period_ms": 1000, "health_check_timeout_ms": 2000, "health_check_failure_threshold": 3}
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": health})
     nodes = {}
 
     def add() -> str:
