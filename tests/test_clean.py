@@ -8,17 +8,18 @@ import sys
 
 import pytest
 
-from imgtrain import runs
+from imgtrain import ownership, runs
 from imgtrain.clean import plan_dataset, plan_runs, remove
 from imgtrain.errors import ImgtrainError
 
 
-def make_run(storage, name, status="finished", pid=None):
+def make_run(storage, name, status="finished", pid=None, host=None):
     run_dir = storage / name
-    (run_dir / "logs").mkdir(parents=True)
+    ownership.claim(run_dir)
+    (run_dir / "logs").mkdir()
     runs.write_config(run_dir, {"name": name})
     (run_dir / runs.STATUS_FILE).write_text(json.dumps(
-        {"status": status, "pid": pid or os.getpid(), "host": socket.gethostname()}))
+        {"status": status, "pid": pid or os.getpid(), "host": host or socket.gethostname()}))
     (run_dir / "checkpoint_epoch_0000").mkdir()
     (run_dir / "checkpoint_epoch_0000" / "model.pt").write_bytes(b"x" * 1000)
     return run_dir

@@ -259,21 +259,11 @@ def test_load_manifest_rejects_non_datasets(tmp_path, tiny_dir):
 # ---------------------------------------------------------------------------- Ray Data
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray for the one test that needs it; reuses (and leaves) one already running."""
-    import ray
+@pytest.mark.integration
+def test_ray_read_parquet_yields_uint8_tensors(sample_dir, ray_cluster):
+    import ray.data
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
-def test_ray_read_parquet_yields_uint8_tensors(sample_dir, ray_local):
-    ds = ray_local.data.read_parquet(str(sample_dir / "train"))
+    ds = ray.data.read_parquet(str(sample_dir / "train"))
     batch = ds.take_batch(64, batch_format="numpy")
     assert isinstance(batch["image"], np.ndarray)
     assert batch["image"].dtype == np.uint8 and batch["image"].shape == (64, 28, 28, 1)

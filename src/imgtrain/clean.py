@@ -1,8 +1,10 @@
 """``imgtrain clean``: delete runs or prepared data sets (the tutorials' clean-up cell, made safe).
 
 Only what imgtrain made is ever deleted:
-  * a run: a real directory (not a link) directly inside the storage root that holds a
-    ``config.json``; never one that a live process is training right now.
+  * a run: a real directory (not a link) directly inside the storage root that imgtrain
+    marked as a run (``ownership.py``); never one that a live process is training: the run's
+    lock is taken and its status read again just before deleting. A status left "running" by
+    a driver on another host that is gone can be overridden with ``--force``.
   * a data set: its ``manifest.json`` and the Parquet files the manifest lists, then the
     folders they leave empty. Any other file in the folder stays where it is.
 Links inside a run (``logs/ray`` points at Ray's session logs) are removed as links, never
@@ -13,10 +15,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imgtrain import runs
+from imgtrain import ownership, runs
 from imgtrain.errors import ImgtrainError
 
 
@@ -29,14 +32,16 @@ class Removal:
     files: list[Path] = field(default_factory=list)  # data set: the files imgtrain wrote
     size: int = 0
     kept: list[Path] = field(default_factory=list)  # data set: files in its folder imgtrain did not write
+    force: bool = False  # run: delete even if another host's driver is recorded as training it
 
     def describe(self) -> str:
         kept = f"; keeps {len(self.kept)} file(s) imgtrain did not write" if self.kept else ""
         return f"{self.kind} {self.path} ({self.size / 2**20:,.1f} MiB){kept}"
 
 
-def plan_runs(storage: str, names: list[str], everything: bool = False) -> list[Removal]:
-    """The runs to delete: those named, or with ``everything`` every run in ``storage``."""
+def plan_runs(storage: str, names: list[str], everything: bool = False, force: bool = False) -> list[Removal]:
+    """The runs to delete: those named, or with ``everything`` every run in ``storage``.
+    ``force``: also runs whose status says another host's driver is training them."""
     root = runs.storage_root(storage)
     if everything:
         if names:
@@ -54,11 +59,20 @@ def plan_runs(storage: str, names: list[str], everything: bool = False) -> list[
                 raise ImgtrainError(f"no run named {name!r} in {root} (runs there: {known or 'none'}); nothing deleted")
             found.append(root / name)
     for run_dir in found:
-        status = runs.read_status(run_dir)
-        if status.get("status") == "running":
-            raise ImgtrainError(f"run {run_dir.name!r} is being trained right now by process {status.get('pid')} "
-                                f"on {status.get('host')}; stop it first; nothing deleted")
-    return [Removal("run", d, size=_tree_size(d)) for d in found]
+        _refuse_if_running(run_dir, force)
+    return [Removal("run", d, size=_tree_size(d), force=force) for d in found]
+
+
+def _refuse_if_running(run_dir: Path, force: bool) -> None:
+    status = runs.read_status(run_dir)  # a dead driver on this host reads as "interrupted"
+    if status.get("status") != "running":
+        return
+    here = status.get("host") == socket.gethostname()
+    if force and not here:
+        return
+    hint = ("if that driver is gone, pass --force" if not here else "stop it first")
+    raise ImgtrainError(f"run {run_dir.name!r} is being trained right now by process {status.get('pid')} "
+                        f"on {status.get('host')}; {hint}; nothing deleted")
 
 
 def plan_dataset(data_dir: str | Path) -> Removal:
@@ -70,6 +84,11 @@ def plan_dataset(data_dir: str | Path) -> Removal:
         raise ImgtrainError(f"{data_dir} is not a data set directory; nothing deleted")
     manifest = load_manifest(data_dir)  # refuses a folder imgtrain did not prepare
     files = [data_dir / MANIFEST] + [p for s in SPLITS for p in split_files(data_dir, manifest, s) if p.is_file()]
+    inside = data_dir.resolve()
+    for path in files:  # a linked split folder would make us delete what lies elsewhere
+        if inside not in path.resolve().parents:
+            raise ImgtrainError(f"{path} lies outside the data set {data_dir} (through a symbolic link); "
+                                "nothing deleted")
     ours = set(files)
     kept = sorted(p for p in data_dir.rglob("*") if (p.is_file() or p.is_symlink()) and p not in ours)
     return Removal("data set", data_dir, files=files, size=sum(p.lstat().st_size for p in files), kept=kept)
@@ -77,9 +96,11 @@ def plan_dataset(data_dir: str | Path) -> Removal:
 
 def remove(removal: Removal) -> None:
     if removal.kind == "run":
-        if removal.path.is_symlink() or not _is_run(removal.path):  # checked again: it may have changed
+        if not _is_run(removal.path):  # checked again: it may have changed since the plan
             raise ImgtrainError(f"{removal.path} is no longer an imgtrain run; not deleting it")
-        shutil.rmtree(removal.path)  # removes links inside as links, never what they point to
+        with ownership.locked(removal.path, "deleted"):  # a driver that started since: refused
+            _refuse_if_running(removal.path, removal.force)
+            shutil.rmtree(removal.path)  # removes links inside as links, never what they point to
         return
     for path in removal.files:
         path.unlink(missing_ok=True)
@@ -93,7 +114,7 @@ def remove(removal: Removal) -> None:
 
 
 def _is_run(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink() and (path / runs.CONFIG_FILE).is_file()
+    return ownership.is_run(path)
 
 
 def _tree_size(path: Path) -> int:

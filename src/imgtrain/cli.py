@@ -124,7 +124,7 @@ def train_cmd(
     --config FILE, then the flags given here.
     """
     import imgtrain
-    from imgtrain import runs
+    from imgtrain import ownership, runs
     from imgtrain.config import TrainConfig, resolve, validate
     from imgtrain.configfile import read_config_file
     from imgtrain.display import TrainingDisplay
@@ -145,7 +145,8 @@ def train_cmd(
     requested = {**from_file, **{k: v for k, v in overrides.items() if v is not None}}
     # A resumed run keeps its stored settings; an overwritten one starts from the defaults.
     run_name, run_storage = requested.get("name"), requested.get("storage", TrainConfig.storage)
-    stored = None if overwrite or not run_name else runs.read_config(runs.run_path(run_storage, run_name))
+    run_dir = runs.run_path(run_storage, run_name) if run_name else None
+    stored = runs.read_config(run_dir) if run_dir and not overwrite and ownership.is_run(run_dir) else None
     cfg = resolve(requested, stored)
     if problems:  # the file's problems and the resolved config's, in one message
         validate(cfg, [f"{config}: {p}" for p in problems])
@@ -351,18 +352,28 @@ def report_cmd(
 def serve_cmd(
     run: str = typer.Argument(..., help="Run name (in --storage), run directory or checkpoint directory."),
     checkpoint: str = typer.Option("best", help=CHECKPOINT_HELP),
-    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0 exposes it to the network)."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0 exposes it to the network; "
+                             "there is no authentication or TLS: put a reverse proxy in front)."),
     port: int = typer.Option(8000, help="HTTP port."),
     max_request_bytes: int = typer.Option(1 << 20, help="Larger request bodies are refused with 413."),
+    max_image_pixels: int = typer.Option(0, help="Larger images are refused with 413 before decoding; "
+                                         "0 = 64 x the model's input, at least 1 megapixel."),
+    max_batch_images: int = typer.Option(64, help="Most images in one request."),
+    request_timeout: float = typer.Option(30.0, help="Seconds before an unanswered request gets 408/504."),
+    max_queued_requests: int = typer.Option(100, help="Requests waiting per replica before new ones get 503."),
     replicas: int = typer.Option(1, help="Model replicas (Ray Serve deployment)."),
+    openapi: bool = typer.Option(False, "--openapi", help="Also serve the API schema at /openapi.json."),
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster; default: start one."),
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
 ):
     """Serve the model over HTTP with Ray Serve: POST /predict, GET /healthz. Ctrl-C stops it."""
-    from imgtrain.serve import run_server
+    from imgtrain.serve import Limits, run_server
 
-    run_server(run, checkpoint=checkpoint, storage=storage, host=host, port=port,
-               max_request_bytes=max_request_bytes, replicas=replicas, address=address,
+    limits = Limits(max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels,
+                    max_batch_images=max_batch_images, request_timeout_s=request_timeout,
+                    max_queued_requests=max_queued_requests)
+    run_server(run, checkpoint=checkpoint, storage=storage, host=host, port=port, limits=limits,
+               replicas=replicas, address=address, openapi=openapi,
                announce=lambda line: console.print(line, highlight=False, soft_wrap=True))
 
 
@@ -376,11 +387,13 @@ def clean_runs(
     all_runs: bool = typer.Option(False, "--all", help="Every run in --storage."),
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
     yes: bool = YES_OPTION, dry_run: bool = DRY_RUN_OPTION,
+    force: bool = typer.Option(False, "--force", help="Also delete runs recorded as being trained on another "
+                               "host whose driver is gone (a run locked on this machine is never deleted)."),
 ):
     """Delete runs: their checkpoints, metrics, logs and reports. Never a run being trained."""
     from imgtrain.clean import plan_runs
 
-    _clean(plan_runs(storage, names or [], everything=all_runs), yes, dry_run)
+    _clean(plan_runs(storage, names or [], everything=all_runs, force=force), yes, dry_run)
 
 
 @clean_app.command("data")

@@ -30,6 +30,15 @@ class Cluster:
     session_logs: Path | None
 
 
+def user_log_dir() -> Path:
+    """Where Ray's logs go when there is no run directory (evaluate, predict, a bare checkpoint
+    served): this user's own cache folder, not a folder in /tmp that every user shares."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = base / "imgtrain" / "logs"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return folder
+
+
 def required_cpus(cfg: TrainConfig, workers: int | None = None) -> float:
     workers = cfg.workers if workers is None else workers
     return workers * cfg.cpus_per_worker + (INGEST_CPUS if cfg.ingest == "ray-data" else 0)

@@ -28,6 +28,18 @@ RESUMABLE_FIELDS = (
 # Names a config file may also use for a field: the CLI flag's name where it differs.
 ALIASES = {"gpu": "use_gpu", "stall_timeout": "stall_timeout_s"}
 
+# The range of every numeric field, in interval notation. Every float must also be finite (a
+# NaN passes every comparison: stall_timeout = nan silently turned the watchdog off).
+RANGES = {
+    "workers": "[1, 10000]", "min_workers": "[0, 10000]", "cpus_per_worker": "(0, 1024]",
+    "threads_per_worker": "[0, 1024]", "epochs": "[1, 100000]", "batch_size": "[1, 1048576]",
+    "lr": "(0, 10]", "weight_decay": "[0, 10]", "warmup_fraction": "[0, 1)", "label_smoothing": "[0, 1)",
+    "max_rotate_deg": "[0, 180]", "max_shift": "[0, 1]", "max_scale": "[0, 1)", "ema_decay": "[0, 1)",
+    "seed": "[0, 4294967295]", "eval_batch_size": "[1, 1048576]", "log_every_steps": "[1, 1000000000]",
+    "num_to_keep": "[1, 1000]", "max_failures": "[-1, 1000]", "checkpoint_every_steps": "[0, 1000000000]",
+    "stall_timeout_s": "[0, 604800]", "limit_train_batches": "[0, 1000000000]",
+}
+
 
 @dataclass
 class TrainConfig:
@@ -167,59 +179,50 @@ def _field_docs() -> dict[str, str]:
     return docs
 
 
+def flag(name: str) -> str:
+    """The command-line spelling of a field: ``--batch-size``, ``--gpu``, ``--stall-timeout``."""
+    spelled = {v: k for k, v in ALIASES.items()}.get(name, name)
+    return "--" + spelled.replace("_", "-")
+
+
+def range_problem(name: str, value, interval: str) -> str | None:
+    """Why ``value`` is outside ``interval`` ("[0, 1)": brackets include the bound), or None."""
+    import math
+
+    lo_text, hi_text = interval[1:-1].split(",")
+    lo, hi = float(lo_text), float(hi_text)
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{flag(name)} must be a finite number, got {value}"
+    if value < lo or value == lo and interval[0] == "(":
+        bound = "at least" if interval[0] == "[" else "above"
+        return f"{flag(name)} must be {bound} {lo_text.strip()}, got {value}"
+    if value > hi or value == hi and interval[-1] == ")":
+        bound = "at most" if interval[-1] == "]" else "below"
+        return f"{flag(name)} must be {bound} {hi_text.strip()}, got {value}"
+    return None
+
+
 def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
     """Check every field; raise one ImgtrainError listing every problem found, after the
     ``problems`` already found elsewhere (a config file's unknown keys and wrong types)."""
     issues = list(problems)
     if not cfg.name:
         issues.append("--name is required (the run is stored under {storage}/{name})")
-    elif "/" in cfg.name or cfg.name.startswith("."):
+    elif "/" in cfg.name or cfg.name.startswith(".") or "\0" in cfg.name:
         issues.append(f"--name {cfg.name!r} must be a plain name without '/' or a leading '.'")
-    if cfg.backend not in BACKENDS:
-        issues.append(f"--backend {cfg.backend!r} is not one of {', '.join(BACKENDS)}")
-    if cfg.ingest not in INGESTS:
-        issues.append(f"--ingest {cfg.ingest!r} is not one of {', '.join(INGESTS)}")
-    if cfg.precision not in PRECISIONS:
-        issues.append(f"--precision {cfg.precision!r} is not one of {', '.join(PRECISIONS)}")
-    if cfg.optimizer not in OPTIMIZERS:
-        issues.append(f"--optimizer {cfg.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-    if cfg.workers < 1:
-        issues.append(f"--workers must be at least 1, got {cfg.workers}")
-    if cfg.min_workers < 0 or cfg.min_workers > cfg.workers:
+    for name, allowed in (("backend", BACKENDS), ("ingest", INGESTS), ("precision", PRECISIONS),
+                          ("optimizer", OPTIMIZERS)):
+        if getattr(cfg, name) not in allowed:
+            issues.append(f"{flag(name)} {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+    out_of_range = [range_problem(name, getattr(cfg, name), interval) for name, interval in RANGES.items()]
+    issues += [problem for problem in out_of_range if problem]
+    if cfg.min_workers > cfg.workers:
         issues.append(f"--workers {cfg.min_workers}-{cfg.workers}: the minimum must be between 1 and the maximum")
-    if cfg.epochs < 1:
-        issues.append(f"--epochs must be at least 1, got {cfg.epochs}")
-    if cfg.batch_size < 1:
-        issues.append(f"--batch-size must be at least 1, got {cfg.batch_size}")
-    elif cfg.batch_size < cfg.effective_workers():
+    if 1 <= cfg.batch_size < cfg.effective_workers():
         issues.append(
             f"--batch-size {cfg.batch_size} is smaller than --workers {cfg.workers}: "
             "every worker needs at least one sample per step; raise the batch size or use fewer workers"
         )
-    if not cfg.lr > 0:
-        issues.append(f"--lr must be positive, got {cfg.lr}")
-    if cfg.weight_decay < 0:
-        issues.append(f"--weight-decay must be >= 0, got {cfg.weight_decay}")
-    if not 0 <= cfg.warmup_fraction < 1:
-        issues.append(f"warmup_fraction must be in [0, 1), got {cfg.warmup_fraction}")
-    if not 0 <= cfg.ema_decay < 1:
-        issues.append(f"--ema-decay must be in [0, 1), got {cfg.ema_decay}")
-    if not 0 <= cfg.label_smoothing < 1:
-        issues.append(f"label_smoothing must be in [0, 1), got {cfg.label_smoothing}")
-    if cfg.cpus_per_worker <= 0:
-        issues.append(f"cpus_per_worker must be positive, got {cfg.cpus_per_worker}")
-    if cfg.threads_per_worker < 0:
-        issues.append(f"threads_per_worker must be >= 0, got {cfg.threads_per_worker}")
-    if cfg.max_failures < -1:
-        issues.append(f"--max-failures must be >= 0 (or -1 for unlimited), got {cfg.max_failures}")
-    if cfg.eval_batch_size < 1 or cfg.log_every_steps < 1 or cfg.num_to_keep < 1:
-        issues.append("eval_batch_size, log_every_steps and num_to_keep must be at least 1")
-    if cfg.checkpoint_every_steps < 0:
-        issues.append(f"--checkpoint-every-steps must be >= 0, got {cfg.checkpoint_every_steps}")
-    if cfg.stall_timeout_s < 0:
-        issues.append(f"--stall-timeout must be >= 0 seconds, got {cfg.stall_timeout_s}")
-    if cfg.limit_train_batches < 0:
-        issues.append(f"limit_train_batches must be >= 0, got {cfg.limit_train_batches}")
     if cfg.mlflow is not None and not cfg.mlflow.strip():
         issues.append("--mlflow needs a tracking URI, e.g. sqlite:///mlflow.db")
     if not cfg.mlflow_experiment.strip():

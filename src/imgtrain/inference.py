@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,8 +160,12 @@ def load_checkpoint(
             f"checkpoint {path} names {len(classes)} classes but its model has {args['num_classes']} outputs"
         )
     norm = data.get("normalize") or {"mean": [0.5] * args["in_channels"], "std": [0.5] * args["in_channels"]}
+    image_shape = tuple(int(v) for v in data.get("image_shape") or (28, 28, args["in_channels"]))
+    if len(image_shape) != 3 or image_shape[2] != args["in_channels"] or not all(0 < v <= 8192 for v in image_shape):
+        raise ImgtrainError(f"checkpoint {path} records an image shape of {list(image_shape)}, which its "
+                            f"{args['in_channels']}-channel model cannot take; use another checkpoint")
     preprocess = Preprocess(
-        image_shape=tuple(int(v) for v in data.get("image_shape") or (28, 28, args["in_channels"])),
+        image_shape=image_shape,
         mean=tuple(norm["mean"]), std=tuple(norm["std"]), classes=classes,
         channels_last=bool((meta.get("config") or {}).get("channels_last", False)),
     )
@@ -289,8 +292,7 @@ def _run_on_ray(checkpoint_dir: Path, columns: dict, images: np.ndarray, opts: I
 
     from imgtrain import cluster as cluster_mod
 
-    logs = Path(tempfile.gettempdir()) / "imgtrain-logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = cluster_mod.user_log_dir()
     with cluster_mod.ray_output_to(logs):
         cluster = cluster_mod.start_or_join(opts.address, opts.concurrency, log_file=logs / "inference.log")
         try:

@@ -14,15 +14,14 @@ whole command fail before any prediction (``on_error="fail"``).
 
 from __future__ import annotations
 
-import glob
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from imgtrain.data.images import IMAGE_SUFFIXES, ImageRejected, conform_image, open_image
 from imgtrain.errors import ImgtrainError
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 ON_ERROR = ("skip", "fail")
 
 
@@ -63,23 +62,17 @@ def _from_dataset(path: Path, split: str, image_shape) -> Inputs:
 
 def _from_parquet(path: Path, image_column: str, image_shape) -> Inputs:
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    from imgtrain.data.sources import _images_from_column, _parquet_files
+    from imgtrain.data.sources import images_from_column, parquet_files, read_parquet_columns
 
-    files = _parquet_files(path)
+    files = parquet_files(path)
     if not files:
         raise ImgtrainError(f"no Parquet file at {path}")
     try:
-        table = pa.concat_tables([pq.read_table(f) for f in files])
+        table = read_parquet_columns(files, [image_column], ["id", "label"], "choose with --image-column")
     except (pa.ArrowException, OSError) as e:
         raise ImgtrainError(f"cannot read Parquet data at {path}: {' '.join(str(e).split())[:200]}") from None
-    if image_column not in table.column_names:
-        raise ImgtrainError(
-            f"{path} has no column {image_column!r}; available columns: {', '.join(table.column_names)}; "
-            "choose with --image-column"
-        )
-    images = _images_from_column(table.column(image_column), table.schema.field(image_column))
+    images = images_from_column(table.column(image_column), table.schema.field(image_column))
     columns = {"id": np.arange(table.num_rows, dtype=np.int64)}
     for name in ("id", "label"):
         if name in table.column_names and name != image_column:
@@ -93,10 +86,13 @@ def _from_parquet(path: Path, image_column: str, image_shape) -> Inputs:
 def _image_paths(spec: str) -> list[Path]:
     path = Path(spec).expanduser()
     if any(ch in spec for ch in "*?["):
-        return sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        # pathlib's ** does not descend into linked folders; glob.glob(recursive=True) does,
+        # and a link to a parent folder made it walk in circles.
+        first = next(i for i, part in enumerate(path.parts) if any(ch in part for ch in "*?["))
+        base = Path(*path.parts[:first]) if first else Path(".")
+        return _visible(base, base.glob(str(Path(*path.parts[first:]))))
     if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file()
-                      and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        return _visible(path, path.rglob("*"))
     if path.is_file():
         return [path]
     raise ImgtrainError(
@@ -104,9 +100,12 @@ def _image_paths(spec: str) -> list[Path]:
     )
 
 
-def _from_image_files(spec: str, image_shape, on_error: str) -> Inputs:
-    from PIL import Image, ImageOps
+def _visible(base: Path, found) -> list[Path]:
+    """Files among ``found`` (paths under ``base``), hidden ones (.DS_Store, .git) left out."""
+    return sorted(p for p in found if p.is_file() and not any(part.startswith(".") for part in p.relative_to(base).parts))
 
+
+def _from_image_files(spec: str, image_shape, on_error: str) -> Inputs:
     h, w, c = image_shape
     paths = _image_paths(spec)
     images = np.empty((len(paths), h, w, c), dtype=np.uint8)
@@ -117,11 +116,12 @@ def _from_image_files(spec: str, image_shape, on_error: str) -> Inputs:
             reason = "not a .png/.jpg/.jpeg file"
         else:
             try:
-                with Image.open(p) as im:
-                    im = ImageOps.exif_transpose(im)
+                with open_image(p) as im:
                     images[len(kept)], changed = conform_image(im, image_shape)
                 converted += changed
                 kept.append(str(p))
+            except ImageRejected as e:  # another format, too many pixels
+                reason = f"cannot be used ({e})"
             except Exception as e:  # unreadable, truncated, not really an image
                 reason = f"cannot be decoded ({type(e).__name__})"
         if reason:
@@ -135,19 +135,6 @@ def _from_image_files(spec: str, image_shape, on_error: str) -> Inputs:
         raise ImgtrainError(f"none of the {len(skipped)} file(s) in {spec} is a readable PNG/JPEG image "
                             f"(first: {skipped[0][0]}: {skipped[0][1]})")
     return Inputs({"path": np.asarray(kept, dtype=object)}, images[: len(kept)], converted, skipped)
-
-
-def conform_image(im, image_shape) -> tuple[np.ndarray, bool]:
-    """A PIL image -> uint8 [H, W, C] in the model's shape; True when it had to be converted."""
-    from PIL import Image
-
-    h, w, c = image_shape
-    mode = "L" if c == 1 else "RGB"
-    changed = im.mode != mode or im.size != (w, h)
-    im = im.convert(mode)
-    if im.size != (w, h):
-        im = im.resize((w, h), Image.Resampling.BILINEAR)
-    return np.asarray(im, dtype=np.uint8).reshape(h, w, c), changed
 
 
 def conform(images: np.ndarray, image_shape) -> tuple[np.ndarray, int]:
@@ -179,7 +166,7 @@ def write_table(frame, out: Path) -> Path:
 
     kind = out.suffix.lower()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # two commands writing one --out never share it
     try:
         if kind == ".csv":
             frame.to_csv(tmp, index=False)

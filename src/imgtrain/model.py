@@ -99,9 +99,14 @@ def model_args(manifest: dict) -> dict:
 
 
 def build_from_args(args: dict) -> nn.Module:
+    """The model ``args`` (from a checkpoint's meta.json: untrusted) describe."""
     if args.get("architecture") != ARCHITECTURE:
         raise ValueError(f"unknown architecture {args.get('architecture')!r}")
-    return build_resnet18(args["in_channels"], args["num_classes"])
+    channels, classes = args.get("in_channels"), args.get("num_classes")
+    # a meta.json claiming 10^9 classes would otherwise allocate a 2-TB output layer
+    if channels not in (1, 3) or not isinstance(classes, int) or not 2 <= classes <= 100_000:
+        raise ValueError(f"in_channels {channels!r} / num_classes {classes!r} out of range")
+    return build_resnet18(channels, classes)
 
 
 def to_model_input(images: torch.Tensor, mean: list[float], std: list[float]) -> torch.Tensor:

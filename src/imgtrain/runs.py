@@ -6,6 +6,7 @@ Ray Train owns its checkpoint folders and snapshot files there; imgtrain adds
                   history, complete even after Ray deletes old checkpoints
   status.json     running / finished / failed / interrupted, with pid, host and error
   logs/           driver.log and a link to the Ray session's logs
+  .imgtrain-run   the marker that makes this directory a run (``ownership.py``), and .lock
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import ownership
 from imgtrain.errors import ImgtrainError
 from imgtrain.fileutil import atomic_write_text
 
-CONFIG_FILE = "config.json"
+CONFIG_FILE = ownership.CONFIG_FILE
 METRICS_FILE = "metrics.jsonl"
 STATUS_FILE = "status.json"
 LOGS_DIR = "logs"
@@ -50,8 +52,21 @@ def write_config(run_dir: Path, config: dict) -> None:
 
 
 def read_config(run_dir: Path) -> dict | None:
+    """The stored config, None when there is none; an error naming the file when it is damaged."""
     path = run_dir / CONFIG_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    config = _read_json(path)
+    if not isinstance(config, dict):
+        raise ImgtrainError(f"{path} is damaged (not a JSON object); restore it, or pass --overwrite to start afresh")
+    return config
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def write_status(run_dir: Path, status: str, **extra) -> None:
@@ -64,7 +79,9 @@ def read_status(run_dir: Path) -> dict:
     path = run_dir / STATUS_FILE
     if not path.is_file():
         return {"status": "unknown"}
-    status = json.loads(path.read_text())
+    status = _read_json(path)
+    if not isinstance(status, dict):
+        return {"status": "damaged", "error": f"{STATUS_FILE} is not valid JSON"}
     # A driver killed with SIGKILL leaves "running" behind; say what really happened.
     if status.get("status") == "running" and status.get("host") == socket.gethostname():
         if not _pid_alive(status.get("pid", -1)):
@@ -206,15 +223,6 @@ def retain(run_dir: Path, num_to_keep: int, ignore=()) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def delete_run(run_dir: Path) -> None:
-    """Remove a run directory, only if it is one imgtrain made (it holds config.json)."""
-    import shutil
-
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise ImgtrainError(f"{run_dir} is not an imgtrain run directory (no {CONFIG_FILE}); not deleting it")
-    shutil.rmtree(run_dir)
-
-
 # ---------------------------------------------------------------- inspecting runs
 
 
@@ -258,14 +266,22 @@ class RunResult:
 
 def load_run(storage: str, name: str) -> RunResult:
     run_dir = run_path(storage, name)
-    config = read_config(run_dir)
-    if config is None:
+    if not ownership.is_run(run_dir):
         known = ", ".join(sorted(r.name for r in list_runs(storage))) or "none"
         raise ImgtrainError(f"no run named {name!r} in {storage_root(storage)} (runs there: {known})")
+    return _load(run_dir)
+
+
+def _load(run_dir: Path) -> RunResult:
     status = read_status(run_dir)
+    try:
+        config = read_config(run_dir) or {}
+    except ImgtrainError as e:  # listed as damaged, never a crash of `runs list`
+        status = {"status": "damaged", "error": str(e)}
+        config = {}
     best, latest = best_and_latest(run_dir)
     return RunResult(
-        name=name, path=run_dir, status=status.get("status", "unknown"), config=config,
+        name=run_dir.name, path=run_dir, status=status.get("status", "unknown"), config=config,
         history=epoch_history(run_dir), best_checkpoint=best, latest_checkpoint=latest,
         error=status.get("error"),
     )
@@ -275,5 +291,12 @@ def list_runs(storage: str) -> list[RunResult]:
     root = storage_root(storage)
     if not root.is_dir():
         return []
-    runs = [load_run(storage, d.name) for d in sorted(root.iterdir()) if (d / CONFIG_FILE).is_file()]
-    return sorted(runs, key=lambda r: (r.path / CONFIG_FILE).stat().st_mtime)
+    found = [_load(d) for d in sorted(root.iterdir()) if ownership.is_run(d)]
+    return sorted(found, key=lambda r: _mtime(r.path / CONFIG_FILE) or _mtime(r.path))
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None

@@ -4,13 +4,20 @@
                     one image as [H][W], [H][W][C] or a flat list of H*W*C values, ``{"pixels": ...}``,
                     or a list of images / ``{"images": [...]}`` for a batch
                     -> {"label", "index", "confidence", "probabilities": {class: prob}} (a list for a batch)
-    GET  /healthz   -> {"status": "ok", "checkpoint", "classes", "image_shape"}
+    GET  /healthz   -> {"status": "ok", "checkpoint" (its name), "classes", "image_shape"}
+    GET  /openapi.json  only with ``--openapi`` (no /docs or /redoc: they load outside scripts)
 
 Image files of another size or colour mode are converted as ``imgtrain predict`` does
 (``imgtrain.inputs``); JSON pixels must already have the model's shape. Bad input gets a 4xx
-with ``{"error": "..."}``, never a 500. The driver finds and verifies the checkpoint, refuses
-a busy port before starting Ray, waits for the app with a deadline, then blocks until SIGINT
-or SIGTERM and shuts Serve and Ray down.
+with ``{"error": "..."}``, never a 500: bodies over ``--max-request-bytes`` (413), images over
+``--max-image-pixels`` (413, checked from the header before decoding), more than
+``--max-batch-images`` images in one request (413), JSON nested too deep (400). Requests
+time out after ``--request-timeout`` seconds, and each replica queues at most
+``--max-queued-requests`` (503 past that). There is no authentication or TLS: bind to
+127.0.0.1 (the default), or put a reverse proxy that provides them in front.
+
+The driver finds and verifies the checkpoint, refuses a busy port before starting Ray, waits
+for the app with a deadline, then blocks until SIGINT or SIGTERM and shuts Serve and Ray down.
 """
 
 # No ``from __future__ import annotations``: @serve.ingress pickles the routes with only the
@@ -18,16 +25,17 @@ or SIGTERM and shuts Serve and Ray down.
 # take ``request`` for a query parameter and answer 422).
 import asyncio
 import contextlib
-import io
+import dataclasses
 import json
+import math
 import os
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,9 +52,36 @@ from imgtrain.inference import Predictor, resolve_checkpoint
 APP_NAME = "imgtrain"
 REPLICA_CPUS = 0.5  # logical: a replica mostly waits for requests; torch threads are set below
 STARTUP_TIMEOUT_S = 180.0  # Ray + Serve + model load: ~45 s on 2 busy cores; past this, stuck
-MAX_IMAGE_PIXELS = 4096 * 4096  # a small PNG can decode to gigabytes: refuse before decoding
 
-http_app = FastAPI(title="imgtrain")
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may cost the server."""
+
+    max_request_bytes: int = 1 << 20
+    """Larger bodies get 413."""
+    max_image_pixels: int = 0
+    """Larger images (width x height, from the header) get 413 before decoding; 0 = 64 times the
+    model's input, at least 1 megapixel (a 64 KiB PNG can hold 16.7 MP, ~80 MiB decoded)."""
+    max_batch_images: int = 64
+    """Images per request (JSON batches)."""
+    request_timeout_s: float = 30.0
+    """A request not answered by then gets 408/504 instead of waiting on."""
+    max_queued_requests: int = 100
+    """Requests waiting per replica before new ones get 503."""
+
+    def problems(self) -> list[str]:
+        return [f"--{name.replace('_', '-').removesuffix('-s')} must be a positive number, got {value}"
+                for name, value in dataclasses.asdict(self).items()
+                if not (0 < value < math.inf or name == "max_image_pixels" and value == 0)]
+
+    def image_pixels(self, shape) -> int:
+        return self.max_image_pixels or max(64 * shape[0] * shape[1], 1 << 20)
+
+
+# No interactive docs: /docs and /redoc load scripts from a CDN; /openapi.json is a route of
+# ModelServer, off unless --openapi.
+http_app = FastAPI(title="imgtrain", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 class RequestError(Exception):
@@ -84,20 +119,19 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def image_from_bytes(body: bytes, shape) -> np.ndarray:
+def image_from_bytes(body: bytes, shape, max_pixels: int) -> np.ndarray:
     """PNG/JPEG bytes -> uint8 [1, H, W, C], converted like ``imgtrain predict`` converts files."""
-    from PIL import Image, ImageOps
-
-    from imgtrain.inputs import conform_image
+    from imgtrain.data.images import ImageRejected, ImageTooLarge, conform_image, open_image
 
     try:
-        with Image.open(io.BytesIO(body), formats=["PNG", "JPEG"]) as im:
-            if im.size[0] * im.size[1] > MAX_IMAGE_PIXELS:
-                raise RequestError(413, f"image of {im.size[0]}x{im.size[1]} pixels is too large to decode")
-            return conform_image(ImageOps.exif_transpose(im), shape)[0][None]
-    except RequestError:
-        raise
-    except Exception as e:  # not an image, truncated, unsupported format
+        with open_image(body, max_pixels) as im:
+            return conform_image(im, shape)[0][None]
+    except ImageTooLarge as e:
+        raise RequestError(413, f"the image is too large to decode: {e} (--max-image-pixels)") from None
+    except ImageRejected as e:
+        raise RequestError(400, f"the body is not a readable PNG/JPEG image ({e}); send image bytes, or "
+                                "JSON pixels with Content-Type: application/json") from None
+    except Exception as e:  # truncated or corrupt pixel data
         raise RequestError(400, f"the body is not a readable PNG/JPEG image ({type(e).__name__}); "
                                 "send image bytes, or JSON pixels with Content-Type: application/json") from None
 
@@ -109,12 +143,14 @@ def pixels_from_json(body: bytes, shape) -> tuple[np.ndarray, bool]:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise RequestError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:  # e.g. 100,000 "[": Python's parser gives up
+        raise RequestError(400, "the JSON body is nested too deeply") from None
     batch = isinstance(data, dict) and "images" in data
     if isinstance(data, dict):
         data = data.get("images", data.get("pixels"))
     try:
         arr = np.asarray(data)
-    except ValueError:  # ragged nesting
+    except (ValueError, RecursionError):  # ragged or absurdly deep nesting
         arr = None
     if arr is None or arr.dtype.kind not in "iuf":
         raise RequestError(400, 'expected pixels: a rectangular array of numbers, {"pixels": ...} or {"images": [...]}')
@@ -138,11 +174,13 @@ def pixels_from_json(body: bytes, shape) -> tuple[np.ndarray, bool]:
 class ModelServer:
     """One replica: the checkpoint's model in eval mode on the CPU."""
 
-    def __init__(self, checkpoint_dir: str, max_request_bytes: int, threads: int):
+    def __init__(self, checkpoint_dir: str, limits: Limits, threads: int, openapi: bool = False):
         self.predictor = Predictor(checkpoint_dir, threads=threads)  # verifies the sha256s again
         self.shape = self.predictor.loaded.preprocess.image_shape  # (H, W, C)
         self.classes = list(self.predictor.loaded.preprocess.classes)
-        self.checkpoint, self.max_bytes = checkpoint_dir, max_request_bytes
+        # A name, not the server's file system layout: /healthz answers anyone who can connect.
+        self.checkpoint = f"{Path(checkpoint_dir).parent.name}/{Path(checkpoint_dir).name}"
+        self.limits, self.max_pixels, self.openapi = limits, limits.image_pixels(self.shape), openapi
         self.predictor.predict_proba(np.zeros((1, *self.shape), np.uint8))  # warm up before "ready"
 
     @http_app.get("/healthz")
@@ -150,15 +188,29 @@ class ModelServer:
         return {"status": "ok", "checkpoint": self.checkpoint, "classes": self.classes,
                 "image_shape": list(self.shape)}
 
+    @http_app.get("/openapi.json")
+    def openapi_schema(self):
+        if not self.openapi:
+            raise StarletteHTTPException(404, "Not Found")
+        from fastapi.openapi.utils import get_openapi
+
+        return get_openapi(title="imgtrain", version="1", routes=http_app.routes)
+
     @http_app.post("/predict")
     async def predict(self, request: Request):
-        body = await read_body(request, self.max_bytes)
+        body = await read_body(request, self.limits.max_request_bytes)
         is_json = request.headers.get("content-type", "").split(";")[0].strip().endswith("json")
         # Decoding and the forward pass are CPU work: off the event loop, so /healthz still answers.
         return await asyncio.to_thread(self._predict, body, is_json)
 
     def _predict(self, body: bytes, is_json: bool):
-        images, batch = pixels_from_json(body, self.shape) if is_json else (image_from_bytes(body, self.shape), False)
+        if is_json:
+            images, batch = pixels_from_json(body, self.shape)
+        else:
+            images, batch = image_from_bytes(body, self.shape, self.max_pixels), False
+        if len(images) > self.limits.max_batch_images:
+            raise RequestError(413, f"{len(images)} images in one request, over the limit of "
+                                    f"{self.limits.max_batch_images} (--max-batch-images)")
         probs = self.predictor.predict_proba(images)  # [B, K]
         answers = [
             {"label": self.classes[int(p.argmax())], "index": int(p.argmax()), "confidence": float(p.max()),
@@ -172,23 +224,21 @@ class ModelServer:
 
 
 def run_server(run, checkpoint: str = "best", storage: str = "./runs", host: str = "127.0.0.1",
-               port: int = 8000, max_request_bytes: int = 1 << 20, replicas: int = 1,
-               address: str | None = None, announce=print) -> None:
+               port: int = 8000, limits: Limits = Limits(), replicas: int = 1,
+               address: str | None = None, openapi: bool = False, announce=print) -> None:
     """Serve the checkpoint until SIGINT or SIGTERM; returns after a clean shutdown."""
-    problems = []
+    problems = limits.problems()
     if not 0 < port < 65536:
         problems.append(f"--port must be 1..65535, got {port}")
     if replicas < 1:
         problems.append(f"--replicas must be at least 1, got {replicas}")
-    if max_request_bytes < 1:
-        problems.append(f"--max-request-bytes must be at least 1, got {max_request_bytes}")
     if problems:
         raise ImgtrainError("; ".join(problems))
     # Verified here: a damaged checkpoint fails in one line, not in a replica's log.
     path = resolve_checkpoint(run, checkpoint, storage)
     check_port_free(host, port)
     in_run = (path.parent / runs.CONFIG_FILE).is_file()  # a checkpoint inside a run directory
-    logs = path.parent / runs.LOGS_DIR if in_run else Path(tempfile.gettempdir()) / "imgtrain-logs"
+    logs = path.parent / runs.LOGS_DIR if in_run else cluster_mod.user_log_dir()
     logs.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
 
@@ -215,10 +265,11 @@ def run_server(run, checkpoint: str = "best", storage: str = "./runs", host: str
                 return
             try:
                 _link(logs / "ray-serve", cluster.session_logs)
-                serve.start(http_options={"host": host, "port": port})
+                serve.start(http_options={"host": host, "port": port, "request_timeout_s": limits.request_timeout_s})
                 _check_http_config(host, port)
                 threads = max(1, (os.cpu_count() or 1) // replicas)
-                app = ModelServer.options(num_replicas=replicas).bind(str(path), max_request_bytes, threads)
+                app = ModelServer.options(num_replicas=replicas, max_queued_requests=limits.max_queued_requests).bind(
+                    str(path), limits, threads, openapi)
                 serve.run_many([serve.RunTarget(app, name=APP_NAME)], wait_for_applications_running=False)
                 if _wait_ready(host, port, stop, logs):
                     with contextlib.redirect_stdout(terminal):

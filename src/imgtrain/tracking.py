@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 from imgtrain.config import TrainConfig
@@ -44,6 +45,30 @@ def metrics_of(record: dict) -> dict[str, float]:
     else:
         return {}
     return {f"{prefix}/{k}": float(record[k]) for k in keys if record.get(k) is not None}
+
+
+def public_uri(uri: str | None) -> str | None:
+    """A tracking URI without the user name and password it may carry (``http://u:p@host``):
+    what is written to files (config.json, meta.json, report.html) and messages. MLflow reads
+    credentials from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD as well."""
+    if not uri or "@" not in uri:
+        return uri
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if not parts.netloc or "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def scrub(text: str) -> str:
+    """``text`` with the credentials of every URL in it removed (MLflow's errors quote the URI)."""
+    return re.sub(r"(\w+://)[^/\s@]+@", r"\1", text)
+
+
+def public_config(cfg: TrainConfig) -> dict:
+    """The config as it may be stored and shown: credentials removed from the MLflow URI."""
+    return dict(cfg.to_dict(), mlflow=public_uri(cfg.mlflow))
 
 
 def require(cfg: TrainConfig) -> None:
@@ -91,7 +116,8 @@ class _Guarded:
             method(*args)
         except Exception as e:  # never let tracking fail the training it tracks
             self.failed = True
-            self.note(f"warning: {self.tracker.name} logging stopped: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            first = scrub((str(e).splitlines() or [""])[0])[:200]
+            self.note(f"warning: {self.tracker.name} logging stopped: {type(e).__name__}: {first}")
 
 
 class MLflowTracker:
@@ -110,14 +136,18 @@ class MLflowTracker:
             self.run_id = self._open_run(cfg, run_dir, manifest)
         except Exception as e:
             raise ImgtrainError(
-                f"cannot log to MLflow at {cfg.mlflow}: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}; "
+                f"cannot log to MLflow at {public_uri(cfg.mlflow)}: {type(e).__name__}: "
+                f"{scrub(str(e).strip().splitlines()[0])[:200]}; "
                 "check the --mlflow URI (e.g. sqlite:///mlflow.db or http://host:5000)"
             ) from None
 
     def _open_run(self, cfg: TrainConfig, run_dir: Path, manifest: dict) -> str:
         saved_path = run_dir / MLFLOW_RUN_FILE
-        saved = json.loads(saved_path.read_text()) if saved_path.is_file() else {}
-        if saved.get("tracking_uri") == cfg.mlflow and saved.get("run_id"):
+        try:
+            saved = json.loads(saved_path.read_text()) if saved_path.is_file() else {}
+        except (OSError, ValueError):  # damaged: a new MLflow run rather than no run at all
+            saved = {}
+        if saved.get("tracking_uri") == public_uri(cfg.mlflow) and saved.get("run_id"):
             run_id = saved["run_id"]  # a resumed run continues its MLflow run
             self.client.update_run(run_id, status="RUNNING")
             self._log_params(run_id, cfg, manifest)
@@ -127,7 +157,7 @@ class MLflowTracker:
         run = self.client.create_run(experiment_id, run_name=cfg.name,
                                      tags={"imgtrain.run_dir": str(run_dir), "imgtrain.data": cfg.data})
         run_id = run.info.run_id
-        saved_path.write_text(json.dumps({"tracking_uri": cfg.mlflow, "experiment_id": experiment_id,
+        saved_path.write_text(json.dumps({"tracking_uri": public_uri(cfg.mlflow), "experiment_id": experiment_id,
                                           "run_id": run_id}, indent=2))
         self._log_params(run_id, cfg, manifest)
         return run_id
@@ -137,7 +167,7 @@ class MLflowTracker:
         with other operational settings (more epochs, other workers) records them as tags."""
         from mlflow.entities import Param, RunTag
 
-        params = {k: "" if v is None else str(v) for k, v in cfg.to_dict().items()}
+        params = {k: "" if v is None else str(v) for k, v in public_config(cfg).items()}
         params.update({"data_name": manifest.get("name", ""), "data_train_samples": str(manifest["splits"]["train"]["num_samples"]),
                        "data_test_samples": str(manifest["splits"]["test"]["num_samples"])})
         logged = self.client.get_run(run_id).data.params
@@ -176,7 +206,7 @@ class TensorBoardTracker:
         self.directory = run_dir / TENSORBOARD_DIR
         self.writer_class = SummaryWriter
         self.writer = SummaryWriter(str(self.directory))
-        self.writer.add_text("config", "\n".join(f"    {k} = {v!r}" for k, v in cfg.to_dict().items()))
+        self.writer.add_text("config", "\n".join(f"    {k} = {v!r}" for k, v in public_config(cfg).items()))
 
     def log(self, record: dict) -> None:
         if record.get("kind") == "start" and record["step"] > 0:

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import errno
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from imgtrain import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain import checkpoint as ckpt
-from imgtrain import faults, tracking
+from imgtrain import faults, ownership, tracking
 from imgtrain.config import TrainConfig, changed_fields, steps_per_epoch, validate
 from imgtrain.display import TrainingDisplay
 from imgtrain.errors import ImgtrainError
@@ -42,30 +43,70 @@ class Resume:
 def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: bool = False) -> runs.RunResult:
     """Train (or resume) the run ``cfg.name``; return its result. Raises ImgtrainError on bad input.
 
-    ``overwrite`` deletes an existing run of that name first and starts afresh.
+    ``overwrite`` replaces an existing run of that name and starts afresh; the old run is
+    deleted once the new one has its first checkpoint, and restored if it fails before that.
     """
-    from imgtrain.data.parquet import verify_dataset
-
     validate(cfg)
     tracking.require(cfg)  # a tracker asked for but not installed: before anything else
     display = display or TrainingDisplay()
     if cfg.data:
         cfg = dataclasses.replace(cfg, data=str(Path(cfg.data).expanduser().resolve()))
     run_dir = runs.run_path(cfg.storage, cfg.name)
-    stored = runs.read_config(run_dir) if run_dir.is_dir() else None
-    if stored is not None:
+    with contextlib.ExitStack() as held:  # the run's lock, held until training ends
+        plan = _plan(cfg, run_dir, overwrite, display, held)
+        if plan is None:  # complete already
+            return runs.load_run(cfg.storage, cfg.name)
+        replaced = ownership.Replacement(run_dir) if plan.replace else None
+        if replaced:
+            display.note(f"replacing the previous run {cfg.name!r} and starting afresh; the old run is deleted "
+                         "once this run has its first checkpoint")
+        try:
+            if not ownership.is_run(run_dir):  # a new run (or the old one just moved aside)
+                ownership.claim(run_dir)
+                held.enter_context(ownership.locked(run_dir, "trained"))
+            _probe_storage(run_dir)
+            return _execute(plan, run_dir, display, replaced)
+        finally:
+            if replaced and not replaced.done:  # the new run failed before its first checkpoint
+                replaced.rollback()
+                display.note(f"the previous run {cfg.name!r} was restored ({run_dir})")
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What ``train`` found and decided before touching the run directory."""
+
+    cfg: TrainConfig
+    manifest: dict
+    stored: dict | None  # the config of the run being resumed; None for a new run
+    replace: bool  # --overwrite of an existing run
+    resume: Resume
+
+
+def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: contextlib.ExitStack) -> _Plan | None:
+    """Every check that can fail, before anything is written; None when the run is complete."""
+    from imgtrain.data.parquet import verify_dataset
+
+    exists = ownership.is_run(run_dir)
+    if not exists and (run_dir.is_symlink() or run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))):
+        raise ImgtrainError(f"{run_dir} already exists and is not an imgtrain run (no {ownership.MARKER_FILE}); "
+                            "imgtrain does not write into other folders: choose another --name or --storage")
+    stored, resume = None, Resume()
+    if exists:
+        held.enter_context(ownership.locked(run_dir, "trained"))  # refuses a run in use on this machine
         status = runs.read_status(run_dir)
-        if status.get("status") == "running":
+        # On this host the lock is the truth; a driver on another host may share a file system
+        # whose locks do not reach across machines: its "running" is believed.
+        if status.get("status") == "running" and status.get("host") != socket.gethostname():
             raise ImgtrainError(
                 f"run {cfg.name!r} is being trained right now by process {status.get('pid')} on "
                 f"{status.get('host')}; wait for it or stop it (if that process is gone, delete {run_dir / runs.STATUS_FILE})"
             )
-    resume = Resume()
-    replace_existing = stored is not None and overwrite
-    if replace_existing:
-        if not cfg.data:
+        if not ownership.is_marked(run_dir):
+            ownership.mark(run_dir)  # a run made before markers: adopted
+        if overwrite and not cfg.data:
             raise ImgtrainError("--overwrite starts the run afresh: pass --data as well")
-        stored = None
+        stored = None if overwrite else runs.read_config(run_dir)
     if stored is not None:
         if not cfg.data:  # `imgtrain train --name X` alone resumes X
             cfg = dataclasses.replace(cfg, data=stored["data"])
@@ -77,17 +118,10 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
                 "choose another --name, rerun with the original settings to resume it, or pass --overwrite "
                 "to delete it and start afresh"
             )
-        good, bad = runs.verified_checkpoints(run_dir)
-        for path, why in bad:  # never resume from damaged weights: fall back to the previous good one
-            display.note(f"warning: skipping checkpoint {path.name}: {why}")
-        latest = good[-1] if good else None
-        if bad:
-            display.note(f"resuming from {latest.name}" if latest else "no good checkpoint left: starting from scratch")
-        resume = Resume(latest, [p.name for p, _ in bad])
-        if latest is not None and ckpt.read_meta(latest).get("epoch", -1) + 1 >= cfg.epochs:
+        resume = _find_resume_point(run_dir, display)
+        if resume.checkpoint is not None and ckpt.read_meta(resume.checkpoint).get("epoch", -1) + 1 >= cfg.epochs:
             display.note(f"run {cfg.name!r} is already complete ({cfg.epochs} epochs); nothing to do")
-            return runs.load_run(cfg.storage, cfg.name)
-        where = _resume_point(latest)
+            return None
     if not cfg.data:
         raise ImgtrainError("--data is required for a new run (a directory made by `imgtrain data prepare`)")
     manifest = verify_dataset(cfg.data)
@@ -98,39 +132,50 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
         )
     if cfg.backend == "ray" and cfg.address:  # an unreachable cluster: say so before making the run
         cluster_mod.check_joinable(cfg.address)
-    if replace_existing:  # only now that the new request is known to be good: no data lost for nothing
-        runs.delete_run(run_dir)
-        display.note(f"deleted the previous run {cfg.name!r} ({run_dir}); starting afresh")
-    _make_run_dir(run_dir)
-    runs.write_config(run_dir, cfg.to_dict())
+    if cfg.backend == "local" and cfg.use_gpu and not torch.cuda.is_available():
+        raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
+    return _Plan(cfg, manifest, stored, exists and overwrite, resume)
+
+
+def _find_resume_point(run_dir: Path, display) -> Resume:
+    good, bad = runs.verified_checkpoints(run_dir)
+    for path, why in bad:  # never resume from damaged weights: fall back to the previous good one
+        display.note(f"warning: skipping checkpoint {path.name}: {why}")
+    latest = good[-1] if good else None
+    if bad:
+        display.note(f"resuming from {latest.name}" if latest else "no good checkpoint left: starting from scratch")
+    return Resume(latest, [p.name for p, _ in bad])
+
+
+def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacement | None) -> runs.RunResult:
+    cfg, manifest = plan.cfg, plan.manifest
+    runs.write_config(run_dir, tracking.public_config(cfg))
     runs.write_status(run_dir, "running", started=time.time())
     try:
-        records = Records(run_dir, display, tracking.open_trackers(cfg, run_dir, manifest, display.note))
+        trackers = tracking.open_trackers(cfg, run_dir, manifest, display.note)
     except ImgtrainError as e:  # a tracking URI that does not work: fail before any training
         _record_status(run_dir, "failed", error=str(e))
         raise
-    if stored is not None:
-        display.note(f"resuming run {cfg.name!r} {where} ({run_dir})")
-
+    records = Records(run_dir, display, trackers, on_checkpoint=replaced.commit if replaced else None)
+    if plan.stored is not None:
+        display.note(f"resuming run {cfg.name!r} {_resume_point(plan.resume.checkpoint)} ({run_dir})")
     try:
         if cfg.backend == "local":
-            _train_local(cfg, manifest, run_dir, records, resume)
+            _train_local(cfg, manifest, run_dir, records, plan.resume)
         else:
-            _train_ray(cfg, manifest, run_dir, records, resume)
-    except KeyboardInterrupt:
-        _record_status(run_dir, "interrupted")
-        records.finish("interrupted")
-        raise
-    except ImgtrainError as e:
-        _record_status(run_dir, "failed", error=str(e))
-        records.finish("failed")
-        raise
-    except Exception as e:  # an unexpected failure still leaves a truthful status behind
-        _record_status(run_dir, "failed", error=f"{type(e).__name__}: {e}")
-        records.finish("failed")
+            _train_ray(cfg, manifest, run_dir, records, plan.resume)
+    except BaseException as e:  # a truthful status behind, whatever the failure
+        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        error = str(e) if isinstance(e, ImgtrainError) else f"{type(e).__name__}: {e}"
+        _record_status(run_dir, status, **({} if status == "interrupted" else {"error": error}))
+        records.finish(status)
+        if replaced and runs.verified_checkpoints(run_dir)[0]:
+            replaced.commit()  # the new run can be resumed: the old one goes as asked
         raise
     finally:
         display.close()
+    if replaced:
+        replaced.commit()
     result = runs.load_run(cfg.storage, cfg.name)
     runs.write_status(run_dir, "finished", val_accuracy=result.final_accuracy)
     records.finish("finished", result.best_checkpoint)
@@ -139,12 +184,17 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
 
 
 class Records:
-    """Where the ranks' records go: metrics.jsonl, the progress display and the trackers."""
+    """Where the ranks' records go: metrics.jsonl, the progress display and the trackers.
+    ``on_checkpoint`` runs once, when the first checkpoint of this session is stored."""
 
-    def __init__(self, run_dir: Path, display: TrainingDisplay, trackers: list):
+    def __init__(self, run_dir: Path, display: TrainingDisplay, trackers: list, on_checkpoint=None):
         self.log, self.display, self.trackers = runs.MetricsLog(run_dir), display, trackers
+        self.on_checkpoint = on_checkpoint
 
     def send(self, record: dict) -> None:
+        if record.get("checkpoint") and self.on_checkpoint:
+            self.on_checkpoint()
+            self.on_checkpoint = None
         self.log.append(record)
         self.display.update(record)
         for tracker in self.trackers:
@@ -170,9 +220,9 @@ def _resume_point(checkpoint: Path | None) -> str:
     return f"at epoch {epoch + 1}, step {meta.get('step', 0)} from {checkpoint.name}"
 
 
-def _make_run_dir(run_dir: Path) -> None:
+def _probe_storage(run_dir: Path) -> None:
     try:
-        (run_dir / runs.LOGS_DIR).mkdir(parents=True, exist_ok=True)
+        (run_dir / runs.LOGS_DIR).mkdir(exist_ok=True)
         probe = run_dir / ".write-test"
         probe.write_text("ok")
         probe.unlink()
@@ -226,7 +276,8 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Records, resu
         elastic = cfg.min_workers and cfg.min_workers < cfg.workers
         trainer = TorchTrainer(
             train_loop_per_worker,
-            train_loop_config={"cfg": cfg.to_dict(), "manifest": manifest, "monitor": monitor,
+            # the workers never see tracking credentials (meta.json stores this config)
+            train_loop_config={"cfg": tracking.public_config(cfg), "manifest": manifest, "monitor": monitor,
                                "resume": resume.to_worker(), "run_dir": str(run_dir), "fault": fault},
             scaling_config=ray.train.ScalingConfig(
                 num_workers=(cfg.min_workers, cfg.workers) if elastic else cfg.workers, use_gpu=cfg.use_gpu,
@@ -395,8 +446,6 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Recor
     from imgtrain.order import ordered_batches, sort_by_id
     from imgtrain.train_loop import Hooks, run_loop
 
-    if cfg.use_gpu and not torch.cuda.is_available():
-        raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
     device = torch.device("cuda" if cfg.use_gpu else "cpu")
     torch.set_num_threads(cfg.threads_per_worker or os.cpu_count() or 1)
     rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
@@ -440,4 +489,4 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Recor
         restored_checkpoint=restored_checkpoint, report=report, send=records.send,
         run_dir=run_dir, fault=faults.parse(os.environ.get(faults.ENV_VAR)),
     )
-    run_loop(cfg, manifest, hooks)
+    run_loop(TrainConfig(**tracking.public_config(cfg)), manifest, hooks)  # meta.json stores it

@@ -26,7 +26,6 @@ import pytest
 
 from imgtrain import runs
 from imgtrain.watchdog import read_workers
-from tests.conftest import run_cli
 
 pytestmark = pytest.mark.integration
 RAY = str(Path(sys.executable).parent / "ray")

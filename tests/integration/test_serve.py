@@ -29,6 +29,7 @@ from tests.integration.test_bad_input import assert_one_line_error
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 MAX_BYTES = 100_000  # small, so that an oversized body fits in the socket buffers
+MAX_BATCH = 8
 START_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 60
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 even with $http_proxy
@@ -72,7 +73,7 @@ def server(trained, tmp_path_factory):
     with open(stdout, "w") as out, open(stderr, "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "imgtrain.cli", "serve", "srv", "--storage", str(storage),
-             "--port", str(port), "--max-request-bytes", str(MAX_BYTES)],
+             "--port", str(port), "--max-request-bytes", str(MAX_BYTES), "--max-batch-images", str(MAX_BATCH)],
             stdout=out, stderr=err, env={**os.environ, "COLUMNS": "300"},
         )
     try:
@@ -123,7 +124,8 @@ def test_healthz(server, trained):
     status, body = request(port, "/healthz")
     assert status == 200
     assert body["status"] == "ok"
-    assert body["checkpoint"] == str(trained[1])
+    # Its name, not where it lies on the server's disk: anyone who can connect may ask.
+    assert body["checkpoint"] == f"srv/{trained[1].name}"
     assert body["classes"] == [str(i) for i in range(10)]
     assert f"serving {trained[1]} at http://127.0.0.1:{port}" in stdout.read_text()
 
@@ -177,6 +179,9 @@ def test_rgb_image_of_another_size_is_converted(server, digit):
     (b"[[1, 2], [3]]", "application/json", 400, "rectangular array of numbers"),
     (b"{not json", "application/json", 400, "not valid JSON"),
     (b"x" * (MAX_BYTES + 1), "image/png", 413, "over the limit"),
+    (b"[" * 60_000, "application/json", 400, "nested too deeply"),  # was a RecursionError: 500
+    (json.dumps({"images": [[[0] * 28] * 28] * (MAX_BATCH + 1)}).encode(), "application/json", 413,
+     f"over the limit of {MAX_BATCH}"),
 ])
 def test_bad_requests_get_a_clear_4xx(server, body, content_type, status, fragment):
     _, port, _, _ = server
@@ -185,12 +190,33 @@ def test_bad_requests_get_a_clear_4xx(server, body, content_type, status, fragme
     assert fragment in answer["error"]
 
 
-def test_decompression_bomb_is_refused_before_decoding(server):
+@pytest.mark.parametrize("size, mode", [((6000, 6000), "1"), ((4096, 4096), "L")])
+def test_decompression_bomb_is_refused_before_decoding(server, size, mode):
     _, port, _, _ = server
     buf = io.BytesIO()
-    Image.new("1", (6000, 6000)).save(buf, format="PNG")  # a few KB that would decode to 36 M pixels
+    Image.new(mode, size).save(buf, format="PNG")  # a few KB that would decode to 16.7-36 M pixels
+    assert len(buf.getvalue()) < MAX_BYTES
     status, answer = request(port, "/predict", buf.getvalue(), "image/png")
-    assert status == 413 and "too large to decode" in answer["error"]
+    # the default cap for a 28x28 model: 1 megapixel, checked from the header
+    assert status == 413 and "over the limit of 1,048,576 pixels" in answer["error"], answer
+
+
+def test_a_gif_named_png_is_refused(server):
+    _, port, _, _ = server
+    buf = io.BytesIO()
+    Image.new("L", (28, 28)).save(buf, format="GIF")
+    status, answer = request(port, "/predict", buf.getvalue(), "image/png")
+    assert status == 400 and "not a readable PNG/JPEG image (not a PNG or JPEG image)" in answer["error"], answer
+
+
+def test_sixteen_bit_png_is_scaled_like_prepare_and_predict_scale_it(server, digit):
+    _, port, _, _ = server
+    pixels, predictor = digit
+    buf = io.BytesIO()
+    Image.fromarray(pixels[..., 0].astype(np.uint16) * 257).save(buf, format="PNG")  # mode I;16, same image
+    status, answer = request(port, "/predict", buf.getvalue(), "image/png")
+    assert status == 200, answer
+    assert_prediction(answer, predictor.predict_proba(pixels[None])[0], predictor.loaded.preprocess.classes)
 
 
 def test_jpeg_is_accepted(server, digit):
@@ -212,6 +238,8 @@ def test_unknown_route_and_method(server):
     _, port, _, _ = server
     assert request(port, "/nope")[0] == 404
     assert request(port, "/predict")[0] == 405  # GET
+    for docs in ("/docs", "/redoc", "/openapi.json"):  # off unless --openapi
+        assert request(port, docs)[0] == 404, docs
 
 
 def listening_addresses(port: int) -> set[str]:

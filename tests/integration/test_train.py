@@ -143,6 +143,19 @@ def test_overwrite_replaces_a_run_only_when_the_new_request_is_good(tiny_data, t
     assert [s["step"] for s in starts] == [0]  # a fresh history, not the old one continued
 
 
+def test_overwrite_with_a_request_that_fails_late_gives_the_old_run_back(ray_cluster, tiny_data, tmp_path):
+    # No GPU in the cluster: found only once Ray is joined, after the old run was moved aside.
+    first = imgtrain.train(tiny_config(tiny_data, tmp_path, "gpu", backend="local", epochs=1), display=QUIET)
+    files = sorted(p.relative_to(tmp_path) for p in first.path.rglob("*") if p.is_file())
+    proc = run_cli("train", "--data", str(tiny_data), "--name", "gpu", "--storage", str(tmp_path),
+                   "--address", ray_cluster, "--gpu", "--overwrite")
+    assert proc.returncode == 2 and "GPU worker(s)" in proc.stderr, proc.stderr
+    assert "was restored" in proc.stdout
+    assert sorted(p.relative_to(tmp_path) for p in first.path.rglob("*") if p.is_file()) == files
+    assert runs.load_run(str(tmp_path), "gpu").history == first.history
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu"]
+
+
 def damage(checkpoint_dir):
     with open(checkpoint_dir / ckpt.MODEL_FILE, "r+b") as f:
         f.truncate(1000)  # as a full disk or a killed copy would leave it

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from imgtrain.data.parquet import load_manifest
+from imgtrain.data.parquet import check_split_schema, load_manifest, read_split_file, split_files
 
 IN_MEMORY_MAX_BYTES = 256 << 20  # above this, stream from Parquet instead
 
@@ -30,14 +30,16 @@ def ray_dataset(data_dir: str | Path, split: str):
     import ray.data
 
     data_dir = Path(data_dir)
-    files = [str(data_dir / f) for f in load_manifest(data_dir)["splits"][split]["files"]]
+    files = split_files(data_dir, load_manifest(data_dir), split)
     if split_bytes(data_dir, split) > IN_MEMORY_MAX_BYTES:
-        return ray.data.read_parquet(files)
+        for f in files:  # footers only: a column Ray would unpickle is refused before any read
+            check_split_schema(pq.read_schema(f), str(f))
+        return ray.data.read_parquet([str(f) for f in files])
     import ray.data.extensions  # noqa: F401  registers the tensor column type with pyarrow
 
     import pyarrow as pa
 
     # One block, its metadata computed here: from_arrow would run one remote task per block
     # (a new worker process each on a cold cluster).
-    table = pa.concat_tables(pq.read_table(f, columns=["id", "image", "label"]) for f in files)
+    table = pa.concat_tables(read_split_file(f) for f in files)
     return ray.data.from_blocks([table.combine_chunks()])

@@ -103,7 +103,8 @@ def _write_split(split: Split, folder: Path, rows_per_file: int) -> list[Path]:
 
 
 def _prepare_target(out_dir: Path, overwrite: bool) -> None:
-    """Refuse to clobber anything that is not ours; only an earlier data set may be replaced."""
+    """Refuse to clobber anything that is not ours: only an earlier data set may be replaced,
+    and only when its folder holds nothing but the files its manifest lists."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ImgtrainError(f"{out_dir} exists and is not a directory; choose another output path")
     if out_dir.is_dir() and any(out_dir.iterdir()):
@@ -116,6 +117,36 @@ def _prepare_target(out_dir: Path, overwrite: bool) -> None:
                 f"{out_dir} is not empty and is not a prepared data set (no {MANIFEST}); refusing "
                 "to replace it even with --overwrite; choose another directory"
             )
+        others = _files_not_listed(out_dir)
+        if others:
+            shown = ", ".join(str(p.relative_to(out_dir)) for p in others[:3])
+            more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+            raise ImgtrainError(
+                f"{out_dir} holds {len(others)} file(s) imgtrain did not write ({shown}{more}); "
+                "--overwrite replaces only a data set's own files: move them out or choose another directory"
+            )
+
+
+def _files_not_listed(data_dir: Path) -> list[Path]:
+    """Files (and links) in a data set folder that its manifest does not list."""
+    try:
+        manifest = load_manifest(data_dir)
+        ours = {data_dir / rel for s in SPLITS for rel in manifest["splits"][s]["files"]}
+    except ImgtrainError:  # a damaged manifest lists nothing we can trust
+        ours = set()
+    ours.add(data_dir / MANIFEST)
+    return sorted(p for p in data_dir.rglob("*") if (p.is_file() or p.is_symlink()) and p not in ours)
+
+
+def _check_not_nested(source: str, source_path: Path, out_dir: Path) -> None:
+    """A source inside the output would be deleted by replacing the output; an output inside an
+    image folder would be read as one more class folder the next time it is prepared."""
+    src, out = Path(source_path).resolve(), Path(out_dir).resolve()
+    if src == out or out in src.parents or (source == "folder" and src in out.parents):
+        raise ImgtrainError(
+            f"--source {source_path} and the output folder {out_dir} overlap; write the data set "
+            "to a folder outside the source (and keep the source outside it)"
+        )
 
 
 def write_dataset(
@@ -220,6 +251,8 @@ def prepare(
         issues.append(f"{source} has a fixed train/test split; drop --test-fraction")
     if issues:
         raise ImgtrainError("; ".join(issues))
+    if source_path is not None:
+        _check_not_nested(source, source_path, out_dir)
 
     if source == "mnist-sample":
         raw = sources.load_mnist_sample(seed=seed)
@@ -295,6 +328,59 @@ def split_files(data_dir: Path, manifest: dict, split: str) -> list[Path]:
     return files
 
 
+_EXTENSION_NAME = sources.EXTENSION_NAME_KEY
+
+
+def check_split_schema(schema: pa.Schema, rel: str) -> list[int]:
+    """Refuse every schema but the data set's own: exactly ``id`` int64, ``image`` a uint8
+    tensor, ``label`` int64, nothing else. Returns the image shape the column declares.
+
+    A data set is untrusted input (its manifest's sha256 values are self-declared), so this is
+    checked wherever split files are read, not only by ``verify_dataset``.
+    """
+    missing = [c for c in COLUMNS if c not in schema.names]
+    extra = [c for c in schema.names if c not in COLUMNS] or (["a column twice"] if len(schema.names) > 3 else [])
+    if missing:
+        problem = f"lacks column(s) {', '.join(missing)}"
+    elif extra:
+        problem = f"has column(s) {', '.join(extra)} besides {', '.join(COLUMNS)}"
+    elif any(schema.field(c).type != pa.int64() or _EXTENSION_NAME in (schema.field(c).metadata or {})
+             for c in ("id", "label")):
+        problem = f"has id {schema.field('id').type} / label {schema.field('label').type}, expected int64"
+    else:
+        shape = _tensor_field_shape(schema.field("image"))
+        if shape is not None:
+            return shape
+        problem = f"has image column {schema.field('image').type}, expected a uint8 tensor"
+    raise ImgtrainError(f"{rel} {problem}; it is not a file imgtrain wrote; prepare the data set again")
+
+
+def _tensor_field_shape(field: pa.Field) -> list[int] | None:
+    """The per-row shape of a uint8 tensor column, or None when the field is anything else.
+
+    With Ray imported its tensor type is registered; without, pyarrow gives the storage type
+    (a list of uint8) and the extension's name and shape only in the field metadata.
+    """
+    meta = field.metadata or {}
+    if isinstance(field.type, pa.ExtensionType):
+        if field.type.extension_name not in sources.TENSOR_EXTENSIONS:
+            return None
+        shape, storage = list(field.type.shape), field.type.storage_type
+    elif meta.get(_EXTENSION_NAME, b"").decode(errors="replace") in sources.TENSOR_EXTENSIONS:
+        try:
+            shape = json.loads(meta.get(b"ARROW:extension:metadata", b""))
+        except ValueError:
+            return None
+        shape = shape.get("shape") if isinstance(shape, dict) else shape  # Arrow's canonical type
+        storage = field.type
+    else:
+        return None
+    item = getattr(storage, "value_type", None)
+    if item != pa.uint8() or not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
+        return None
+    return shape
+
+
 def _check_file(path: Path, rel: str, manifest: dict) -> int:
     """Schema, image shape and label range of one Parquet file; returns its row count."""
     try:
@@ -303,21 +389,7 @@ def _check_file(path: Path, rel: str, manifest: dict) -> int:
     except (pa.ArrowException, OSError) as e:
         raise ImgtrainError(f"{rel} is not a readable Parquet file ({_one_line(e)}); "
                             "prepare the data set again")
-    missing = [c for c in COLUMNS if c not in schema.names]
-    if missing:
-        raise ImgtrainError(f"{rel} lacks column(s) {', '.join(missing)}; prepare the data set again")
-    field = schema.field("image")
-    if hasattr(field.type, "shape"):  # Ray imported (its type is registered), or Arrow's own
-        shape, storage = list(field.type.shape), field.type.storage_type
-    else:  # without Ray: list<uint8> storage, the tensor type only in the field metadata
-        meta = (field.metadata or {}).get(b"ARROW:extension:metadata")
-        shape, storage = (json.loads(meta) if meta else None), field.type
-    pixel_type = getattr(storage, "value_type", None)
-    if pixel_type != pa.uint8() or not pa.types.is_integer(schema.field("label").type):
-        raise ImgtrainError(
-            f"{rel} has image {field.type} / label {schema.field('label').type}; expected a "
-            "uint8 tensor and integer labels; prepare the data set again"
-        )
+    shape = check_split_schema(schema, rel)
     if shape != list(manifest["image_shape"]):
         raise ImgtrainError(
             f"{rel} holds images of shape {shape}, the manifest says {manifest['image_shape']}; "
@@ -366,6 +438,17 @@ def verify_dataset(data_dir: PathLike, check_hashes: bool = True) -> dict:
     return manifest
 
 
+def read_split_file(path: Path) -> pa.Table:
+    """One split file as an Arrow table, after its schema passed ``check_split_schema``
+    (read from the footer first: no value of a refused column is ever converted)."""
+    try:
+        check_split_schema(pq.read_schema(path), str(path))
+        return pq.read_table(path, columns=list(COLUMNS))
+    except (pa.ArrowException, OSError) as e:
+        raise ImgtrainError(f"cannot read {path} ({_one_line(e)}); "
+                            "prepare the data set again with `imgtrain data prepare`") from None
+
+
 def read_split(data_dir: PathLike, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A whole split as numpy: (ids int64 [N], images uint8 [N, H, W, C], labels int64 [N]).
 
@@ -376,11 +459,7 @@ def read_split(data_dir: PathLike, split: str) -> tuple[np.ndarray, np.ndarray, 
     manifest = load_manifest(data_dir)
     ids, images, labels = [], [], []
     for path in split_files(data_dir, manifest, split):
-        try:
-            table = pq.read_table(path, columns=list(COLUMNS))
-        except (pa.ArrowException, OSError) as e:
-            raise ImgtrainError(f"cannot read {path} ({_one_line(e)}); "
-                                "prepare the data set again with `imgtrain data prepare`")
+        table = read_split_file(path)
         ids.append(table.column("id").to_numpy())
         field = table.schema.field("image")
         images.append(sources.tensor_column_to_numpy(table.column("image"), field))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import gzip
-import io
 import json
 import math
 import zlib
@@ -31,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from imgtrain.data import images
 from imgtrain.errors import ImgtrainError
 
 # ----------------------------------------------------------------------------------------------
@@ -62,6 +62,16 @@ class RawDataset:
 
 # ----------------------------------------------------------------------------------------------
 # Splitting and ordering, shared by every source
+
+
+# One class per label value up to the largest: a stray label of 20,000,000 would make as many
+# classes (and a 10-GB output layer). Real data sets with more classes than this are rare.
+MAX_CLASSES = 100_000
+
+
+def check_class_count(count: int, where: str, hint: str = "check the labels") -> None:
+    if count > MAX_CLASSES:
+        raise ImgtrainError(f"{where} make {count:,} classes, more than the {MAX_CLASSES:,} imgtrain accepts; {hint}")
 
 
 def _check_fraction(test_fraction: float) -> None:
@@ -177,30 +187,51 @@ _IDX_DTYPES = {
 }
 
 
-def read_idx(path: Union[str, Path]) -> np.ndarray:
-    """Parse one IDX file (optionally gzip-compressed) into a numpy array of its stored shape."""
+# gzip cannot expand data more than about 1032-fold: a header declaring more than that is a lie
+# (a decompression bomb or a corrupt file) and is refused before anything is decompressed.
+_GZIP_MAX_RATIO = 1100
+_IDX_INTEGER_TYPES = (0x08, 0x09, 0x0B, 0x0C)
+
+
+def read_idx(path: Union[str, Path], integers: bool = False) -> np.ndarray:
+    """Parse one IDX file (optionally gzip-compressed) into a numpy array of its stored shape.
+
+    The header is read first; exactly the bytes it declares are then read (a gzip stream is
+    decompressed only that far), so a small file cannot claim gigabytes. ``integers``: refuse
+    float element types (labels must be whole class ids).
+    """
     path = Path(path)
     try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
+            magic = f.read(4)
+            if len(magic) < 4 or magic[0] != 0 or magic[1] != 0 or magic[2] not in _IDX_DTYPES:
+                raise ImgtrainError(
+                    f"{path} is not an IDX file (bad magic number {magic.hex() or 'none'}); download it again"
+                )
+            dtype, ndim = _IDX_DTYPES[magic[2]], magic[3]
+            if integers and magic[2] not in _IDX_INTEGER_TYPES:
+                raise ImgtrainError(f"{path} holds {dtype} values; labels must be integers; download it again")
+            head = f.read(4 * ndim)
+            if len(head) < 4 * ndim:
+                raise ImgtrainError(f"{path} is truncated (header cut short); download it again")
+            dims = tuple(int(d) for d in np.frombuffer(head, dtype=">u4"))
+            size = math.prod(dims) * dtype.itemsize
+            on_disk = path.stat().st_size
+            if size > (on_disk * _GZIP_MAX_RATIO if path.suffix == ".gz" else on_disk):
+                raise ImgtrainError(
+                    f"{path} declares {list(dims)} values ({size:,} bytes), more than the file can hold "
+                    "(truncated or corrupt); download it again"
+                )
+            payload = f.read(size)
+            extra = f.read(1)
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-        raise ImgtrainError(f"cannot read IDX file {path}: {e}; download it again")
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
+        raise ImgtrainError(f"cannot read IDX file {path}: {e}; download it again") from None
+    if len(payload) != size or extra:
         raise ImgtrainError(
-            f"{path} is not an IDX file (bad magic number {raw[:4].hex() or 'none'}); "
-            "download it again"
-        )
-    dtype, ndim = _IDX_DTYPES[raw[2]], raw[3]
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise ImgtrainError(f"{path} is truncated (header cut short); download it again")
-    dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
-    expected = header + math.prod(dims) * dtype.itemsize
-    if len(raw) != expected:
-        raise ImgtrainError(
-            f"{path} has {len(raw)} bytes but its header {list(dims)} needs {expected} "
+            f"{path} does not hold the {size:,} bytes its header {list(dims)} declares "
             "(truncated or corrupt); download it again"
         )
-    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="))
+    return np.frombuffer(payload, dtype=dtype).reshape(dims).astype(dtype.newbyteorder("="))
 
 
 def _find_idx(source_dir: Path, name: str) -> Path | None:
@@ -232,7 +263,7 @@ def load_mnist_idx(source_dir: Union[str, Path], download: bool = False, seed: i
             f"the four files {', '.join(MNIST_FILES.values())} (optionally .gz) in {source_dir} "
             f"or {source_dir / 'MNIST' / 'raw'}, or pass --download when online"
         )
-    arrays = {key: read_idx(path) for key, path in found.items()}
+    arrays = {key: read_idx(path, integers=key.endswith("labels")) for key, path in found.items()}
     if arrays["train_images"].dtype != np.uint8 or arrays["test_images"].dtype != np.uint8:
         raise ImgtrainError(f"MNIST image files in {source_dir} do not hold uint8 pixels; download them again")
     for split in ("train", "test"):
@@ -246,6 +277,7 @@ def load_mnist_idx(source_dir: Union[str, Path], download: bool = False, seed: i
     labels_all = np.concatenate([arrays["train_labels"], arrays["test_labels"]])
     if labels_all.min() < 0 or arrays["train_images"].shape[1:] != arrays["test_images"].shape[1:]:
         raise ImgtrainError(f"MNIST files in {source_dir} are inconsistent; download them again")
+    check_class_count(int(labels_all.max()) + 1, f"the labels in {source_dir}")
     n_train = len(arrays["train_labels"])
     rng = np.random.default_rng(seed)
     splits = {}
@@ -275,10 +307,7 @@ def _download_mnist(source_dir: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 # Decoding encoded images (folder files, Parquet bytes) with PIL
 
-_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg"}
 _JUNK_FILES = {"thumbs.db", "desktop.ini"}
-# PIL modes with a single colour channel ('LA' = gray + alpha).
-_GRAY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"}
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -310,22 +339,6 @@ def _bad_files_error(bad: list[tuple[str, str]], what: str) -> ImgtrainError:
     )
 
 
-def _open(src):
-    from PIL import Image
-
-    return Image.open(io.BytesIO(src) if isinstance(src, (bytes, bytearray)) else src)
-
-
-def _oriented_size(im) -> tuple[int, int]:
-    """(H, W) after applying the EXIF orientation (phone photos are often stored rotated)."""
-    w, h = im.size
-    try:
-        rotated = im.getexif().get(0x0112) in (5, 6, 7, 8)
-    except Exception:
-        rotated = False
-    return (w, h) if rotated else (h, w)
-
-
 def decode_images(
     items: list[tuple[str, object]],
     channels: int | None,
@@ -340,24 +353,26 @@ def decode_images(
     files, then truncated pixel data, which only shows when decoding) are reported together.
     ``channels=None`` picks 1 when every image is grayscale, else 3.
     """
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     _check_channels_size(channels, size)
     good, modes, sizes, bad = [], [], [], {}  # bad: item index -> reason
     for i, (name, src) in enumerate(items):
-        if isinstance(src, Path) and src.suffix.lower() not in _IMAGE_SUFFIXES:
+        if isinstance(src, Path) and src.suffix.lower() not in images.IMAGE_SUFFIXES:
             bad[i] = "not a .png/.jpg/.jpeg file"
             continue
         try:
-            with _open(src) as im:
-                mode, hw = im.mode, _oriented_size(im)
+            with images.open_image(src) as im:
+                mode, hw = im.mode, images.oriented_size(im)
             modes.append(mode)
             sizes.append(hw)
             good.append(i)
+        except images.ImageRejected as e:
+            bad[i] = str(e)
         except Exception as e:
             bad[i] = type(e).__name__
     if channels is None:
-        channels = 1 if all(m in _GRAY_MODES for m in modes) else 3
+        channels = 1 if all(m in images.GRAY_MODES for m in modes) else 3
     if size is None and sizes:
         odd = next((j for j, s in enumerate(sizes) if s != sizes[0]), None)
         if odd is not None:
@@ -374,8 +389,8 @@ def decode_images(
     for i in good:
         name, src = items[i]
         try:
-            with _open(src) as im:
-                im = ImageOps.exif_transpose(im).convert("L" if channels == 1 else "RGB")
+            with images.open_image(src) as im:
+                im = images.to_mode(im, channels)
                 if im.size != (w, h):
                     im = im.resize((w, h), Image.Resampling.BILINEAR)
                 out[i] = np.asarray(im, dtype=np.uint8).reshape(h, w, channels)
@@ -437,6 +452,7 @@ def load_image_folder(
         _check_fraction(test_fraction)
         classes = [d.name for d in _class_dirs(root)]
         tops = [root]
+    check_class_count(len(classes), f"the class folders of {tops[0]}")
     if len(classes) < 2:
         raise ImgtrainError(
             f"{tops[0]} has {len(classes)} class folder(s); a classifier needs at least 2 "
@@ -474,6 +490,52 @@ def load_image_folder(
 # parquet: a table with an image column and a label column
 
 _RAY_TENSOR_EXTENSIONS = ("ray.data.arrow_tensor", "ray.data.arrow_tensor_v2")
+# The only Arrow extension types imgtrain reads. Any other is refused: Ray registers one
+# (ray.data.arrow_pickled_object) whose values are unpickled, i.e. run as code, when read.
+TENSOR_EXTENSIONS = (*_RAY_TENSOR_EXTENSIONS, "arrow.fixed_shape_tensor")
+EXTENSION_NAME_KEY = b"ARROW:extension:name"
+
+
+def foreign_extension(field: pa.Field) -> str | None:
+    """The name of an extension type other than a tensor in ``field`` (at any nesting depth,
+    registered or only named in the metadata), or None when there is none."""
+    named = (field.metadata or {}).get(EXTENSION_NAME_KEY)
+    if named is not None and named.decode(errors="replace") not in TENSOR_EXTENSIONS:
+        return named.decode(errors="replace")
+    typ = field.type
+    if isinstance(typ, pa.ExtensionType):
+        if typ.extension_name not in TENSOR_EXTENSIONS:
+            return typ.extension_name
+        typ = typ.storage_type
+    if pa.types.is_dictionary(typ):
+        return foreign_extension(pa.field(field.name, typ.value_type))
+    return next((found for i in range(typ.num_fields) if (found := foreign_extension(typ.field(i)))), None)
+
+
+def read_parquet_columns(files: list[Path], required: list[str], optional: list[str], hint: str) -> pa.Table:
+    """The ``required`` and (where present) ``optional`` columns of a user's Parquet files,
+    concatenated, after every file's schema was checked (from its footer) for extension types
+    imgtrain does not read. A missing required column is an error naming what exists + ``hint``."""
+    tables = []
+    for f in files:
+        schema = pq.read_schema(f)
+        missing = [c for c in required if c not in schema.names]
+        if missing:
+            raise ImgtrainError(
+                f"{f} has no column {' or '.join(map(repr, missing))}; available columns: "
+                f"{', '.join(schema.names)}; {hint}"
+            )
+        present = list(dict.fromkeys(required + [c for c in optional if c in schema.names]))
+        for name in present:
+            found = foreign_extension(schema.field(name))
+            if found:
+                raise ImgtrainError(
+                    f"{f}: column {name!r} has the Arrow extension type {found!r}, which imgtrain does not "
+                    "read (values of Ray's pickled-object type would run code when read); store plain "
+                    "values: image bytes, nested lists of pixels or a tensor column"
+                )
+        tables.append(pq.read_table(f, columns=present))
+    return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
 def _to_uint8(values: np.ndarray, column: str) -> np.ndarray:
@@ -577,7 +639,7 @@ def _nested_lists_to_numpy(arr: pa.Array, column: str) -> np.ndarray:
     return values.reshape((len(arr), *shape))
 
 
-def _images_from_column(column: pa.ChunkedArray, field: pa.Field) -> np.ndarray:
+def images_from_column(column: pa.ChunkedArray, field: pa.Field) -> np.ndarray:
     """Any supported image column -> uint8 [N, H, W, C]."""
     name, typ = field.name, column.type
     is_list = _is_list(typ)
@@ -629,6 +691,7 @@ def _labels_from_column(column: pa.ChunkedArray, name: str) -> tuple[np.ndarray,
     if pa.types.is_string(typ) or pa.types.is_large_string(typ):
         names = np.asarray(column.to_pylist(), dtype=object)
         classes = sorted(set(names.tolist()))
+        check_class_count(len(classes), f"label column {name!r}")
         return np.searchsorted(np.array(classes, dtype=object), names).astype(np.int64), classes
     values = column.to_numpy()
     if pa.types.is_floating(typ) and np.all(values == np.round(values)):
@@ -641,14 +704,11 @@ def _labels_from_column(column: pa.ChunkedArray, name: str) -> tuple[np.ndarray,
     if len(values) and values.min() < 0:
         raise ImgtrainError(f"label column {name!r} has negative label {values.min()}; use ids 0..K-1")
     top = int(values.max()) if len(values) else -1
-    if top >= 100_000:
-        raise ImgtrainError(
-            f"label column {name!r} goes up to {top}; use class ids 0..K-1 or class-name strings"
-        )
+    check_class_count(top + 1, f"label column {name!r}", "use class ids 0..K-1 or class-name strings")
     return values.astype(np.int64), [str(i) for i in range(top + 1)]
 
 
-def _parquet_files(path: Path) -> list[Path]:
+def parquet_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
@@ -671,23 +731,17 @@ def load_parquet_table(
     split. ids: the ``id`` column when it holds unique integers, else the row index.
     """
     path = Path(path)
-    files = _parquet_files(path)
+    files = parquet_files(path)
     if not files:
         raise ImgtrainError(f"no Parquet files at {path}; pass a .parquet file or a folder of them")
     try:
-        tables = [pq.read_table(f) for f in files]
-        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        table = read_parquet_columns(files, [image_column, label_column], ["id", "split"],
+                                     "choose with --image-column / --label-column")
     except (pa.ArrowException, OSError) as e:
         raise ImgtrainError(f"cannot read Parquet data at {path}: {' '.join(str(e).split())[:200]}")
-    missing = [c for c in (image_column, label_column) if c not in table.column_names]
-    if missing:
-        raise ImgtrainError(
-            f"{path} has no column {' or '.join(map(repr, missing))}; available columns: "
-            f"{', '.join(table.column_names)}; choose with --image-column / --label-column"
-        )
     if table.num_rows == 0:
         raise ImgtrainError(f"{path} has no rows")
-    images = _images_from_column(table.column(image_column), table.schema.field(image_column))
+    images = images_from_column(table.column(image_column), table.schema.field(image_column))
     labels, classes = _labels_from_column(table.column(label_column), label_column)
     ids = np.arange(table.num_rows, dtype=np.int64)
     if "id" in table.column_names and "id" not in (image_column, label_column):
