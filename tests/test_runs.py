@@ -48,3 +48,32 @@ def test_checkpoint_meta_without_metrics_does_not_break_listing(tmp_path):
     ckpt.save(tmp_path / "checkpoint_epoch_0000", {}, {}, {"epoch": 0})
     good = make_ckpt(tmp_path, 1, 0.7)
     assert runs.best_and_latest(tmp_path) == (good, good)
+
+
+def test_a_start_record_brings_back_the_epochs_its_checkpoint_holds(tmp_path):
+    # A retried worker group starts from a checkpoint whose epoch record never reached the
+    # file (rank 0 died after storing it): the history it carries fills the gap, once.
+    from imgtrain.display import TrainingDisplay
+    from imgtrain.trainer import Records
+
+    class Logged(list):  # what a tracker (MLflow, TensorBoard) is given
+        def log(self, record):
+            self.append(record)
+
+    tracked = Logged()
+    records = Records(tmp_path, TrainingDisplay(quiet=True), trackers=[tracked])
+    records.send({"kind": "start", "step": 0, "history": [], "restored_from": None})
+    epoch0 = {"kind": "epoch", "epoch": 0, "step": 10, "val_accuracy": 0.5, "checkpoint": "checkpoint_epoch_0000"}
+    records.send(dict(epoch0))
+    epoch1 = dict(epoch0, epoch=1, step=20, checkpoint="checkpoint_epoch_0001")
+    records.send({"kind": "step", "epoch": 2, "step": 25})  # trained after the lost record: dropped
+    restart = {"kind": "start", "step": 20, "history": [epoch0, epoch1], "restored_from": "checkpoint_epoch_0001"}
+    records.send(dict(restart))
+    records.send(dict(restart))  # a second retry from the same checkpoint adds nothing
+    epochs = [r for r in runs.read_metrics(tmp_path) if r["kind"] == "epoch"]
+    assert [(r["epoch"], r.get("recovered_from")) for r in epochs] == [(0, None), (1, "checkpoint_epoch_0001")]
+    assert not any(r["kind"] == "step" for r in runs.read_metrics(tmp_path))
+    assert all("history" not in r for r in runs.read_metrics(tmp_path))  # not copied into every start line
+    assert [(r["kind"], r.get("epoch")) for r in tracked if r["kind"] == "epoch"] == [("epoch", 0), ("epoch", 1)]
+    assert tracked.index(next(r for r in tracked if r.get("recovered_from"))) > tracked.index(
+        next(r for r in tracked if r["kind"] == "start" and r["step"] == 20))  # after the restart's purge

@@ -37,6 +37,10 @@ EPOCH_PROGRESS_KEY = "epoch_progress"
 TRAIN_WEIGHTS_KEY = "train_weights"  # the raw weights, when model.pt holds their moving average
 EMA_STEPS_KEY = "ema_steps"
 
+# meta.json: the epoch records of every epoch up to this checkpoint (its own included), so the
+# run's history can be rebuilt from the checkpoint a run resumes from
+HISTORY_KEY = "history"
+
 
 class CheckpointError(ImgtrainError):
     """A checkpoint is missing, incomplete, tampered with, or of an incompatible model."""
@@ -65,6 +69,17 @@ def read_meta(directory: str | os.PathLike) -> dict:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is corrupt ({e}); use another checkpoint") from None
+
+
+def history(meta: dict) -> list[dict]:
+    """The epoch records a checkpoint carries. Checkpoints written before they carried them
+    give their own epoch's record (an epoch-end checkpoint) or nothing."""
+    if isinstance(meta.get(HISTORY_KEY), list):
+        return meta[HISTORY_KEY]
+    metrics = meta.get("metrics") or {}
+    if "in_epoch" in meta or "train_loss" not in metrics:
+        return []
+    return [dict(metrics, kind="epoch")]
 
 
 def verify(directory: str | os.PathLike) -> dict:

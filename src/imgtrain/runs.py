@@ -106,7 +106,10 @@ class MetricsLog:
     """Append-only ``metrics.jsonl``, written by the driver as records arrive from rank 0.
 
     When a run restarts from a checkpoint at step S (retry or resume), records past S are
-    dropped first, so every epoch appears exactly once in the history.
+    dropped first, so every epoch appears exactly once in the history. An epoch record that
+    never reached the file (the driver killed after the checkpoint was stored but before its
+    record arrived) is recovered from the history the checkpoint carries, marked
+    ``recovered_from``.
     """
 
     def __init__(self, run_dir: Path):
@@ -119,9 +122,23 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
             f.flush()
 
-    def truncate_after(self, step: int) -> None:
+    def truncate_after(self, step: int) -> list[dict]:
+        """Drop the records past ``step`` (trained again after a restart); returns those kept."""
         kept = [r for r in read_metrics(self.path.parent) if r.get("kind") == "start" or r.get("step", 0) <= step]
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        return kept
+
+    def reconcile(self, step: int, history: list[dict], source: str | None) -> list[dict]:
+        """Keep the records up to ``step`` and add each epoch of ``history`` (the epoch records a
+        checkpoint carries) that is missing, marked ``recovered_from``; returns those added."""
+        kept = self.truncate_after(step)
+        have = {r["epoch"] for r in kept if r.get("kind") == "epoch"}
+        recovered = [dict(r, recovered_from=source) for r in history
+                     if r.get("kind") == "epoch" and r.get("epoch") not in have and r.get("step", 0) <= step]
+        if recovered:
+            with open(self.path, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in recovered))
+        return recovered
 
 
 def read_jsonl(path: Path) -> list[dict]:

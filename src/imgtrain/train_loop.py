@@ -99,6 +99,8 @@ class _State:
     sums: torch.Tensor | None = None  # the epoch's global [loss sum, correct, samples] so far
     elapsed_s: float = 0.0  # training time already spent in that epoch
     schedule: dict | None = None
+    history: list[dict] = field(default_factory=list)  # the epoch records before this point
+    restored_from: str | None = None  # the checkpoint's name
 
 
 def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
@@ -130,18 +132,20 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
     step = state.step
     ledger = _Ledger(hooks, step) if cfg.ledger and hooks.run_dir else None
 
+    history = list(state.history)  # every epoch record up to here: each checkpoint carries them
     if rank == 0:
+        # The driver reconciles metrics.jsonl with ``history``: an epoch whose record was lost
+        # (the driver killed between the checkpoint and the record) is recovered from it.
         hooks.send({
             "kind": "start", "start_epoch": state.epoch, "epoch_step": state.epoch_step, "step": step,
             "epochs": cfg.epochs, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
             "world_size": world, "local_batch_sizes": per_worker_batch_sizes(cfg.batch_size, world),
-            "time": time.time(),
+            "history": history, "restored_from": state.restored_from, "time": time.time(),
         })
 
-    def save(epoch: int, metrics: dict, evaluated: nn.Module, epoch_progress: dict | None) -> str:
+    def save(epoch: int, metrics: dict, evaluated: nn.Module, epoch_progress: dict | None, name: str) -> None:
         """Rank 0 writes the checkpoint; every rank reports it (report is a barrier)."""
         in_epoch = epoch_progress is not None
-        name = checkpoint_dir_name(epoch, hooks.damaged, step if in_epoch else None)
         with tempfile.TemporaryDirectory(prefix="imgtrain-ckpt-") as tmp:
             save_dir = None
             if rank == 0:
@@ -159,14 +163,14 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
                 meta = {
                     "model_args": args, "config": cfg.to_dict(), "metrics": metrics,
                     "data": manifest, "epoch": train_state[ckpt.EPOCH_KEY], "step": step,
-                    "total_steps": total_steps, "created": time.time(),
+                    "total_steps": total_steps, "created": time.time(), ckpt.HISTORY_KEY: history,
                 }
                 if in_epoch:
                     meta["in_epoch"] = {"epoch": epoch, "steps": epoch_progress["steps"]}
                 save_dir = str(ckpt.save(tmp, _cpu(evaluated.state_dict()), train_state, meta))
             hooks.progress.enter("report")
             hooks.report(metrics, save_dir, name)
-        return name
+        faults.maybe_fire(hooks.fault, rank, step, hooks.run_dir, "saved")  # stored, not yet announced
 
     for epoch in range(state.epoch, cfg.epochs):
         resumed_here = epoch == state.epoch and state.epoch_step > 0
@@ -191,7 +195,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
                 )
             data_wait = time.perf_counter() - t0
             hooks.progress.enter("compute")
-            faults.maybe_fire(hooks.fault, rank, step, hooks.run_dir)
+            faults.maybe_fire(hooks.fault, rank, step, hooks.run_dir, "step")
             if ledger is not None:
                 ledger.write(epoch, i, step, batch["id"])
             x = to_model_input(batch["image"], mean, std)  # [B, C, H, W] float32 in [-1, 1]
@@ -242,9 +246,10 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
                 # Not evaluated: -1 ranks it below every evaluated checkpoint in Ray's retention
                 # (a finite number: Ray's saved state turns -inf into null and then fails on it).
                 metrics = {"epoch": epoch, "step": step, "val_accuracy": -1.0, "time": time.time()}
-                saved_as = save(epoch, metrics, ema.module if ema is not None else ckpt.unwrap(model), progress)
+                name = checkpoint_dir_name(epoch, hooks.damaged, step)
+                save(epoch, metrics, ema.module if ema is not None else ckpt.unwrap(model), progress, name)
                 if rank == 0:
-                    hooks.send({"kind": "checkpoint", "epoch": epoch, "step": step, "checkpoint": saved_as,
+                    hooks.send({"kind": "checkpoint", "epoch": epoch, "step": step, "checkpoint": name,
                                 "time": time.time()})
         _drain(batches)
 
@@ -255,6 +260,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
         evaluated = ema.module if ema is not None else ckpt.unwrap(model)
         _buffers_from_rank0(evaluated, hooks)
         hooks.progress.enter("eval")
+        faults.maybe_fire(hooks.fault, rank, step, hooks.run_dir, "validating")
         val_loss, val_acc, val_n = evaluate(evaluated, hooks, manifest, criterion.label_smoothing, memory_format)
         metrics = {
             "epoch": epoch, "step": step, "train_loss": train_loss, "train_accuracy": train_acc,
@@ -265,14 +271,17 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
         metrics["images_per_s"] = seen / max(train_time, 1e-9)  # training only, validation excluded
         metrics.update(rank_timing)
         metrics["time"] = time.time()
-        name = save(epoch, metrics, evaluated, None)
+        name = checkpoint_dir_name(epoch, hooks.damaged)
+        history.append(dict(metrics, kind="epoch", checkpoint=name))
+        save(epoch, metrics, evaluated, None, name)
         if rank == 0:  # only once the checkpoint is stored: history never runs ahead of it
-            hooks.send(dict(metrics, kind="epoch", checkpoint=name))
+            hooks.send(history[-1])
     hooks.progress.enter("done", step)
 
 
 def _restore(directory: str, model: nn.Module, optimizer, ema, device) -> _State:
     state = ckpt.load_train_state(directory)
+    meta = ckpt.read_meta(directory)
     saved = ckpt.load_model_state(directory, device)
     if ema is not None and ckpt.TRAIN_WEIGHTS_KEY in state:
         ema.module.load_state_dict(saved)
@@ -287,6 +296,7 @@ def _restore(directory: str, model: nn.Module, optimizer, ema, device) -> _State
         epoch_step=in_epoch["steps"] if in_epoch else 0,
         sums=in_epoch["sums"].double() if in_epoch else None,
         elapsed_s=in_epoch["elapsed_s"] if in_epoch else 0.0,
+        history=ckpt.history(meta), restored_from=Path(directory).name,
     )
 
 

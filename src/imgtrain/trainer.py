@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import errno
 import os
+import shutil
 import socket
 import threading
 import time
@@ -54,8 +55,6 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
     run_dir = runs.run_path(cfg.storage, cfg.name)
     with contextlib.ExitStack() as held:  # the run's lock, held until training ends
         plan = _plan(cfg, run_dir, overwrite, display, held)
-        if plan is None:  # complete already
-            return runs.load_run(cfg.storage, cfg.name)
         replaced = ownership.Replacement(run_dir) if plan.replace else None
         if replaced:
             display.note(f"replacing the previous run {cfg.name!r} and starting afresh; the old run is deleted "
@@ -81,10 +80,11 @@ class _Plan:
     stored: dict | None  # the config of the run being resumed; None for a new run
     replace: bool  # --overwrite of an existing run
     resume: Resume
+    complete: bool = False  # every epoch is trained already: only its history is put right
 
 
-def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: contextlib.ExitStack) -> _Plan | None:
-    """Every check that can fail, before anything is written; None when the run is complete."""
+def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: contextlib.ExitStack) -> _Plan:
+    """Every check that can fail, before anything is written."""
     from imgtrain.data.parquet import verify_dataset
 
     exists = ownership.is_run(run_dir)
@@ -119,9 +119,10 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
                 "to delete it and start afresh"
             )
         resume = _find_resume_point(run_dir, display)
-        if resume.checkpoint is not None and ckpt.read_meta(resume.checkpoint).get("epoch", -1) + 1 >= cfg.epochs:
-            display.note(f"run {cfg.name!r} is already complete ({cfg.epochs} epochs); nothing to do")
-            return None
+        meta = ckpt.read_meta(resume.checkpoint) if resume.checkpoint else {}
+        if meta.get("epoch", -1) + 1 >= cfg.epochs:
+            display.note(f"run {cfg.name!r} is already complete ({cfg.epochs} epochs); nothing to train")
+            return _Plan(cfg, meta.get("data") or {}, stored, False, resume, complete=True)
     if not cfg.data:
         raise ImgtrainError("--data is required for a new run (a directory made by `imgtrain data prepare`)")
     manifest = verify_dataset(cfg.data)
@@ -157,13 +158,15 @@ def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacemen
         _record_status(run_dir, "failed", error=str(e))
         raise
     records = Records(run_dir, display, trackers, on_checkpoint=replaced.commit if replaced else None)
-    if plan.stored is not None:
+    if plan.resume.checkpoint is not None:  # the history up to it, whatever the last driver wrote
+        meta = ckpt.read_meta(plan.resume.checkpoint)
+        records.recover(meta.get("step", 0), ckpt.history(meta), plan.resume.checkpoint.name)
+    if plan.stored is not None and not plan.complete:
         display.note(f"resuming run {cfg.name!r} {_resume_point(plan.resume.checkpoint)} ({run_dir})")
     try:
-        if cfg.backend == "local":
-            _train_local(cfg, manifest, run_dir, records, plan.resume)
-        else:
-            _train_ray(cfg, manifest, run_dir, records, plan.resume)
+        if not plan.complete:
+            train_with = _train_local if cfg.backend == "local" else _train_ray
+            train_with(cfg, manifest, run_dir, records, plan.resume)
     except BaseException as e:  # a truthful status behind, whatever the failure
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
         error = str(e) if isinstance(e, ImgtrainError) else f"{type(e).__name__}: {e}"
@@ -195,7 +198,29 @@ class Records:
         if record.get("checkpoint") and self.on_checkpoint:
             self.on_checkpoint()
             self.on_checkpoint = None
+        if record.get("kind") == "start":  # a worker group starts: from a checkpoint, maybe a retry
+            record = dict(record)
+            history, source = record.pop("history", []), record.get("restored_from")
+            self.log.append(record)
+            self._to_screen_and_trackers(record)
+            self.recover(record["step"], history, source)
+            return
         self.log.append(record)
+        self._to_screen_and_trackers(record)
+
+    def recover(self, step: int, history: list[dict], source: str | None) -> None:
+        """Put back the epoch records up to ``step`` that the checkpoint ``source`` holds and
+        metrics.jsonl lacks (a driver killed between the checkpoint and its record)."""
+        recovered = self.log.reconcile(step, history, source)
+        if recovered:
+            epochs = ", ".join(str(r["epoch"] + 1) for r in recovered)
+            self.display.note(f"recovered the record of epoch {epochs} from {source} (the previous driver "
+                              "stopped before writing it)")
+        for lost in recovered:  # after the start record: TensorBoard purges what lies past it first
+            for tracker in self.trackers:
+                tracker.log(lost)
+
+    def _to_screen_and_trackers(self, record: dict) -> None:
         self.display.update(record)
         for tracker in self.trackers:
             tracker.log(record)
@@ -451,6 +476,8 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Recor
     rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
     test = [t for t in map(torch.from_numpy, read_split(cfg.data, "test"))]
     records.display.note(f"run {cfg.name}: {run_dir}  (local backend, {device})")
+    for stale in run_dir.glob(f".{runs.CHECKPOINT_PREFIX}*.tmp"):  # a copy cut short by a killed driver
+        shutil.rmtree(stale, ignore_errors=True)
 
     steps = max(1, steps_per_epoch(len(rows[0]), cfg.batch_size, cfg.limit_train_batches))
     train_batches = ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world_size=1, rank=0, device=device,
@@ -461,18 +488,19 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Recor
             sl = slice(start, start + cfg.eval_batch_size)
             yield {"id": test[0][sl], "image": test[1][sl].to(device), "label": test[2][sl].to(device)}
 
+    fault = faults.parse(os.environ.get(faults.ENV_VAR))
+
     @contextlib.contextmanager
     def restored_checkpoint():
         yield str(resume.checkpoint) if resume.checkpoint else None  # verified by train()
 
     def report(metrics: dict, save_dir: str | None, name: str) -> None:
-        import shutil
-
         target = run_dir / name
         tmp = run_dir / f".{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             shutil.copytree(save_dir, tmp)
+            faults.maybe_fire(fault, 0, metrics["step"], run_dir, "saving")  # half copied into the run
         except (OSError, shutil.Error) as e:
             shutil.rmtree(tmp, ignore_errors=True)  # never leave half a checkpoint behind
             if _disk_full(e):
@@ -487,6 +515,6 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Recor
         rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device), damaged=resume.damaged,
         train_batches=train_batches, val_batches=val_batches, all_reduce_sum=lambda t: t,
         restored_checkpoint=restored_checkpoint, report=report, send=records.send,
-        run_dir=run_dir, fault=faults.parse(os.environ.get(faults.ENV_VAR)),
+        run_dir=run_dir, fault=fault,
     )
     run_loop(TrainConfig(**tracking.public_config(cfg)), manifest, hooks)  # meta.json stores it

@@ -183,3 +183,47 @@ def test_sigkilled_workers_are_replaced_and_the_run_ends_as_if_nothing_happened(
     assert history(run_dir) == history(reference)  # same losses and accuracies, to the bit
     assert max_weight_difference(run_dir, reference) <= 1e-6
     assert global_batches(run_dir) == global_batches(reference)
+
+
+def test_a_driver_sigkilled_right_after_a_checkpoint_loses_no_epoch(ray_cluster, tiny_data, tmp_path, reference):
+    # The moment the second epoch's model.pt is on disk the driver dies, before (or while) the
+    # epoch's record travels to it; the same command again must give the uninterrupted history.
+    args = cli_args(tiny_data, tmp_path, "drv") + ["--address", ray_cluster]
+    run_dir = tmp_path / "drv"
+    driver = subprocess.Popen([sys.executable, "-m", "imgtrain.cli", *args], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"})
+    try:
+        model_pt = run_dir / "checkpoint_epoch_0001" / ckpt.MODEL_FILE
+        wait_for(model_pt.is_file, 240, "the second epoch's checkpoint", driver, poll_s=0.01)
+        driver.kill()  # SIGKILL: no handler runs, status.json still says "running"
+        driver.wait(timeout=30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert runs.read_status(run_dir)["status"] == "interrupted"  # the recorded pid is dead
+
+    again = run_cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert "resuming run 'drv'" in again.stdout
+    assert [r["epoch"] for r in runs.read_metrics(run_dir) if r["kind"] == "epoch"] == [0, 1, 2]  # once each
+    assert history(run_dir) == history(reference)
+    assert runs.read_status(run_dir)["status"] == "finished"
+    assert sorted(w["rank"] for w in read_workers(run_dir)) == [0, 1]  # the last worker group's
+
+
+def test_rank_0_killed_right_after_saving_is_retried_and_no_epoch_is_lost(
+        ray_cluster, tiny_data, tmp_path, reference, monkeypatch):
+    # Rank 0's process dies (SIGKILL) right after epoch 0's checkpoint was stored, before it
+    # sent the epoch's record. Ray Train restarts the group from the newest checkpoint it had
+    # registered: epoch 0's (then its record comes back from the checkpoint's history) or, when
+    # the death was noticed first, the step checkpoint before it (then epoch 0 is trained again).
+    monkeypatch.setenv(FAULT_ENV, "kill-saved:0:16")
+    result = imgtrain.train(config(tiny_data, tmp_path, "saved", max_failures=1), display=QUIET)
+    assert result.status == "finished"
+    assert (result.path / ".faults" / "kill-saved-0-16-1").is_file()  # the fault really fired
+    starts = [r for r in runs.read_metrics(result.path) if r["kind"] == "start"]
+    assert [s["step"] for s in starts] in ([0, 8], [0, 16])  # one retry, from a checkpoint
+    assert [r["epoch"] for r in runs.read_metrics(result.path) if r["kind"] == "epoch"] == [0, 1, 2]
+    assert history(result.path) == history(reference)
+    assert max_weight_difference(result.path, reference) <= 1e-6
+    assert sorted(w["rank"] for w in read_workers(result.path)) == [0, 1]
