@@ -41,7 +41,7 @@ def plain_loop(loaded, images: np.ndarray, batch_size: int) -> float:
 
 def imgtrain_times(loaded, images: np.ndarray, opts) -> tuple[float, float]:
     """Seconds for one batch, then for all of ``images``, through imgtrain's run_predictor."""
-    from imgtrain.inference import run_predictor
+    from imgtrain.inference.batch import run_predictor
 
     times = []
     for subset in (images[: opts.batch_size], images):
@@ -97,8 +97,8 @@ def main() -> None:
     import ray
     import torch
 
-    from imgtrain.data.parquet import read_split
-    from imgtrain.inference import InferenceOptions, load_checkpoint
+    from imgtrain.data.format import read_split
+    from imgtrain.inference.batch import InferenceOptions, load_checkpoint
 
     torch.set_num_threads(os.cpu_count() or 1)
     loaded = load_checkpoint(args.run, storage=args.storage)

@@ -19,8 +19,8 @@ import ray
 import ray.data
 
 from imgtrain.data.dataset import ray_dataset
-from imgtrain.data.parquet import load_manifest
-from imgtrain.worker import BATCH_DTYPES
+from imgtrain.data.format import load_manifest
+from imgtrain.training.ray_backend import BATCH_DTYPES
 
 
 def rate(dataset, passes: int, batch_size: int) -> dict:

@@ -23,7 +23,7 @@ T0 = time.time()  # before the imports: time to first step counts them, as it do
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from imgtrain.data.parquet import load_manifest, read_split  # noqa: E402
+from imgtrain.data.format import load_manifest, read_split  # noqa: E402
 from imgtrain.model import build_resnet18, random_affine, to_model_input  # noqa: E402
 
 

@@ -36,7 +36,7 @@ from torch.optim import Adam  # noqa: E402
 from torchvision.models import resnet18  # noqa: E402
 from torchvision.transforms import Compose, Normalize, ToTensor  # noqa: E402
 
-from imgtrain.data.parquet import read_split  # noqa: E402
+from imgtrain.data.format import read_split  # noqa: E402
 
 
 def build_resnet18():

@@ -2,7 +2,7 @@ import torch
 import torch.nn as nn
 from torchvision.models import resnet18
 
-from imgtrain.order import augment_draw
+from imgtrain.data.order import augment_draw
 from imgtrain.model import build_resnet18, random_affine, to_model_input
 
 

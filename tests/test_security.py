@@ -20,15 +20,17 @@ import pytest
 from PIL import Image
 
 import imgtrain
-from imgtrain import ownership, runs, tracking
-from imgtrain.clean import plan_dataset, plan_runs, remove
+from imgtrain import runs
+from imgtrain.ops import ownership
+from imgtrain.training import tracking
+from imgtrain.ops.clean import plan_dataset, plan_runs, remove
 from imgtrain.config import TrainConfig, validate
-from imgtrain.data import images, parquet, sources
+from imgtrain.data import images, format as parquet, sources
 from imgtrain.data.dataset import ray_dataset
-from imgtrain.display import TrainingDisplay
+from imgtrain.training.progress import TrainingDisplay
 from imgtrain.errors import ImgtrainError
-from imgtrain.fileutil import atomic_write_text
-from imgtrain.inputs import read_inputs
+from imgtrain.ops.files import atomic_write_text
+from imgtrain.inference.inputs import read_inputs
 from tests.conftest import run_cli
 from tests.conftest_data_helpers import rehash, save_image, tiny_raw, write_idx
 
@@ -202,7 +204,7 @@ def test_a_run_in_use_cannot_be_trained_or_deleted_by_another_process(tiny_data,
     imgtrain.train(cfg, display=QUIET)
     run_dir = tmp_path / "busy"
     holder = subprocess.Popen(  # another process holds the run's lock, as a training driver does
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from imgtrain import ownership\n"
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from imgtrain.ops import ownership\n"
          f"with ownership.locked(Path({str(run_dir)!r}), 'trained'):\n print('held', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -333,7 +335,7 @@ def test_predict_glob_does_not_follow_a_symlink_loop(tmp_path):
     save_image(folder / "x.png", 3)
     for i in range(4):  # several links to the parent: glob.glob(recursive=True) walked in circles
         (folder / f"back{i}").symlink_to("..", target_is_directory=True)
-    code = f"from imgtrain.inputs import read_inputs; print(len(read_inputs({str(tmp_path / 'loop' / '**' / '*.png')!r}, (8, 8, 1)).images))"
+    code = f"from imgtrain.inference.inputs import read_inputs; print(len(read_inputs({str(tmp_path / 'loop' / '**' / '*.png')!r}, (8, 8, 1)).images))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr
 
@@ -370,7 +372,7 @@ def test_every_float_must_be_finite_and_every_field_in_range_all_reported_at_onc
 
 
 def test_logs_without_a_run_go_to_a_folder_of_this_users_own(tmp_path, monkeypatch):
-    from imgtrain.cluster import user_log_dir
+    from imgtrain.ops.cluster import user_log_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     folder = user_log_dir()
@@ -380,7 +382,7 @@ def test_logs_without_a_run_go_to_a_folder_of_this_users_own(tmp_path, monkeypat
 
 def test_a_checkpoint_claiming_a_huge_model_is_refused_before_building_it(tmp_path):
     from imgtrain import checkpoint as ckpt
-    from imgtrain.inference import load_checkpoint
+    from imgtrain.inference.batch import load_checkpoint
 
     args = {"architecture": "resnet18", "in_channels": 1, "num_classes": 10**9}  # a 2-TB output layer
     ckpt.save(tmp_path / "ck", {}, {}, {"model_args": args, "data": {"classes": ["a"]}})

@@ -14,29 +14,29 @@ Every CLI verb is one function here:
 
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
-from imgtrain.inference import EvalResult, InferenceOptions, Predictor, evaluate, load_model, predict
+from imgtrain.inference.batch import EvalResult, InferenceOptions, Predictor, evaluate, load_model, predict
 from imgtrain.runs import RunResult, list_runs, load_run
 
 __version__ = "0.1.0"
 
 
 def train(cfg: TrainConfig, display=None, overwrite: bool = False) -> RunResult:
-    """Train (or resume) ``cfg.name``; ``overwrite`` replaces an existing run. See ``imgtrain.trainer.train``."""
-    from imgtrain.trainer import train as _train
+    """Train (or resume) ``cfg.name``; ``overwrite`` replaces an existing run. See ``imgtrain.training.driver.train``."""
+    from imgtrain.training.driver import train as _train
 
     return _train(cfg, display=display, overwrite=overwrite)
 
 
 def prepare(source: str, out_dir, **options) -> dict:
-    """Prepare a data set directory. See ``imgtrain.data.parquet.prepare``."""
-    from imgtrain.data.parquet import prepare as _prepare
+    """Prepare a data set directory. See ``imgtrain.data.format.prepare``."""
+    from imgtrain.data.format import prepare as _prepare
 
     return _prepare(source, out_dir, **options)
 
 
 def write_report(run, checkpoint: str = "best", storage: str = "./runs"):
-    """Plots and a self-contained HTML page in the run's report/ folder. See ``imgtrain.report``."""
-    from imgtrain.report import write_report as _write_report
+    """Plots and a self-contained HTML page in the run's report/ folder. See ``imgtrain.inference.report``."""
+    from imgtrain.inference.report import write_report as _write_report
 
     return _write_report(run, checkpoint=checkpoint, storage=storage)
 

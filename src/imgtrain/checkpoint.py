@@ -18,7 +18,7 @@ import pickle
 from pathlib import Path
 
 from imgtrain.errors import ImgtrainError
-from imgtrain.fileutil import atomic_write_text, sha256_file
+from imgtrain.ops.files import atomic_write_text, sha256_file
 
 MODEL_FILE = "model.pt"
 TRAIN_STATE_FILE = "train_state.pt"

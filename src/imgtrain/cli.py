@@ -45,7 +45,7 @@ def data_prepare(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing data set in OUT_DIR."),
 ):
     """Convert a source into a prepared data set (manifest.json + train/ and test/ Parquet)."""
-    from imgtrain.data.parquet import describe, prepare
+    from imgtrain.data.format import describe, prepare
     from imgtrain.data.sources import parse_size
 
     hw = parse_size(size) if size else None
@@ -124,10 +124,11 @@ def train_cmd(
     --config FILE, then the flags given here.
     """
     import imgtrain
-    from imgtrain import ownership, runs
+    from imgtrain import runs
+    from imgtrain.ops import ownership
     from imgtrain.config import TrainConfig, resolve, validate
     from imgtrain.configfile import read_config_file
-    from imgtrain.display import TrainingDisplay
+    from imgtrain.training.progress import TrainingDisplay
 
     min_workers, max_workers = _parse_workers(workers)
     overrides = dict(
@@ -203,7 +204,7 @@ def runs_list(storage: str = typer.Option("./runs", help=STORAGE_HELP),
 def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP),
               json_out: bool = typer.Option(False, "--json", help="Print JSON.")):
     """Show one run: status, per-epoch metrics, checkpoints."""
-    from imgtrain.display import epoch_line
+    from imgtrain.training.progress import epoch_line
     from imgtrain.runs import load_run
 
     r = load_run(storage, name)
@@ -261,7 +262,7 @@ ADDRESS_OPTION = typer.Option(None, help="Join this Ray cluster; default: start 
 
 
 def _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k=3):
-    from imgtrain.inference import InferenceOptions
+    from imgtrain.inference.batch import InferenceOptions
 
     return InferenceOptions(backend=backend, batch_size=batch_size, concurrency=concurrency,
                             threads=threads, use_gpu=gpu, address=address, top_k=top_k)
@@ -279,7 +280,7 @@ def evaluate_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
     """Accuracy, per-class precision/recall/F1 and confusion matrix of a checkpoint."""
-    from imgtrain.inference import evaluate
+    from imgtrain.inference.batch import evaluate
 
     opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address)
     result = evaluate(run, checkpoint=checkpoint, storage=storage, split=split,
@@ -319,7 +320,7 @@ def predict_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
 ):
     """Predict classes for images; images of another size or colour mode are converted."""
-    from imgtrain.inference import predict
+    from imgtrain.inference.batch import predict
 
     opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k)
     result = predict(run, input, out, checkpoint=checkpoint, storage=storage, on_error=on_error,
@@ -342,7 +343,7 @@ def report_cmd(
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
 ):
     """Write the run's plots and one self-contained HTML page into its report/ folder."""
-    from imgtrain.report import write_report
+    from imgtrain.inference.report import write_report
 
     page = write_report(run, checkpoint=checkpoint, storage=storage)
     console.print(f"report: {page}", highlight=False)
@@ -367,7 +368,7 @@ def serve_cmd(
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
 ):
     """Serve the model over HTTP with Ray Serve: POST /predict, GET /healthz. Ctrl-C stops it."""
-    from imgtrain.serve import Limits, run_server
+    from imgtrain.inference.serve import Limits, run_server
 
     limits = Limits(max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels,
                     max_batch_images=max_batch_images, request_timeout_s=request_timeout,
@@ -391,7 +392,7 @@ def clean_runs(
                                "host whose driver is gone (a run locked on this machine is never deleted)."),
 ):
     """Delete runs: their checkpoints, metrics, logs and reports. Never a run being trained."""
-    from imgtrain.clean import plan_runs
+    from imgtrain.ops.clean import plan_runs
 
     _clean(plan_runs(storage, names or [], everything=all_runs, force=force), yes, dry_run)
 
@@ -402,13 +403,13 @@ def clean_data(
     yes: bool = YES_OPTION, dry_run: bool = DRY_RUN_OPTION,
 ):
     """Delete prepared data sets: the manifest and the Parquet files it lists, nothing else."""
-    from imgtrain.clean import plan_dataset
+    from imgtrain.ops.clean import plan_dataset
 
     _clean([plan_dataset(d) for d in data_dirs], yes, dry_run)
 
 
 def _clean(plan, yes: bool, dry_run: bool) -> None:
-    from imgtrain.clean import remove
+    from imgtrain.ops.clean import remove
 
     if not plan:
         console.print("nothing to delete", highlight=False)
@@ -444,7 +445,7 @@ def doctor_cmd(
 
     Exits 0 when ready to train, 1 when something needs fixing first.
     """
-    from imgtrain.doctor import diagnose
+    from imgtrain.ops.doctor import diagnose
 
     found = diagnose(storage=storage, address=address, data=str(data) if data else None)
     if json_out:

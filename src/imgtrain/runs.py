@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgtrain import checkpoint as ckpt
-from imgtrain import ownership
+from imgtrain.ops import ownership
 from imgtrain.errors import ImgtrainError
-from imgtrain.fileutil import atomic_write_text
+from imgtrain.ops.files import atomic_write_text
 
 CONFIG_FILE = ownership.CONFIG_FILE
 METRICS_FILE = "metrics.jsonl"

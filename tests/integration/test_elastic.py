@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from imgtrain import runs
-from imgtrain.watchdog import read_workers
+from imgtrain.training.watchdog import read_workers
 from tests.integration.test_faults import wait_for
 from tests.integration.test_resume import global_batches
 

@@ -12,7 +12,7 @@ import pytest
 
 import imgtrain
 from imgtrain import runs
-from imgtrain.faults import ENV_VAR as FAULT_ENV
+from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.integration

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from imgtrain import runs
-from imgtrain.watchdog import read_workers
+from imgtrain.training.watchdog import read_workers
 
 pytestmark = pytest.mark.integration
 RAY = str(Path(sys.executable).parent / "ray")

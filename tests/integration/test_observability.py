@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from imgtrain import runs
-from imgtrain.tracking import MLFLOW_RUN_FILE, TENSORBOARD_DIR
+from imgtrain.training.tracking import MLFLOW_RUN_FILE, TENSORBOARD_DIR
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.integration

@@ -20,9 +20,10 @@ from PIL import Image
 
 import imgtrain
 from imgtrain import checkpoint as ckpt
-from imgtrain import report, runs
+from imgtrain import runs
+from imgtrain.inference import report
 from imgtrain.config import TrainConfig
-from imgtrain.display import TrainingDisplay
+from imgtrain.training.progress import TrainingDisplay
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.integration

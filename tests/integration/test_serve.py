@@ -18,10 +18,10 @@ from PIL import Image
 
 import imgtrain
 from imgtrain.config import TrainConfig
-from imgtrain.data.parquet import read_split
-from imgtrain.display import TrainingDisplay
-from imgtrain.inference import Predictor
-from imgtrain.inputs import conform
+from imgtrain.data.format import read_split
+from imgtrain.training.progress import TrainingDisplay
+from imgtrain.inference.batch import Predictor
+from imgtrain.inference.inputs import conform
 from tests.conftest import run_cli
 from tests.integration.test_bad_input import assert_one_line_error
 

@@ -13,7 +13,7 @@ import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.config import TrainConfig
-from imgtrain.display import TrainingDisplay
+from imgtrain.training.progress import TrainingDisplay
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.config import TrainConfig
-from imgtrain.display import TrainingDisplay
+from imgtrain.training.progress import TrainingDisplay
 from imgtrain.errors import ImgtrainError
 from tests.conftest import run_cli
 
@@ -59,7 +59,7 @@ def tutorial_build_model() -> nn.Module:
 
 
 def test_tutorial_inference_code_loads_model_pt(ray_cluster, tiny_data, tmp_path):
-    from imgtrain.data.parquet import read_split
+    from imgtrain.data.format import read_split
 
     result = imgtrain.train(tiny_config(tiny_data, tmp_path, "tut", epochs=1), display=QUIET)
     model = tutorial_build_model()
@@ -180,7 +180,7 @@ def test_resume_skips_a_damaged_checkpoint_for_the_previous_good_one(ray_cluster
 
 
 def test_loading_best_or_latest_skips_a_damaged_checkpoint(tiny_data, tmp_path, capsys):
-    from imgtrain.inference import resolve_checkpoint
+    from imgtrain.inference.batch import resolve_checkpoint
 
     first = imgtrain.train(tiny_config(tiny_data, tmp_path, "dmgl", backend="local", num_to_keep=2), display=QUIET)
     damage(first.latest_checkpoint)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from imgtrain.data.parquet import check_split_schema, load_manifest, read_split_file, split_files
+from imgtrain.data.format import check_split_schema, load_manifest, read_split_file, split_files
 
 IN_MEMORY_MAX_BYTES = 256 << 20  # above this, stream from Parquet instead
 

@@ -7,8 +7,8 @@ import pytest
 from PIL import Image
 
 from imgtrain.errors import ImgtrainError
-from imgtrain.inference import InferenceOptions, confusion_matrix, per_class_scores
-from imgtrain.inputs import conform, read_inputs
+from imgtrain.inference.batch import InferenceOptions, confusion_matrix, per_class_scores
+from imgtrain.inference.inputs import conform, read_inputs
 
 
 def test_confusion_matrix_rows_are_true_classes():

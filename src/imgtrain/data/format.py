@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from imgtrain.data import sources
 from imgtrain.data.sources import RawDataset, Split
 from imgtrain.errors import ImgtrainError
-from imgtrain.fileutil import sha256_file
+from imgtrain.ops.files import sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

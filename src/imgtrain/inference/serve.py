@@ -8,7 +8,7 @@
     GET  /openapi.json  only with ``--openapi`` (no /docs or /redoc: they load outside scripts)
 
 Image files of another size or colour mode are converted as ``imgtrain predict`` does
-(``imgtrain.inputs``); JSON pixels must already have the model's shape. Bad input gets a 4xx
+(``imgtrain.inference.inputs``); JSON pixels must already have the model's shape. Bad input gets a 4xx
 with ``{"error": "..."}``, never a 500: bodies over ``--max-request-bytes`` (413), images over
 ``--max-image-pixels`` (413, checked from the header before decoding), more than
 ``--max-batch-images`` images in one request (413), JSON nested too deep (400). Requests
@@ -44,10 +44,10 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from imgtrain import cluster as cluster_mod
+from imgtrain.ops import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError
-from imgtrain.inference import Predictor, resolve_checkpoint
+from imgtrain.inference.batch import Predictor, resolve_checkpoint
 
 APP_NAME = "imgtrain"
 REPLICA_CPUS = 0.5  # logical: a replica mostly waits for requests; torch threads are set below

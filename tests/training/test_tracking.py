@@ -10,7 +10,7 @@ import torch
 
 from imgtrain import checkpoint as ckpt
 from imgtrain.config import TrainConfig
-from imgtrain.tracking import MLFLOW_RUN_FILE, MLflowTracker, TensorBoardTracker, metrics_of
+from imgtrain.training.tracking import MLFLOW_RUN_FILE, MLflowTracker, TensorBoardTracker, metrics_of
 
 MANIFEST = {"name": "tiny", "splits": {"train": {"num_samples": 256}, "test": {"num_samples": 100}}}
 
@@ -116,7 +116,7 @@ def test_tensorboard_event_files_hold_the_metrics_and_a_restart_hides_the_steps_
 def test_the_base_install_needs_no_tracker_and_says_what_to_install(tmp_path):
     # Hide MLflow as if the extra were not installed; nothing else changes.
     code = ("import sys; sys.modules['mlflow'] = None; sys.argv = ['imgtrain'] + sys.argv[1:]; "
-            "import imgtrain.cli, imgtrain.trainer; assert 'tensorboard' not in sys.modules; imgtrain.cli.main()")
+            "import imgtrain.cli, imgtrain.training.driver; assert 'tensorboard' not in sys.modules; imgtrain.cli.main()")
     done = subprocess.run([sys.executable, "-c", code, "train", "--name", "x", "--data", str(tmp_path),
                            "--mlflow", "sqlite:///m.db", "--storage", str(tmp_path / "runs")],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})

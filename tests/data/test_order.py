@@ -2,7 +2,7 @@
 
 import torch
 
-from imgtrain.order import augment_draw, epoch_permutation, rank_rows
+from imgtrain.data.order import augment_draw, epoch_permutation, rank_rows
 
 
 def rows_per_step(perm, steps, batch, world):

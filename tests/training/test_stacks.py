@@ -3,7 +3,7 @@
 import faulthandler
 import threading
 
-from imgtrain.stacks import training_frames
+from imgtrain.training.stacks import training_frames
 
 
 def waits_inside(event: threading.Event) -> None:

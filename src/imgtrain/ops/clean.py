@@ -19,7 +19,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imgtrain import ownership, runs
+from imgtrain import runs
+from imgtrain.ops import ownership
 from imgtrain.errors import ImgtrainError
 
 
@@ -77,7 +78,7 @@ def _refuse_if_running(run_dir: Path, force: bool) -> None:
 
 def plan_dataset(data_dir: str | Path) -> Removal:
     """A prepared data set: its manifest and the files the manifest lists, nothing else."""
-    from imgtrain.data.parquet import MANIFEST, SPLITS, load_manifest, split_files
+    from imgtrain.data.format import MANIFEST, SPLITS, load_manifest, split_files
 
     data_dir = Path(data_dir).absolute()
     if data_dir.is_symlink() or not data_dir.is_dir():

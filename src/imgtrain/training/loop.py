@@ -25,11 +25,11 @@ import torch
 import torch.nn as nn
 
 from imgtrain import checkpoint as ckpt
-from imgtrain import faults
+from imgtrain.training import faults
 from imgtrain.config import TrainConfig, per_worker_batch_sizes, steps_per_epoch as epoch_steps
 from imgtrain.errors import ImgtrainError
 from imgtrain.model import build_from_args, model_args, random_affine, to_model_input
-from imgtrain.order import augment_draw
+from imgtrain.data.order import augment_draw
 
 Batch = dict  # {"id": int64 [B], "image": uint8 [B, H, W, C], "label": int64 [B]} on the device
 

@@ -3,7 +3,7 @@ import re
 
 from rich.console import Console
 
-from imgtrain.display import Eta, TrainingDisplay, format_duration
+from imgtrain.training.progress import Eta, TrainingDisplay, format_duration
 
 
 def start(step=0, total=40, epochs=4, t=0.0):
@@ -63,7 +63,7 @@ def test_without_a_terminal_epochs_print_as_lines_and_progress_now_and_then(monk
     display.update(start())
     display.update(step(2, 1.0))
     assert out.getvalue() == ""  # not yet: a log line every 30 s at most
-    monkeypatch.setattr("imgtrain.display.PLAIN_EVERY_S", 0.0)
+    monkeypatch.setattr("imgtrain.training.progress.PLAIN_EVERY_S", 0.0)
     display.update(step(4, 2.0))
     display.update(epoch(0, 10, 6.0))
     lines = out.getvalue().splitlines()

@@ -122,7 +122,7 @@ def _storage(root: Path) -> Check:
 
 
 def _data(data: str) -> Check:
-    from imgtrain.data.parquet import describe, verify_dataset
+    from imgtrain.data.format import describe, verify_dataset
 
     try:
         manifest = verify_dataset(data, check_hashes=False)
@@ -149,7 +149,7 @@ def _joined_cluster(address: str, root: Path | None, data: str | None) -> list[C
     """Nodes and resources; whether every node sees the storage (and data set) as this one does."""
     import ray
 
-    from imgtrain import cluster
+    from imgtrain.ops import cluster
 
     try:
         joined = cluster.start_or_join(address, 0, log_file=Path(os.devnull))

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from imgtrain import ownership, runs
-from imgtrain.clean import plan_dataset, plan_runs, remove
+from imgtrain import runs
+from imgtrain.ops import ownership
+from imgtrain.ops.clean import plan_dataset, plan_runs, remove
 from imgtrain.errors import ImgtrainError
 
 

@@ -50,7 +50,7 @@ def read_inputs(spec: str, image_shape: tuple[int, int, int], on_error: str = "s
 
 
 def _from_dataset(path: Path, split: str, image_shape) -> Inputs:
-    from imgtrain.data.parquet import load_manifest, read_split
+    from imgtrain.data.format import load_manifest, read_split
 
     manifest = load_manifest(path)
     if split not in manifest["splits"]:

@@ -26,7 +26,7 @@ import numpy as np
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError
-from imgtrain.fileutil import atomic_write_text
+from imgtrain.ops.files import atomic_write_text
 
 REPORT_DIR = "report"
 PAGE_FILE = "report.html"
@@ -53,8 +53,8 @@ PLOTS = (
 def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path:
     """Write the plots, ``evaluation.json`` and ``report.html`` for ``run`` (a run name in
     ``storage`` or a run directory); return the page's path."""
-    from imgtrain.data.parquet import read_split
-    from imgtrain.inference import InferenceOptions, evaluate
+    from imgtrain.data.format import read_split
+    from imgtrain.inference.batch import InferenceOptions, evaluate
 
     result = _load_run(run, storage)
     if checkpoint in ("best", "latest") and result.best_checkpoint is None:

@@ -290,7 +290,7 @@ def _run_on_ray(checkpoint_dir: Path, columns: dict, images: np.ndarray, opts: I
     import pandas as pd
     import pyarrow as pa
 
-    from imgtrain import cluster as cluster_mod
+    from imgtrain.ops import cluster as cluster_mod
 
     logs = cluster_mod.user_log_dir()
     with cluster_mod.ray_output_to(logs):
@@ -389,7 +389,7 @@ def evaluate(
     data: str | None = None, options: InferenceOptions | None = None,
 ) -> EvalResult:
     """Accuracy, per-class scores and confusion matrix of a checkpoint on a prepared split."""
-    from imgtrain.data.parquet import read_split, verify_dataset
+    from imgtrain.data.format import read_split, verify_dataset
 
     opts = options or InferenceOptions()
     loaded = load_checkpoint(run, checkpoint, storage)
@@ -448,8 +448,8 @@ def predict(
     split: str = "test", image_column: str = "image", options: InferenceOptions | None = None,
     overwrite: bool = False,
 ) -> PredictResult:
-    """Predict every image of ``input`` (see ``imgtrain.inputs``) and write ``out`` (.parquet/.csv)."""
-    from imgtrain.inputs import check_output, read_inputs, write_table
+    """Predict every image of ``input`` (see ``imgtrain.inference.inputs``) and write ``out`` (.parquet/.csv)."""
+    from imgtrain.inference.inputs import check_output, read_inputs, write_table
 
     opts = options or InferenceOptions()
     opts.validate()

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from imgtrain import checkpoint as ckpt
-from imgtrain import faults
+from imgtrain.training import faults
 from imgtrain.config import TrainConfig, steps_per_epoch
-from imgtrain.order import ordered_batches, sort_by_id
-from imgtrain.train_loop import Hooks, Progress, run_loop
+from imgtrain.data.order import ordered_batches, sort_by_id
+from imgtrain.training.loop import Hooks, Progress, run_loop
 
 HEARTBEAT_S = 1.0
 BATCH_DTYPES = {"id": torch.int64, "image": torch.uint8, "label": torch.int64}
@@ -101,7 +101,7 @@ def _start_heartbeat(monitor, rank: int, world: int, progress: Progress):
     import ray
 
     stop = threading.Event()
-    from imgtrain import stacks
+    from imgtrain.training import stacks
 
     ids = {"rank": rank, "world_size": world, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
            "node_id": ray.get_runtime_context().get_node_id(),
@@ -145,8 +145,8 @@ def _torch_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, devic
     import ray.train.torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from imgtrain.data.parquet import read_split
-    from imgtrain.order import epoch_permutation, rank_rows
+    from imgtrain.data.format import read_split
+    from imgtrain.data.order import epoch_permutation, rank_rows
 
     rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
     steps = _steps(cfg, manifest)
@@ -166,7 +166,7 @@ def _torch_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, devic
 
 def _in_memory_val_batches(cfg: TrainConfig, device):
     """The test split read once into memory on each worker (evaluation keeps rows by id)."""
-    from imgtrain.data.parquet import read_split
+    from imgtrain.data.format import read_split
 
     ids, images, labels = map(torch.from_numpy, read_split(cfg.data, "test"))
 

@@ -19,12 +19,14 @@ from pathlib import Path
 
 import torch
 
-from imgtrain import cluster as cluster_mod
+from imgtrain.ops import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain import checkpoint as ckpt
-from imgtrain import faults, ownership, tracking
+from imgtrain.training import faults
+from imgtrain.ops import ownership
+from imgtrain.training import tracking
 from imgtrain.config import TrainConfig, changed_fields, steps_per_epoch, validate
-from imgtrain.display import TrainingDisplay
+from imgtrain.training.progress import TrainingDisplay
 from imgtrain.errors import ImgtrainError
 
 POLL_S = 0.5
@@ -85,7 +87,7 @@ class _Plan:
 
 def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: contextlib.ExitStack) -> _Plan:
     """Every check that can fail, before anything is written."""
-    from imgtrain.data.parquet import verify_dataset
+    from imgtrain.data.format import verify_dataset
 
     exists = ownership.is_run(run_dir)
     if not exists and (run_dir.is_symlink() or run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))):
@@ -275,9 +277,9 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Records, resu
     from ray.train.torch import TorchTrainer
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from imgtrain.monitor import Monitor
-    from imgtrain.watchdog import Watchdog
-    from imgtrain.worker import train_loop_per_worker
+    from imgtrain.training.monitor import Monitor
+    from imgtrain.training.watchdog import Watchdog
+    from imgtrain.training.ray_backend import train_loop_per_worker
 
     logs = run_dir / runs.LOGS_DIR
     display = records.display
@@ -467,9 +469,9 @@ def _forward_records(monitor, records: Records, watchdog):
 
 def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Records, resume: Resume) -> None:
     """The same loop in this process, no Ray: the tutorial's single-device baseline."""
-    from imgtrain.data.parquet import read_split
-    from imgtrain.order import ordered_batches, sort_by_id
-    from imgtrain.train_loop import Hooks, run_loop
+    from imgtrain.data.format import read_split
+    from imgtrain.data.order import ordered_batches, sort_by_id
+    from imgtrain.training.loop import Hooks, run_loop
 
     device = torch.device("cuda" if cfg.use_gpu else "cpu")
     torch.set_num_threads(cfg.threads_per_worker or os.cpu_count() or 1)

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from tests.conftest_data_helpers import rehash, save_image, tiny_raw, rewrite_columns
 
-from imgtrain.data import parquet, sources
+from imgtrain.data import format as parquet, sources
 from imgtrain.errors import ImgtrainError
 
 
@@ -97,7 +97,7 @@ def test_read_split_without_ray_imported(sample_dir):
     code = (
         "import sys, imgtrain\n"
         "if 'ray' in sys.modules: print('SKIP'); raise SystemExit\n"
-        "from imgtrain.data.parquet import read_split, verify_dataset\n"
+        "from imgtrain.data.format import read_split, verify_dataset\n"
         f"verify_dataset({str(sample_dir)!r}); ids, x, y = read_split({str(sample_dir)!r}, 'test')\n"
         "assert 'ray' not in sys.modules\n"
         "print(x.shape, x.dtype, ids[:3].tolist())"

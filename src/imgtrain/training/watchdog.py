@@ -16,10 +16,10 @@ import json
 import time
 from pathlib import Path
 
-from imgtrain import stacks
-from imgtrain.fileutil import atomic_write_text
-from imgtrain.train_loop import COLLECTIVE_PHASES
-from imgtrain.worker import HEARTBEAT_S
+from imgtrain.training import stacks
+from imgtrain.ops.files import atomic_write_text
+from imgtrain.training.loop import COLLECTIVE_PHASES
+from imgtrain.training.ray_backend import HEARTBEAT_S
 
 WORKERS_FILE = "workers.json"
 
