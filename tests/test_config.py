@@ -1,6 +1,6 @@
 import pytest
 
-from imgtrain.config import TrainConfig, changed_fields, config_fields, per_worker_batch_sizes, validate
+from imgtrain.config import TrainConfig, by_name, changed_fields, per_worker_batch_sizes, settings, validate
 from imgtrain.errors import ImgtrainError
 
 
@@ -23,10 +23,25 @@ def test_validate_reports_every_problem_at_once():
     assert "\n" not in msg
 
 
-def test_defaults_are_valid_and_documented():
+def test_defaults_are_valid_and_every_setting_is_documented_and_bounded():
     validate(TrainConfig(name="ok"))
-    fields = config_fields()
-    assert all(doc for _, _, doc in fields), [name for name, _, doc in fields if not doc]
+    found = settings()
+    assert all(s.doc and s.summary for s in found), [s.name for s in found if not s.doc]
+    numbers = [s.name for s in found if s.type in (int, float)]
+    assert [n for n in numbers if not by_name()[n].range] == []  # every number has a stated range
+    assert by_name()["stall_timeout_s"].flag == "--stall-timeout" and by_name()["use_gpu"].resumable
+
+
+def test_every_setting_is_a_train_option_generated_from_the_dataclass():
+    from typer.testing import CliRunner
+
+    from imgtrain.cli import app
+
+    shown = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "250"}).output
+    for s in settings():
+        if s.cli:
+            assert s.flag.split("/")[0] in shown, s.flag
+    assert "--min-workers" not in shown  # set through --workers MIN-MAX
 
 
 def test_resumable_fields_do_not_count_as_a_different_experiment():

@@ -27,15 +27,15 @@ def make_ckpt(run_dir, epoch, acc):
 
 def test_retention_keeps_best_and_latest(tmp_path):
     dirs = [make_ckpt(tmp_path, e, acc) for e, acc in enumerate([0.5, 0.9, 0.7, 0.6])]
-    runs.retain(tmp_path, num_to_keep=1)
-    assert [p for p, _ in runs.list_checkpoints(tmp_path)] == [dirs[1], dirs[3]]
-    assert runs.best_and_latest(tmp_path) == (dirs[1], dirs[3])
+    ckpt.retain(tmp_path, num_to_keep=1)
+    assert [p for p, _ in ckpt.listing(tmp_path)] == [dirs[1], dirs[3]]
+    assert ckpt.best_and_latest(tmp_path) == (dirs[1], dirs[3])
 
 
 def test_incomplete_checkpoint_is_invisible(tmp_path):
     make_ckpt(tmp_path, 0, 0.5)
     (tmp_path / "checkpoint_epoch_0001").mkdir()  # a crash before meta.json was written
-    assert [p.name for p, _ in runs.list_checkpoints(tmp_path)] == ["checkpoint_epoch_0000"]
+    assert [p.name for p, _ in ckpt.listing(tmp_path)] == ["checkpoint_epoch_0000"]
 
 
 def test_status_of_a_killed_driver_reads_interrupted(tmp_path):
@@ -47,7 +47,7 @@ def test_status_of_a_killed_driver_reads_interrupted(tmp_path):
 def test_checkpoint_meta_without_metrics_does_not_break_listing(tmp_path):
     ckpt.save(tmp_path / "checkpoint_epoch_0000", {}, {}, {"epoch": 0})
     good = make_ckpt(tmp_path, 1, 0.7)
-    assert runs.best_and_latest(tmp_path) == (good, good)
+    assert ckpt.best_and_latest(tmp_path) == (good, good)
 
 
 def test_a_start_record_brings_back_the_epochs_its_checkpoint_holds(tmp_path):

@@ -1,4 +1,6 @@
-"""The checkpoint format, used by training (save, resume) and inference (load).
+"""Checkpoints: the format (save, verify, load) and their life in a run directory (names,
+listing, best/latest, retention, resolution with fallback to the newest one that verifies),
+used by training (save, resume) and inference (load). The one module that knows them.
 
 A checkpoint directory holds:
   model.pt        the unwrapped ``state_dict`` of the model that was evaluated (the moving
@@ -15,9 +17,10 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import warnings
 from pathlib import Path
 
-from imgtrain.errors import ImgtrainError
+from imgtrain.errors import ImgtrainError, ImgtrainWarning
 from imgtrain.ops.files import atomic_write_text, sha256_file
 
 MODEL_FILE = "model.pt"
@@ -125,3 +128,117 @@ def load_train_state(directory: str | os.PathLike) -> dict:
 def unwrap(model):
     """The plain model inside DistributedDataParallel (``model.module``) or the model itself."""
     return getattr(model, "module", model)
+
+
+# ---------------------------------------------------------------- checkpoints in a run directory
+
+PREFIX = "checkpoint_"
+
+
+def dir_name(epoch: int, taken=(), step: int | None = None) -> str:
+    """``checkpoint_epoch_0003`` at the end of epoch 3; ``checkpoint_epoch_0003_step_0000120``
+    for a checkpoint inside it, after global step 120. A name in ``taken`` (a damaged
+    checkpoint still on disk) is not reused: Ray Train's retention deletes by path, and would
+    delete the replacement along with the damaged original."""
+    name = f"{PREFIX}epoch_{epoch:04d}" + (f"_step_{step:07d}" if step is not None else "")
+    k, candidate = 1, name
+    while candidate in taken:
+        k += 1
+        candidate = f"{name}-{k}"
+    return candidate
+
+
+def listing(run_dir: Path) -> list[tuple[Path, dict]]:
+    """Complete checkpoints (a valid meta.json) in a run directory, oldest first."""
+    found = []
+    if not run_dir.is_dir():
+        return found
+    for d in run_dir.iterdir():
+        if d.is_dir() and d.name.startswith(PREFIX) and (d / META_FILE).is_file():
+            try:
+                found.append((d, read_meta(d)))
+            except CheckpointError:
+                continue
+    return sorted(found, key=lambda item: (item[1].get("step", 0), item[0].name))
+
+
+def verified(run_dir: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """(checkpoints whose files match their sha256, oldest first; [(checkpoint, why)] for the rest)."""
+    good, bad = [], []
+    for path, _ in listing(run_dir):
+        try:
+            verify(path)
+            good.append(path)
+        except CheckpointError as e:
+            bad.append((path, str(e)))
+    return good, bad
+
+
+def remove_incomplete(run_dir: Path, keep=()) -> list[str]:
+    """Delete checkpoint directories that fail verification (half written when the disk filled
+    up or the process died), except those named in ``keep``; return the names removed."""
+    import shutil
+
+    removed = []
+    for d in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
+        if not d.is_dir() or not d.name.startswith(PREFIX) or d.name in keep:
+            continue
+        try:
+            verify(d)
+        except CheckpointError:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+    return removed
+
+
+def rank_key(meta: dict) -> tuple[float, int]:
+    """How good a checkpoint is: validation accuracy, then the later one (step checkpoints,
+    not evaluated, record -1 and rank below every evaluated one)."""
+    return (meta.get("metrics") or {}).get("val_accuracy", -1.0), meta.get("step", 0)
+
+
+def best_and_latest(run_dir: Path) -> tuple[Path | None, Path | None]:
+    found = listing(run_dir)
+    if not found:
+        return None, None
+    return max(found, key=lambda item: rank_key(item[1]))[0], found[-1][0]
+
+
+def retain(run_dir: Path, num_to_keep: int, ignore=()) -> None:
+    """Delete old checkpoints (local backend; Ray Train does the same itself): keep the
+    ``num_to_keep`` best by validation accuracy, and always the latest. Checkpoints named in
+    ``ignore`` (known damaged) are neither counted nor deleted."""
+    import shutil
+
+    found = [(p, m) for p, m in listing(run_dir) if p.name not in ignore]
+    if not found:
+        return
+    ranked = sorted(found, key=lambda item: rank_key(item[1]), reverse=True)
+    keep = {path for path, _ in ranked[:num_to_keep]} | {found[-1][0]}
+    for path, _ in found:
+        if path not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def choose(run_dir: Path, which: str, run_name: str) -> Path:
+    """The ``best`` or ``latest`` checkpoint of a run, verified. A damaged one is skipped, with
+    a warning, for the best / latest of those that verify."""
+    best, latest = best_and_latest(run_dir)
+    chosen = best if which == "best" else latest
+    if chosen is None:
+        raise ImgtrainError(f"run {run_name!r} has no complete checkpoint yet ({run_dir}); train it first")
+    try:
+        verify(chosen)
+        return chosen
+    except CheckpointError:
+        pass
+    good, bad = verified(run_dir)
+    for path, why in bad:
+        warnings.warn(f"skipping checkpoint {path.name}: {why}", DamagedCheckpointWarning, stacklevel=2)
+    if not good:
+        raise ImgtrainError(f"run {run_name!r} has no checkpoint that passes verification ({run_dir})")
+    return good[-1] if which == "latest" else max(good, key=lambda p: rank_key(read_meta(p)))
+
+
+class DamagedCheckpointWarning(ImgtrainWarning):
+    """A checkpoint failed verification and was passed over for another one."""

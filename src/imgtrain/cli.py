@@ -5,9 +5,11 @@ Every user error is printed as one line, ``error: ...``, with exit status 2; no 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from imgtrain.errors import ImgtrainError
+from imgtrain.errors import ImgtrainError, ImgtrainWarning
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train image classifiers with data-parallel PyTorch on Ray.")
@@ -58,92 +60,39 @@ def data_prepare(
     console.print(f"prepared data set: {out_dir.resolve()}", highlight=False)
 
 
-def _default(field: str) -> str:
-    from imgtrain.config import TrainConfig
+def _setting_option(s) -> inspect.Parameter:
+    """The ``train`` option of one TrainConfig field: flag, type and help come from the field."""
+    if s.type is bool:
+        decls = s.flag if "/" in s.flag else f"{s.flag}/--no-{s.flag[2:]}"
+        shown = decls.split("/")[0 if s.default else 1]
+    else:
+        decls, shown = s.flag, "unset" if s.default is None else s.default
+    kind = str if s.name == "workers" else s.type  # "N" or "MIN-MAX"
+    shown = f" \\[default: {shown}]" if shown != "" else ""  # escaped: rich reads [...] as markup
+    option = typer.Option(None, decls, help=s.summary + shown,
+                          metavar="N|MIN-MAX" if s.name == "workers" else None)
+    return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kind])
 
-    return f" [default: {getattr(TrainConfig, field)}]"
 
+def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: bool = False, json_out: bool = False,
+              **given):
+    """Train a model on a prepared data set with Ray Train, or resume the run NAME.
 
-@app.command("train")
-def train_cmd(
-    config: Optional[Path] = typer.Option(
-        None, "--config", help="TOML (or JSON) file of settings; flags given here override it. "
-        "`imgtrain config show --toml` prints a template."),
-    name: Optional[str] = typer.Option(None, help="Run name; the same name again resumes the run."),
-    data: Optional[Path] = typer.Option(None, help="Prepared data set directory (not needed to resume)."),
-    workers: Optional[str] = typer.Option(
-        None, help="Data-parallel workers: N, or MIN-MAX for elastic training (continues with fewer "
-        "when nodes leave, grows back when they return)." + _default("workers")),
-    gpu: Optional[bool] = typer.Option(None, "--gpu/--cpu", help="One GPU per worker, or CPUs only. [default: cpu]"),
-    epochs: Optional[int] = typer.Option(None, help="Passes over the training split." + _default("epochs")),
-    batch_size: Optional[int] = typer.Option(None, help="Global batch, split across workers." + _default("batch_size")),
-    optimizer: Optional[str] = typer.Option(None, help="adamw or sgd (Nesterov)." + _default("optimizer")),
-    lr: Optional[float] = typer.Option(None, help="Peak learning rate (one-cycle)." + _default("lr")),
-    weight_decay: Optional[float] = typer.Option(None, help="AdamW weight decay." + _default("weight_decay")),
-    augment: Optional[bool] = typer.Option(None, "--augment/--no-augment", help="Random affine augmentation. [default: on]"),
-    ema_decay: Optional[float] = typer.Option(None, help="Weight moving average per step; 0 = off." + _default("ema_decay")),
-    seed: Optional[int] = typer.Option(None, help="Seed for init, shuffling and augmentation." + _default("seed")),
-    ingest: Optional[str] = typer.Option(None, help="ray-data or torch (DataLoader)." + _default("ingest")),
-    backend: Optional[str] = typer.Option(None, help="ray or local (one plain PyTorch process)." + _default("backend")),
-    storage: Optional[str] = typer.Option(None, help=STORAGE_HELP + _default("storage")),
-    address: Optional[str] = typer.Option(None, help="Join this Ray cluster (e.g. auto); default: start one."),
-    dashboard: Optional[bool] = typer.Option(None, "--dashboard", help="Start the Ray dashboard (local cluster)."),
-    max_failures: Optional[int] = typer.Option(None, help="Worker failures retried from the latest checkpoint."),
-    cpus_per_worker: Optional[float] = typer.Option(None, help="Logical CPUs a worker reserves." + _default("cpus_per_worker")),
-    threads_per_worker: Optional[int] = typer.Option(None, help="torch threads per worker; 0 = cores / workers."),
-    limit_train_batches: Optional[int] = typer.Option(None, help="Smoke mode: steps per epoch."),
-    checkpoint_every_steps: Optional[int] = typer.Option(
-        None, help="Also checkpoint every N steps inside an epoch; 0 = at epoch ends only."),
-    stall_timeout: Optional[float] = typer.Option(
-        None, help="Seconds without progress before a stuck rank is named and killed; 0 = never."
-        + _default("stall_timeout_s")),
-    deterministic: Optional[bool] = typer.Option(
-        None, "--deterministic", help="Deterministic kernels: a resumed run ends with the same weights."),
-    ledger: Optional[bool] = typer.Option(
-        None, "--ledger", help="Record the sample ids each rank trains on at each step (ledger/)."),
-    log_every_steps: Optional[int] = typer.Option(None, help="Progress record every N steps." + _default("log_every_steps")),
-    eval_batch_size: Optional[int] = typer.Option(None, help="Validation batch per worker." + _default("eval_batch_size")),
-    precision: Optional[str] = typer.Option(
-        None, help="fp32, or bf16 (autocast; for GPUs with bfloat16)." + _default("precision")),
-    compile: Optional[bool] = typer.Option(None, "--compile", help="torch.compile the training step (slow first steps)."),
-    data_on_device: Optional[bool] = typer.Option(
-        None, "--data-on-device", help="Hold the training split in GPU memory; batches are gathered there."),
-    mlflow: Optional[str] = typer.Option(
-        None, "--mlflow", metavar="URI", help="Log params, metrics and the final model to this MLflow "
-        "tracking URI (sqlite:///mlflow.db, http://host:5000). Needs imgtrain[mlflow]."),
-    mlflow_experiment: Optional[str] = typer.Option(None, help="MLflow experiment." + _default("mlflow_experiment")),
-    tensorboard: Optional[bool] = typer.Option(
-        None, "--tensorboard", help="Write TensorBoard event files to RUN/tensorboard. Needs imgtrain[tensorboard]."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Delete an existing run NAME and start afresh."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress display."),
-    json_out: bool = typer.Option(False, "--json", help="Print the finished run as JSON."),
-):
-    """Train a ResNet-18 on a prepared data set with Ray Train, or resume the run NAME.
-
-    Settings come from the defaults, then the stored config of the run being resumed, then
-    --config FILE, then the flags given here.
+    Settings come from the defaults, then the stored config of the run being resumed, then --config FILE, then the
+    flags given here.
     """
     import imgtrain
     from imgtrain import runs
-    from imgtrain.ops import ownership
-    from imgtrain.config import TrainConfig, resolve, validate
+    from imgtrain.config import TrainConfig, parse_workers, resolve, validate
     from imgtrain.configfile import read_config_file
+    from imgtrain.ops import ownership
     from imgtrain.training.progress import TrainingDisplay
 
-    min_workers, max_workers = _parse_workers(workers)
-    overrides = dict(
-        name=name, data=str(data) if data else None, workers=max_workers, min_workers=min_workers, use_gpu=gpu, epochs=epochs,
-        batch_size=batch_size, optimizer=optimizer, lr=lr, weight_decay=weight_decay, augment=augment, seed=seed, ema_decay=ema_decay,
-        ingest=ingest, backend=backend, storage=storage, address=address, dashboard=dashboard,
-        max_failures=max_failures, cpus_per_worker=cpus_per_worker,
-        threads_per_worker=threads_per_worker, limit_train_batches=limit_train_batches,
-        checkpoint_every_steps=checkpoint_every_steps, stall_timeout_s=stall_timeout,
-        deterministic=deterministic, ledger=ledger, log_every_steps=log_every_steps,
-        eval_batch_size=eval_batch_size, precision=precision, compile=compile, data_on_device=data_on_device,
-        mlflow=mlflow, mlflow_experiment=mlflow_experiment, tensorboard=tensorboard,
-    )
+    overrides = {k: v for k, v in given.items() if v is not None}
+    if "workers" in overrides:
+        overrides["min_workers"], overrides["workers"] = parse_workers(overrides["workers"])
     from_file, problems = read_config_file(config) if config else ({}, [])
-    requested = {**from_file, **{k: v for k, v in overrides.items() if v is not None}}
+    requested = {**from_file, **overrides}
     # A resumed run keeps its stored settings; an overwritten one starts from the defaults.
     run_name, run_storage = requested.get("name"), requested.get("storage", TrainConfig.storage)
     run_dir = runs.run_path(run_storage, run_name) if run_name else None
@@ -165,15 +114,28 @@ def train_cmd(
         console.print(f"best checkpoint: {result.best_checkpoint}", highlight=False)
 
 
-def _parse_workers(text: str | None) -> tuple[int | None, int | None]:
-    """'2' -> (0, 2): a fixed world size; '1-4' -> (1, 4): elastic; None -> not given."""
-    if text is None:
-        return None, None
-    low, sep, high = text.partition("-")
-    try:
-        return (int(low), int(high)) if sep else (0, int(low))
-    except ValueError:
-        raise ImgtrainError(f"--workers {text!r} is not a number N or a range MIN-MAX such as 1-4") from None
+def _train_signature() -> inspect.Signature:
+    """train's options: a few of its own, then one per TrainConfig field (config.py)."""
+    from imgtrain.config import settings
+
+    own = [
+        inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path], default=typer.Option(
+            None, "--config", help="TOML (or JSON) file of settings; flags given here override it. "
+            "`imgtrain config show --toml` prints a template.")),
+        inspect.Parameter("overwrite", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+            False, "--overwrite", help="Replace an existing run NAME and start afresh (the old run is deleted once "
+            "the new one has a checkpoint).")),
+        inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                          default=typer.Option(False, "--quiet", help="No progress display.")),
+        inspect.Parameter("json_out", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                          default=typer.Option(False, "--json", help="Print the finished run as JSON.")),
+    ]
+    return inspect.Signature(own + [_setting_option(s) for s in settings() if s.cli])
+
+
+train_cmd.__signature__ = _train_signature()
+train_cmd.__annotations__ = {p.name: p.annotation for p in train_cmd.__signature__.parameters.values()}
+app.command("train")(train_cmd)
 
 
 @runs_app.command("list")
@@ -460,7 +422,20 @@ def doctor_cmd(
         raise typer.Exit(1)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """imgtrain's own warnings as one line each; any other as Python shows it."""
+    if issubclass(category, ImgtrainWarning):
+        Console(stderr=True, markup=False).print(f"warning: {message}", highlight=False, soft_wrap=True)
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)
+
+
+_python_show_warning = warnings.showwarning
+
+
 def main() -> None:
+    warnings.showwarning = _show_warning  # the CLI's process only: the library leaves it alone
+    warnings.simplefilter("always", ImgtrainWarning)
     try:
         code = app(standalone_mode=False)  # a command's typer.Exit(N) comes back as N
         if isinstance(code, int) and code:

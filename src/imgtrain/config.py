@@ -1,4 +1,10 @@
-"""Training configuration: one typed dataclass, defaults in code, flags only override.
+"""Training configuration: one typed dataclass, the only place a setting is defined.
+
+Each field is declared with ``setting(default, doc, ...)``: its description (the first sentence
+becomes the ``--help`` line and ``config show``), its command-line flag, the values or range it
+accepts, and whether it may change when a run is resumed. The ``train`` options, the config
+file parser, ``config show`` and ``validate`` are all generated from these fields, so adding a
+setting is one line here (README, "Adding a setting").
 
 The worker boundary is a plain dict (``dataclasses.asdict``) turned back into a
 ``TrainConfig`` at once on the other side (``TrainConfig(**d)``).
@@ -7,146 +13,126 @@ The worker boundary is a plain dict (``dataclasses.asdict``) turned back into a
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+import typing
+from dataclasses import dataclass, field
 
 from imgtrain.errors import ImgtrainError
+
+
+def setting(default, doc: str, *, flag: str | None = None, choices: tuple = (), range: str | None = None,
+            resumable: bool = False, cli: bool = True):
+    """A TrainConfig field with its metadata.
+
+    flag: the option's spelling when it is not ``--field-name`` (``--gpu/--cpu``); choices: the
+    allowed values; range: interval notation, ``"[0, 1)"`` (brackets include the bound);
+    resumable: may differ when a run is resumed (operational, not part of the experiment);
+    cli: False for a field set through another option (``min_workers`` by ``--workers 1-4``).
+    """
+    return field(default=default, metadata={"doc": " ".join(doc.split()), "flag": flag, "choices": choices,
+                                            "range": range, "resumable": resumable, "cli": cli})
+
 
 BACKENDS = ("ray", "local")
 INGESTS = ("ray-data", "torch")
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("fp32", "bf16")
 
-# Fields that may change when an existing run is resumed; any other difference means a
-# different experiment and is refused (issue 4 adds --overwrite).
-RESUMABLE_FIELDS = (
-    "epochs", "workers", "use_gpu", "address", "storage", "log_every_steps", "dashboard",
-    "max_failures", "threads_per_worker", "cpus_per_worker", "limit_train_batches", "min_workers",
-    "checkpoint_every_steps", "ledger", "stall_timeout_s", "deterministic", "compile", "data_on_device",
-    "mlflow", "mlflow_experiment", "tensorboard",
-)
-
-# Names a config file may also use for a field: the CLI flag's name where it differs.
-ALIASES = {"gpu": "use_gpu", "stall_timeout": "stall_timeout_s"}
-
-# The range of every numeric field, in interval notation. Every float must also be finite (a
-# NaN passes every comparison: stall_timeout = nan silently turned the watchdog off).
-RANGES = {
-    "workers": "[1, 10000]", "min_workers": "[0, 10000]", "cpus_per_worker": "(0, 1024]",
-    "threads_per_worker": "[0, 1024]", "epochs": "[1, 100000]", "batch_size": "[1, 1048576]",
-    "lr": "(0, 10]", "weight_decay": "[0, 10]", "warmup_fraction": "[0, 1)", "label_smoothing": "[0, 1)",
-    "max_rotate_deg": "[0, 180]", "max_shift": "[0, 1]", "max_scale": "[0, 1)", "ema_decay": "[0, 1)",
-    "seed": "[0, 4294967295]", "eval_batch_size": "[1, 1048576]", "log_every_steps": "[1, 1000000000]",
-    "num_to_keep": "[1, 1000]", "max_failures": "[-1, 1000]", "checkpoint_every_steps": "[0, 1000000000]",
-    "stall_timeout_s": "[0, 604800]", "limit_train_batches": "[0, 1000000000]",
-}
-
 
 @dataclass
 class TrainConfig:
-    data: str = ""
-    """Prepared data set directory (``imgtrain data prepare ...``)."""
-    name: str = ""
-    """Run name; the run lives in ``{storage}/{name}``. Same name again resumes."""
-    storage: str = "./runs"
-    """Where runs live: a local path or a shared filesystem path (NFS) on a cluster."""
+    data: str = setting("", "Prepared data set directory (``imgtrain data prepare ...``); not needed to resume.")
+    name: str = setting("", "Run name; the run lives in ``{storage}/{name}``. Same name again resumes.")
+    storage: str = setting("./runs", "Where runs live: a local path or a shared filesystem path (NFS) on a cluster.",
+                           resumable=True)
 
-    backend: str = "ray"
-    """Where the loop runs: ``ray`` (Ray Train workers) or ``local`` (one plain PyTorch process)."""
-    ingest: str = "ray-data"
-    """How rows reach the workers: ``ray-data`` (Ray Data) or ``torch`` (Parquet files into a
-    DataLoader). Either way each worker takes its share of every global batch in the run's one
-    seeded order."""
-    workers: int = 2
-    """Number of data-parallel training workers (Ray backend); the most, when elastic."""
-    min_workers: int = 0
-    """Elastic training (``--workers MIN-MAX``): the fewest workers to go on with when nodes
-    leave; 0 = a fixed ``workers``. The global batch stays the same at every world size."""
-    use_gpu: bool = False
-    """One GPU per worker. Fails fast when the cluster has too few GPUs."""
-    cpus_per_worker: float = 1.0
-    """Logical CPUs each worker reserves in Ray. Threads are set separately (threads_per_worker)."""
-    threads_per_worker: int = 0
-    """torch intra-op threads per worker; 0 = this node's cores divided by workers on it."""
-    address: str | None = None
-    """Ray cluster address (``HOST:6379``, ``auto``, ``ray://host:10001``); unset starts a local cluster."""
-    dashboard: bool = False
-    """Start the Ray dashboard with a local cluster (about ten more processes; off to start fast)."""
+    backend: str = setting("ray", "Where the loop runs: ``ray`` (Ray Train workers) or ``local`` (one plain "
+                           "PyTorch process).", choices=BACKENDS)
+    ingest: str = setting("ray-data", "How rows reach the workers: ``ray-data`` (Ray Data) or ``torch`` (Parquet "
+                          "files into a DataLoader). Either way each worker takes its share of every global batch "
+                          "in the run's one seeded order.", choices=INGESTS)
+    workers: int = setting(2, "Data-parallel training workers: N, or MIN-MAX for elastic training (continues with "
+                           "fewer when nodes leave, grows back when they return).", range="[1, 10000]", resumable=True)
+    min_workers: int = setting(0, "Elastic training (``--workers MIN-MAX``): the fewest workers to go on with when "
+                               "nodes leave; 0 = a fixed ``workers``. The global batch stays the same at every "
+                               "world size.", range="[0, 10000]", resumable=True, cli=False)
+    use_gpu: bool = setting(False, "One GPU per worker, or CPUs only. Fails fast when the cluster has too few GPUs.",
+                            flag="--gpu/--cpu", resumable=True)
+    cpus_per_worker: float = setting(1.0, "Logical CPUs each worker reserves in Ray. Threads are set separately "
+                                     "(threads_per_worker).", range="(0, 1024]", resumable=True)
+    threads_per_worker: int = setting(0, "torch intra-op threads per worker; 0 = this node's cores divided by "
+                                      "workers on it.", range="[0, 1024]", resumable=True)
+    address: str | None = setting(None, "Ray cluster to join (``HOST:6379``, ``auto``, ``ray://host:10001``); unset "
+                                  "starts a local cluster.", resumable=True)
+    dashboard: bool = setting(False, "Start the Ray dashboard with a local cluster (about ten more processes; off to "
+                              "start fast).", resumable=True)
 
-    epochs: int = 12
-    """Passes over the training split."""
-    batch_size: int = 128
-    """Global batch size, split across workers. When it does not divide, the first
-    ``batch_size % workers`` ranks take one extra sample, so the global batch is exact. An
-    epoch is ``train rows // batch_size`` steps at every world size."""
-    optimizer: str = "adamw"
-    """The optimizer: ``adamw`` or ``sgd`` (Nesterov momentum 0.9)."""
-    lr: float = 3e-3
-    """Peak learning rate of the one-cycle schedule."""
-    weight_decay: float = 0.05
-    """Weight decay: decoupled for AdamW, L2 for SGD (where about 5e-4 is usual)."""
-    warmup_fraction: float = 0.15
-    """Share of steps spent warming the LR up to its peak (one-cycle pct_start)."""
-    label_smoothing: float = 0.0
-    """Cross-entropy label smoothing. Off: on the embedded split 0.1 cost 0.2-0.4 points (docs/NOTES.md)."""
-    augment: bool = True
-    """Random affine augmentation (rotate, scale, shift) on whole batches, training only."""
-    max_rotate_deg: float = 10.0
-    """Largest random rotation, degrees."""
-    max_shift: float = 0.1
-    """Largest random shift, as a fraction of the image size."""
-    max_scale: float = 0.1
-    """Largest random zoom in or out, as a fraction."""
-    ema_decay: float = 0.98
-    """Per-step decay of an exponential moving average of the weights, which is what gets
-    evaluated and saved as model.pt; 0 turns it off. Smooths the epoch-to-epoch jitter."""
-    seed: int = 0
-    """Seeds model init, shuffling and augmentation."""
+    epochs: int = setting(12, "Passes over the training split.", range="[1, 100000]", resumable=True)
+    batch_size: int = setting(128, "Global batch size, split across workers. When it does not divide, the first "
+                              "``batch_size % workers`` ranks take one extra sample, so the global batch is exact. "
+                              "An epoch is ``train rows // batch_size`` steps at every world size.",
+                              range="[1, 1048576]")
+    optimizer: str = setting("adamw", "The optimizer: ``adamw`` or ``sgd`` (Nesterov momentum 0.9).",
+                             choices=OPTIMIZERS)
+    lr: float = setting(3e-3, "Peak learning rate of the one-cycle schedule.", range="(0, 10]")
+    weight_decay: float = setting(0.05, "Weight decay: decoupled for AdamW, L2 for SGD (where about 5e-4 is "
+                                  "usual).", range="[0, 10]")
+    warmup_fraction: float = setting(0.15, "Share of steps spent warming the LR up to its peak (one-cycle "
+                                     "pct_start).", range="[0, 1)")
+    label_smoothing: float = setting(0.0, "Cross-entropy label smoothing. Off: on the embedded split 0.1 cost "
+                                     "0.2-0.4 points (docs/NOTES.md).", range="[0, 1)")
+    augment: bool = setting(True, "Random affine augmentation (rotate, scale, shift) on whole batches, training only.")
+    max_rotate_deg: float = setting(10.0, "Largest random rotation, degrees.", range="[0, 180]")
+    max_shift: float = setting(0.1, "Largest random shift, as a fraction of the image size.", range="[0, 1]")
+    max_scale: float = setting(0.1, "Largest random zoom in or out, as a fraction.", range="[0, 1)")
+    ema_decay: float = setting(0.98, "Per-step decay of an exponential moving average of the weights, which is "
+                               "what gets evaluated and saved as model.pt; 0 turns it off. Smooths the "
+                               "epoch-to-epoch jitter.", range="[0, 1)")
+    seed: int = setting(0, "Seeds model init, shuffling and augmentation.", range="[0, 4294967295]")
 
-    channels_last: bool = True
-    """NHWC memory layout for convolutions: measured 5-10% faster on CPU here, and the usual
-    choice on GPUs. The saved state_dict loads into a model of either layout."""
-    precision: str = "fp32"
-    """Training precision: ``fp32``, or ``bf16`` (forward pass and loss under bfloat16 autocast;
-    weights, gradients and optimizer state stay float32, no loss scaling needed). For GPUs with
-    bfloat16 (A100, H100); on a CPU without bfloat16 instructions it is slower. Validation runs
-    in float32, so recorded accuracies match a later ``imgtrain evaluate``."""
-    compile: bool = False
-    """Compile the training forward and backward pass with ``torch.compile``. The first steps pay
-    for the compilation (tens of seconds); worth it on GPUs for long runs."""
-    data_on_device: bool = False
-    """Keep the training split in device memory and gather each batch there (no host-to-device
-    copy per step); for data sets small enough to hold in memory (the in-memory ingest limit).
-    On a CPU it changes nothing."""
-    eval_batch_size: int = 500
-    """Batch size per worker for validation (no gradients, so larger is fine)."""
-    log_every_steps: int = 10
-    """Every N steps each rank sends a progress record to the driver (fire and forget, no barrier)."""
-    num_to_keep: int = 1
-    """Checkpoints kept, ranked by validation accuracy; the latest is always kept in addition."""
-    max_failures: int = 0
-    """Worker-group failures Ray Train retries from the latest checkpoint before giving up."""
-    checkpoint_every_steps: int = 0
-    """Also checkpoint every N optimizer steps inside an epoch (0 = only at epoch ends). A
-    crash then costs at most N steps, and the epoch resumes exactly where it stopped."""
-    stall_timeout_s: float = 300.0
-    """Seconds without progress (outside a collective the others wait in) after which a rank is
-    named, its Python stacks and log files printed, and killed, failing or retrying the run; 0 =
-    wait forever."""
-    deterministic: bool = False
-    """Deterministic kernels only (torch.use_deterministic_algorithms): a resumed run ends
-    with the same weights as an uninterrupted one."""
-    ledger: bool = False
-    """Record the sample ids every rank trains on at every step in ``ledger/rank-R.jsonl``."""
-    limit_train_batches: int = 0
-    """Smoke mode: stop each epoch after N batches per worker (0 = whole epoch)."""
+    channels_last: bool = setting(True, "NHWC memory layout for convolutions: measured 5-10% faster on CPU here, "
+                                  "and the usual choice on GPUs. The saved state_dict loads into a model of either "
+                                  "layout.")
+    precision: str = setting("fp32", "Training precision: ``fp32``, or ``bf16`` (forward pass and loss under "
+                             "bfloat16 autocast; weights, gradients and optimizer state stay float32, no loss "
+                             "scaling needed). For GPUs with bfloat16 (A100, H100); on a CPU without bfloat16 "
+                             "instructions it is slower. Validation runs in float32, so recorded accuracies match "
+                             "a later ``imgtrain evaluate``.", choices=PRECISIONS)
+    compile: bool = setting(False, "Compile the training forward and backward pass with ``torch.compile``. The "
+                            "first steps pay for the compilation (tens of seconds); worth it on GPUs for long runs.",
+                            resumable=True)
+    data_on_device: bool = setting(False, "Keep the training split in device memory and gather each batch there (no "
+                                   "host-to-device copy per step); for data sets small enough to hold in memory. On "
+                                   "a CPU it changes nothing.", resumable=True)
+    eval_batch_size: int = setting(500, "Batch size per worker for validation (no gradients, so larger is fine).",
+                                   range="[1, 1048576]")
+    log_every_steps: int = setting(10, "Every N steps each rank sends a progress record to the driver (fire and "
+                                   "forget, no barrier).", range="[1, 1000000000]", resumable=True)
+    num_to_keep: int = setting(1, "Checkpoints kept, ranked by validation accuracy; the latest is always kept in "
+                               "addition.", range="[1, 1000]")
+    max_failures: int = setting(0, "Worker-group failures Ray Train retries from the latest checkpoint before "
+                                "giving up; -1 = without limit.", range="[-1, 1000]", resumable=True)
+    checkpoint_every_steps: int = setting(0, "Also checkpoint every N optimizer steps inside an epoch (0 = only at "
+                                          "epoch ends). A crash then costs at most N steps, and the epoch resumes "
+                                          "exactly where it stopped.", range="[0, 1000000000]", resumable=True)
+    stall_timeout_s: float = setting(300.0, "Seconds without progress (outside a collective the others wait in) "
+                                     "after which a rank is named, its Python stacks and log files printed, and "
+                                     "killed, failing or retrying the run; 0 = wait forever.",
+                                     flag="--stall-timeout", range="[0, 604800]", resumable=True)
+    deterministic: bool = setting(False, "Deterministic kernels only (torch.use_deterministic_algorithms): a "
+                                  "resumed run ends with the same weights as an uninterrupted one.", resumable=True)
+    ledger: bool = setting(False, "Record the sample ids every rank trains on at every step in "
+                           "``ledger/rank-R.jsonl``.", resumable=True)
+    limit_train_batches: int = setting(0, "Smoke mode: stop each epoch after N steps (0 = whole epoch).",
+                                       range="[0, 1000000000]", resumable=True)
 
-    mlflow: str | None = None
-    """MLflow tracking URI (``sqlite:///mlflow.db``, ``http://host:5000``): log params, step and
-    epoch metrics and the final model there. Needs ``pip install 'imgtrain[mlflow]'``."""
-    mlflow_experiment: str = "imgtrain"
-    """MLflow experiment the run is logged under (created when missing)."""
-    tensorboard: bool = False
-    """Write TensorBoard event files to ``{run}/tensorboard``. Needs ``pip install 'imgtrain[tensorboard]'``."""
+    mlflow: str | None = setting(None, "MLflow tracking URI (``sqlite:///mlflow.db``, ``http://host:5000``): log "
+                                 "params, step and epoch metrics and the final model there. Needs ``pip install "
+                                 "'imgtrain[mlflow]'``.", resumable=True)
+    mlflow_experiment: str = setting("imgtrain", "MLflow experiment the run is logged under (created when "
+                                     "missing).", resumable=True)
+    tensorboard: bool = setting(False, "Write TensorBoard event files to ``{run}/tensorboard``. Needs ``pip install "
+                                "'imgtrain[tensorboard]'``.", resumable=True)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -159,36 +145,74 @@ class TrainConfig:
         return 1 if self.backend == "local" else (self.min_workers or self.workers)
 
 
-def config_fields() -> list[tuple[str, object, str]]:
-    """(name, default, one-line description) for every field, for help and docs."""
-    docs = _field_docs()
-    return [(f.name, f.default, docs.get(f.name, "")) for f in dataclasses.fields(TrainConfig)]
+# ---------------------------------------------------------------- the fields, as data
 
 
-def _field_docs() -> dict[str, str]:
-    # Field docstrings are not kept at run time; read them from the source once.
-    import ast
-    import inspect
+@dataclass(frozen=True)
+class Setting:
+    """One field of TrainConfig with everything said about it."""
 
-    tree = ast.parse(inspect.getsource(TrainConfig))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
+    name: str
+    type: type  # int, float, bool or str (``str | None`` fields: str, with ``optional``)
+    optional: bool
+    default: object
+    doc: str
+    flag: str  # "--batch-size", "--gpu/--cpu"
+    choices: tuple
+    range: str | None
+    resumable: bool
+    cli: bool
+
+    @property
+    def summary(self) -> str:
+        """The description's first sentence: the --help line and ``config show``'s column."""
+        import re
+
+        return re.split(r"(?<=\.)\s+(?=[A-Z`(])", self.doc.replace("``", ""), maxsplit=1)[0]
+
+    @property
+    def flag_names(self) -> list[str]:
+        """Every spelling a config file may use too: the field, and the flag's names."""
+        return [part.removeprefix("--").replace("-", "_") for part in self.flag.split("/")]
+
+
+def settings() -> list[Setting]:
+    hints = typing.get_type_hints(TrainConfig)
+    found = []
+    for f in dataclasses.fields(TrainConfig):
+        kind = hints[f.name]
+        optional = type(None) in typing.get_args(kind)
+        if optional:
+            kind = next(t for t in typing.get_args(kind) if t is not type(None))
+        m = f.metadata
+        found.append(Setting(f.name, kind, optional, f.default, m["doc"], m["flag"] or "--" + f.name.replace("_", "-"),
+                             m["choices"], m["range"], m["resumable"], m["cli"]))
+    return found
+
+
+def by_name() -> dict[str, Setting]:
+    return {s.name: s for s in settings()}
 
 
 def flag(name: str) -> str:
     """The command-line spelling of a field: ``--batch-size``, ``--gpu``, ``--stall-timeout``."""
-    spelled = {v: k for k, v in ALIASES.items()}.get(name, name)
-    return "--" + spelled.replace("_", "-")
+    return by_name()[name].flag.split("/")[0]
+
+
+def parse_workers(text: str) -> tuple[int, int]:
+    """'2' -> (0, 2): a fixed world size; '1-4' -> (1, 4): elastic. (min_workers, workers)"""
+    low, sep, high = str(text).partition("-")
+    try:
+        return (int(low), int(high)) if sep else (0, int(low))
+    except ValueError:
+        raise ImgtrainError(f"--workers {text!r} is not a number N or a range MIN-MAX such as 1-4") from None
+
+
+# ---------------------------------------------------------------- checking and resolving
 
 
 def range_problem(name: str, value, interval: str) -> str | None:
     """Why ``value`` is outside ``interval`` ("[0, 1)": brackets include the bound), or None."""
-    import math
-
     lo_text, hi_text = interval[1:-1].split(",")
     lo, hi = float(lo_text), float(hi_text)
     if isinstance(value, float) and not math.isfinite(value):
@@ -210,12 +234,12 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
         issues.append("--name is required (the run is stored under {storage}/{name})")
     elif "/" in cfg.name or cfg.name.startswith(".") or "\0" in cfg.name:
         issues.append(f"--name {cfg.name!r} must be a plain name without '/' or a leading '.'")
-    for name, allowed in (("backend", BACKENDS), ("ingest", INGESTS), ("precision", PRECISIONS),
-                          ("optimizer", OPTIMIZERS)):
-        if getattr(cfg, name) not in allowed:
-            issues.append(f"{flag(name)} {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
-    out_of_range = [range_problem(name, getattr(cfg, name), interval) for name, interval in RANGES.items()]
-    issues += [problem for problem in out_of_range if problem]
+    for s in settings():
+        value = getattr(cfg, s.name)
+        if s.choices and value not in s.choices:
+            issues.append(f"{flag(s.name)} {value!r} is not one of {', '.join(s.choices)}")
+        elif s.range and (problem := range_problem(s.name, value, s.range)):
+            issues.append(problem)
     if cfg.min_workers > cfg.workers:
         issues.append(f"--workers {cfg.min_workers}-{cfg.workers}: the minimum must be between 1 and the maximum")
     if 1 <= cfg.batch_size < cfg.effective_workers():
@@ -226,7 +250,7 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
     if cfg.mlflow is not None and not cfg.mlflow.strip():
         issues.append("--mlflow needs a tracking URI, e.g. sqlite:///mlflow.db")
     if not cfg.mlflow_experiment.strip():
-        issues.append("mlflow_experiment must not be empty")
+        issues.append("--mlflow-experiment must not be empty")
     if issues:
         raise ImgtrainError("invalid configuration: " + "; ".join(issues))
 
@@ -239,6 +263,15 @@ def resolve(overrides: dict, stored: dict | None = None) -> TrainConfig:
         raise ImgtrainError(f"unknown config field(s): {', '.join(unknown)}")
     base = {k: v for k, v in (stored or {}).items() if k in known}
     return TrainConfig(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def changed_fields(old: dict, new: dict) -> list[str]:
+    """Fields that differ between a stored run config and a new request, resumable ones excepted."""
+    resumable = {s.name for s in settings() if s.resumable}
+    return sorted(k for k in new if k not in resumable and k in old and old[k] != new[k])
+
+
+# ---------------------------------------------------------------- batch arithmetic
 
 
 def steps_per_epoch(n_train: int, global_batch: int, limit: int = 0) -> int:
@@ -257,10 +290,3 @@ def per_worker_batch_sizes(global_batch: int, world_size: int) -> list[int]:
     """
     base, extra = divmod(global_batch, world_size)
     return [base + (1 if rank < extra else 0) for rank in range(world_size)]
-
-
-def changed_fields(old: dict, new: dict) -> list[str]:
-    """Fields that differ between a stored run config and a new request, resumable ones excepted."""
-    return sorted(
-        k for k in new if k not in RESUMABLE_FIELDS and k in old and old[k] != new[k]
-    )

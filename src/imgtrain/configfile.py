@@ -15,22 +15,16 @@ A run's own ``config.json`` is a valid config file too: it reproduces that run.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
-import re
 import textwrap
 import tomllib
 from pathlib import Path
 
-from imgtrain.config import ALIASES, TrainConfig, config_fields
+from imgtrain.config import Setting, parse_workers, settings
 from imgtrain.errors import ImgtrainError
 
-# Field annotation (a string: the config module uses postponed annotations) -> accepted types.
-# bool is a subclass of int, so it is excluded from the numeric ones explicitly.
-_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "str | None": (str,)}
-_TYPE_NAMES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
-               "str | None": "a string"}
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
 def read_config_file(path: str | Path) -> tuple[dict, list[str]]:
@@ -51,55 +45,57 @@ def read_config_file(path: str | Path) -> tuple[dict, list[str]]:
 
 
 def check_values(raw: dict) -> tuple[dict, list[str]]:
-    """Normalise keys (``batch-size`` and flag names are accepted) and check each value's type."""
-    fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    """Normalise keys (``batch-size`` and flag names such as ``gpu`` are accepted) and check
+    each value against its field's type."""
+    known = {s.name: s for s in settings()}
+    spelled = {alias: s for s in known.values() for alias in s.flag_names}
     values, problems = {}, []
     for key, value in raw.items():
-        name = ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
-        if name not in fields:
-            close = difflib.get_close_matches(name, [*fields, *ALIASES], n=1)
+        name = key.replace("-", "_")
+        found = known.get(name) or spelled.get(name)
+        if found is None:
+            close = difflib.get_close_matches(name, [*known, *spelled], n=1)
             problems.append(f"unknown field {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        elif name == "workers" and isinstance(value, str):  # "MIN-MAX": an elastic run
-            low, sep, high = value.partition("-")
-            if sep and low.isdigit() and high.isdigit():
-                values.update(min_workers=int(low), workers=int(high))
-            else:
-                problems.append(f"workers must be an integer or a range such as \"1-4\", got {value!r}")
-        elif value is None and fields[name].endswith("None"):  # JSON null: the field's "not set"
-            values[name] = None
-        elif isinstance(value, bool) and fields[name] != "bool" or not isinstance(value, _TYPES[fields[name]]):
-            problems.append(f"{name} must be {_TYPE_NAMES[fields[name]]}, got {value!r}")
-        else:
-            values[name] = float(value) if fields[name] == "float" else value
+            continue
+        try:
+            values.update(_value(found, value))
+        except (TypeError, ImgtrainError):
+            elastic = found.name == "workers" and isinstance(value, str)
+            problems.append(f"{found.name} must be {_TYPE_NAMES[found.type]}"
+                            + (' or a range such as "1-4"' if elastic else "") + f", got {value!r}")
     return values, problems
+
+
+def _value(s: Setting, value) -> dict:
+    """{field: value} for one entry of a file; TypeError when the value has the wrong type."""
+    if s.name == "workers" and isinstance(value, str):  # "MIN-MAX": an elastic run
+        low, high = parse_workers(value)
+        return {"min_workers": low, "workers": high}
+    if value is None and s.optional:  # JSON null: the field's "not set"
+        return {s.name: None}
+    accepted = (int, float) if s.type is float else (s.type,)
+    if isinstance(value, bool) and s.type is not bool or not isinstance(value, accepted):
+        raise TypeError(s.name)
+    return {s.name: float(value) if s.type is float else value}
 
 
 # ---------------------------------------------------------------- imgtrain config show
 
 
-def first_sentence(doc: str) -> str:
-    """The one-line description of a field: its docstring up to the first full stop."""
-    return re.split(r"(?<=\.)\s+(?=[A-Z`(])", doc.replace("``", ""), maxsplit=1)[0]
-
-
 def describe_fields(values: dict | None = None) -> list[tuple[str, str, str]]:
     """(field, value as TOML writes it, one-line description) for every field; ``values``
     replaces the defaults (a run's resolved config)."""
-    rows = []
-    for name, default, doc in config_fields():
-        value = (values or {}).get(name, default)
-        rows.append((name, toml_value(value), first_sentence(doc)))
-    return rows
+    return [(s.name, toml_value((values or {}).get(s.name, s.default)), s.summary) for s in settings()]
 
 
 def as_toml(values: dict | None = None) -> str:
     """Every field as a commented TOML file, ready to edit and pass to ``--config``. Fields
     that are unset (None) are written commented out: TOML has no null."""
     lines = ["# imgtrain train --config FILE; flags given on the command line override these values.", ""]
-    for name, default, doc in config_fields():
-        value = (values or {}).get(name, default)
-        lines += ["# " + line for line in textwrap.wrap(doc.replace("``", ""), 96)]
-        lines.append(f"# {name} = \"\"" if value is None else f"{name} = {toml_value(value)}")
+    for s in settings():
+        value = (values or {}).get(s.name, s.default)
+        lines += ["# " + line for line in textwrap.wrap(s.doc.replace("``", ""), 96)]
+        lines.append(f"# {s.name} = \"\"" if value is None else f"{s.name} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 

@@ -27,7 +27,6 @@ CONFIG_FILE = ownership.CONFIG_FILE
 METRICS_FILE = "metrics.jsonl"
 STATUS_FILE = "status.json"
 LOGS_DIR = "logs"
-CHECKPOINT_PREFIX = "checkpoint_"
 
 
 def storage_root(storage: str) -> Path:
@@ -165,81 +164,6 @@ def epoch_history(run_dir: Path) -> list[dict]:
     return [by_epoch[e] for e in sorted(by_epoch)]
 
 
-# ---------------------------------------------------------------- checkpoints
-
-
-def list_checkpoints(run_dir: Path) -> list[tuple[Path, dict]]:
-    """Complete checkpoints (valid meta.json) in the run directory, oldest first."""
-    found = []
-    if not run_dir.is_dir():
-        return found
-    for d in run_dir.iterdir():
-        if d.is_dir() and d.name.startswith(CHECKPOINT_PREFIX) and (d / ckpt.META_FILE).is_file():
-            try:
-                found.append((d, ckpt.read_meta(d)))
-            except ImgtrainError:
-                continue
-    return sorted(found, key=lambda item: (item[1].get("step", 0), item[0].name))
-
-
-def verified_checkpoints(run_dir: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """(checkpoints whose files match their sha256, oldest first; [(checkpoint, why)] for the rest)."""
-    good, bad = [], []
-    for path, _ in list_checkpoints(run_dir):
-        try:
-            ckpt.verify(path)
-            good.append(path)
-        except ImgtrainError as e:
-            bad.append((path, str(e)))
-    return good, bad
-
-
-def remove_incomplete_checkpoints(run_dir: Path, keep=()) -> list[str]:
-    """Delete checkpoint directories that fail verification (half written when the disk filled
-    up or the process died), except those named in ``keep``; return the names removed."""
-    import shutil
-
-    removed = []
-    for d in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
-        if not d.is_dir() or not d.name.startswith(CHECKPOINT_PREFIX) or d.name in keep:
-            continue
-        try:
-            ckpt.verify(d)
-        except ImgtrainError:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d.name)
-    return removed
-
-
-def _val_accuracy(meta: dict) -> float:
-    return (meta.get("metrics") or {}).get("val_accuracy", -1.0)
-
-
-def best_and_latest(run_dir: Path) -> tuple[Path | None, Path | None]:
-    found = list_checkpoints(run_dir)
-    if not found:
-        return None, None
-    latest = found[-1][0]
-    best = max(found, key=lambda item: (_val_accuracy(item[1]), item[1].get("step", 0)))[0]
-    return best, latest
-
-
-def retain(run_dir: Path, num_to_keep: int, ignore=()) -> None:
-    """Delete old checkpoints (local backend; Ray Train does the same itself): keep the
-    ``num_to_keep`` best by validation accuracy, and always the latest. Checkpoints named in
-    ``ignore`` (known damaged) are neither counted nor deleted."""
-    import shutil
-
-    found = [(p, m) for p, m in list_checkpoints(run_dir) if p.name not in ignore]
-    if not found:
-        return
-    ranked = sorted(found, key=lambda item: (_val_accuracy(item[1]), item[1].get("step", 0)), reverse=True)
-    keep = {path for path, _ in ranked[:num_to_keep]} | {found[-1][0]}
-    for path, _ in found:
-        if path not in keep:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 # ---------------------------------------------------------------- inspecting runs
 
 
@@ -281,6 +205,15 @@ class RunResult:
         }
 
 
+def locate(run: str | Path, storage: str) -> Path:
+    """A run's directory from its name in ``storage``, or from a path to the run directory
+    itself (which wins when both could be meant)."""
+    target = Path(str(run)).expanduser()
+    if ownership.is_run(target):
+        return target.resolve()
+    return load_run(storage, str(run)).path  # "no run named ..." with the list of runs
+
+
 def load_run(storage: str, name: str) -> RunResult:
     run_dir = run_path(storage, name)
     if not ownership.is_run(run_dir):
@@ -296,7 +229,7 @@ def _load(run_dir: Path) -> RunResult:
     except ImgtrainError as e:  # listed as damaged, never a crash of `runs list`
         status = {"status": "damaged", "error": str(e)}
         config = {}
-    best, latest = best_and_latest(run_dir)
+    best, latest = ckpt.best_and_latest(run_dir)
     return RunResult(
         name=run_dir.name, path=run_dir, status=status.get("status", "unknown"), config=config,
         history=epoch_history(run_dir), best_checkpoint=best, latest_checkpoint=latest,

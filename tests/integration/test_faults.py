@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import imgtrain
+from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from tests.conftest import run_cli
@@ -86,7 +87,7 @@ def test_a_full_disk_leaves_no_broken_checkpoint_and_says_the_disk_is_full(ray_c
         assert "is full (No space left on device)" in message, done.stderr
         assert "resumes from checkpoint_epoch_0000" in message
         run_dir = storage / "full"
-        good, bad = runs.verified_checkpoints(run_dir)
+        good, bad = ckpt.verified(run_dir)
         assert [p.name for p in good] == ["checkpoint_epoch_0000"] and bad == []
         leftovers = [d.name for d in run_dir.iterdir() if d.is_dir() and d.name.startswith("checkpoint_epoch")
                      and d not in good]

@@ -67,7 +67,7 @@ def epoch_records(run_dir: Path) -> list[dict]:
 
 def completed_epochs(run_dir: Path) -> int:
     """Epochs finished according to the newest checkpoint that verifies."""
-    good, _ = runs.verified_checkpoints(run_dir)
+    good, _ = ckpt.verified(run_dir)
     if not good:
         return 0
     meta = ckpt.read_meta(good[-1])

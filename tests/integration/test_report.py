@@ -148,7 +148,7 @@ def test_page_is_self_contained_and_complete(trained, page):
             (page.parent / file).read_bytes()).decode()
     assert doc.rows["metrics-table"] == 2
     assert doc.rows["per-class-table"] == 10
-    assert doc.rows["checkpoints-table"] == len(runs.list_checkpoints(result.path))
+    assert doc.rows["checkpoints-table"] == len(ckpt.listing(result.path))
     assert doc.rows["config-table"] == len(result.config)
     assert "<h1>imgtrain report: rep</h1>" in text
     assert result.best_checkpoint.name in text

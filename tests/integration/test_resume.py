@@ -90,7 +90,7 @@ def history(run_dir: Path) -> list[dict]:
 
 
 def final_weights(run_dir: Path) -> dict:
-    _, latest = runs.best_and_latest(run_dir)
+    _, latest = ckpt.best_and_latest(run_dir)
     assert latest.name == "checkpoint_epoch_0002"
     return ckpt.load_model_state(latest)
 

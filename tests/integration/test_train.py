@@ -78,7 +78,7 @@ def test_local_backend_runs_the_same_loop(tiny_data, tmp_path):
     result = imgtrain.train(tiny_config(tiny_data, tmp_path, "loc", backend="local"), display=QUIET)
     assert list(result.metrics["world_size"]) == [1, 1]
     assert result.final_accuracy > 0.2  # far above chance (0.1) after 16 steps on real digits
-    assert [p.name for p, _ in runs.list_checkpoints(result.path)] == sorted(
+    assert [p.name for p, _ in ckpt.listing(result.path)] == sorted(
         {result.best_checkpoint.name, result.latest_checkpoint.name})
 
 
@@ -179,12 +179,14 @@ def test_resume_skips_a_damaged_checkpoint_for_the_previous_good_one(ray_cluster
     ckpt.verify(result.latest_checkpoint)
 
 
-def test_loading_best_or_latest_skips_a_damaged_checkpoint(tiny_data, tmp_path, capsys):
+def test_loading_best_or_latest_skips_a_damaged_checkpoint(tiny_data, tmp_path):
     from imgtrain.inference.batch import resolve_checkpoint
 
     first = imgtrain.train(tiny_config(tiny_data, tmp_path, "dmgl", backend="local", num_to_keep=2), display=QUIET)
     damage(first.latest_checkpoint)
-    chosen = resolve_checkpoint("dmgl", "latest", str(tmp_path))
-    assert chosen.name == "checkpoint_epoch_0000"
-    assert "skipping checkpoint checkpoint_epoch_0001" in capsys.readouterr().err
-    assert resolve_checkpoint("dmgl", "best", str(tmp_path)).name == "checkpoint_epoch_0000"
+    for which in ("latest", "best"):
+        with pytest.warns(ckpt.DamagedCheckpointWarning, match="skipping checkpoint checkpoint_epoch_0001"):
+            assert resolve_checkpoint("dmgl", which, str(tmp_path)).name == "checkpoint_epoch_0000"
+    proc = run_cli("evaluate", "dmgl", "--checkpoint", "latest", "--backend", "local", "--storage", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith("warning: skipping checkpoint checkpoint_epoch_0001:")  # one line, no traceback

@@ -17,7 +17,6 @@ or in this process (``backend="local"``, no Ray) for small inputs and debugging.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,47 +82,19 @@ def resolve_checkpoint(run_or_checkpoint, checkpoint: str = "best", storage: str
     """A verified checkpoint directory from: a checkpoint directory, a run directory, or a run
     name in ``storage``; ``checkpoint`` picks best/latest in a run, or is itself a checkpoint
     path. A named checkpoint that fails its sha256 is an error naming the file; a damaged
-    best/latest is skipped for the best/latest of those that verify."""
+    best/latest is skipped (with a warning) for the best/latest of those that verify."""
     if checkpoint not in ("best", "latest"):
-        path = _existing_checkpoint_dir(Path(checkpoint))
+        path = Path(checkpoint).expanduser()
+        if not path.is_dir():
+            raise ImgtrainError(f"checkpoint {path} does not exist; pass best, latest or a checkpoint directory")
         ckpt.verify(path)
-        return path
+        return path.resolve()
     target = Path(str(run_or_checkpoint)).expanduser()
     if (target / ckpt.META_FILE).is_file():
         ckpt.verify(target)
         return target.resolve()
-    if (target / runs.CONFIG_FILE).is_file():
-        run_dir, name = target.resolve(), target.name
-    else:
-        run = runs.load_run(storage, str(run_or_checkpoint))  # raises "no run named ..." with the list
-        run_dir, name = run.path, run.name
-    best, latest = runs.best_and_latest(run_dir)
-    chosen = best if checkpoint == "best" else latest
-    if chosen is None:
-        raise ImgtrainError(f"run {name!r} has no complete checkpoint yet ({run_dir}); train it first")
-    try:
-        ckpt.verify(chosen)
-        return chosen
-    except ImgtrainError:
-        pass
-    # The chosen one is damaged: say so, and take the best / latest of those that verify.
-    good, bad = runs.verified_checkpoints(run_dir)
-    for path, why in bad:
-        print(f"warning: skipping checkpoint {path.name}: {why}", file=sys.stderr)
-    if not good:
-        raise ImgtrainError(f"run {name!r} has no checkpoint that passes verification ({run_dir})")
-    if checkpoint == "latest":
-        return good[-1]
-    metas = {p: ckpt.read_meta(p) for p in good}
-    return max(good, key=lambda p: ((metas[p].get("metrics") or {}).get("val_accuracy", -1.0),
-                                    metas[p].get("step", 0)))
-
-
-def _existing_checkpoint_dir(path: Path) -> Path:
-    path = path.expanduser()
-    if not path.is_dir():
-        raise ImgtrainError(f"checkpoint {path} does not exist; pass best, latest or a checkpoint directory")
-    return path.resolve()
+    run_dir = runs.locate(run_or_checkpoint, storage)
+    return ckpt.choose(run_dir, checkpoint, run_dir.name)
 
 
 def load_checkpoint(

@@ -56,7 +56,8 @@ def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path
     from imgtrain.data.format import read_split
     from imgtrain.inference.batch import InferenceOptions, evaluate
 
-    result = _load_run(run, storage)
+    run_dir = runs.locate(run, storage)
+    result = runs.load_run(str(run_dir.parent), run_dir.name)
     if checkpoint in ("best", "latest") and result.best_checkpoint is None:
         raise ImgtrainError(
             f"run {result.name!r} has no complete checkpoint yet ({result.path}); train it first"
@@ -86,15 +87,6 @@ def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path
     page = out / PAGE_FILE
     atomic_write_text(page, _page(result, ev, used, used_meta, out, num_wrong=len(wrong)))
     return page
-
-
-def _load_run(run, storage: str) -> runs.RunResult:
-    # A run directory wins over a name, as in inference.resolve_checkpoint.
-    target = Path(str(run)).expanduser()
-    if (target / runs.CONFIG_FILE).is_file():
-        target = target.resolve()
-        return runs.load_run(str(target.parent), target.name)
-    return runs.load_run(storage, str(run))  # "no run named ..." with the list of runs
 
 
 # ---------------------------------------------------------------- plots
@@ -267,7 +259,7 @@ def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, nu
 
     best, latest = result.best_checkpoint, result.latest_checkpoint
     checkpoints, ckpt_marks = [], []
-    for path, meta in runs.list_checkpoints(result.path):
+    for path, meta in ckpt.listing(result.path):
         marks = [m for m, p in (("best", best), ("latest", latest), ("used", used)) if p == path]
         checkpoints.append([path.name, meta.get("epoch", -1) + 1, meta.get("step", ""),
                             _pct((meta.get("metrics") or {}).get("val_accuracy")), ", ".join(marks)])

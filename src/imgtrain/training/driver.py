@@ -141,7 +141,7 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
 
 
 def _find_resume_point(run_dir: Path, display) -> Resume:
-    good, bad = runs.verified_checkpoints(run_dir)
+    good, bad = ckpt.verified(run_dir)
     for path, why in bad:  # never resume from damaged weights: fall back to the previous good one
         display.note(f"warning: skipping checkpoint {path.name}: {why}")
     latest = good[-1] if good else None
@@ -174,7 +174,7 @@ def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacemen
         error = str(e) if isinstance(e, ImgtrainError) else f"{type(e).__name__}: {e}"
         _record_status(run_dir, status, **({} if status == "interrupted" else {"error": error}))
         records.finish(status)
-        if replaced and runs.verified_checkpoints(run_dir)[0]:
+        if replaced and ckpt.verified(run_dir)[0]:
             replaced.commit()  # the new run can be resumed: the old one goes as asked
         raise
     finally:
@@ -329,7 +329,7 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Records, resu
                 trainer.fit()
         except ray.train.TrainingFailedError as e:
             # A checkpoint half copied when the failure struck (a full disk) must not stay visible.
-            removed = runs.remove_incomplete_checkpoints(run_dir, keep=resume.damaged)
+            removed = ckpt.remove_incomplete(run_dir, keep=resume.damaged)
             if removed:
                 display.note(f"removed incomplete checkpoint(s): {', '.join(removed)}")
             raise ImgtrainError(_failure_message(e, watchdog.incident, run_dir, logs)) from None
@@ -381,7 +381,7 @@ def _failure_message(error: Exception, incident: str | None, run_dir: Path, logs
     elif _disk_full(error):
         cause = (f"the disk holding {run_dir.parent} is full (No space left on device); "
                  "free space or choose another --storage")
-    latest = next(reversed(runs.verified_checkpoints(run_dir)[0]), None)
+    latest = next(reversed(ckpt.verified(run_dir)[0]), None)
     saved = (f"; the run resumes from {latest.name} when you run the same command again"
              if latest else "; no checkpoint was saved")
     return f"training failed: {cause}{saved}; logs: {logs}"
@@ -478,7 +478,7 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Recor
     rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
     test = [t for t in map(torch.from_numpy, read_split(cfg.data, "test"))]
     records.display.note(f"run {cfg.name}: {run_dir}  (local backend, {device})")
-    for stale in run_dir.glob(f".{runs.CHECKPOINT_PREFIX}*.tmp"):  # a copy cut short by a killed driver
+    for stale in run_dir.glob(f".{ckpt.PREFIX}*.tmp"):  # a copy cut short by a killed driver
         shutil.rmtree(stale, ignore_errors=True)
 
     steps = max(1, steps_per_epoch(len(rows[0]), cfg.batch_size, cfg.limit_train_batches))
@@ -511,7 +511,7 @@ def _train_local(cfg: TrainConfig, manifest: dict, run_dir: Path, records: Recor
             raise
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)  # complete or invisible
-        runs.retain(run_dir, cfg.num_to_keep, ignore=resume.damaged)
+        ckpt.retain(run_dir, cfg.num_to_keep, ignore=resume.damaged)
 
     hooks = Hooks(
         rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device), damaged=resume.damaged,

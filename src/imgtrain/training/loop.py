@@ -78,17 +78,6 @@ class Hooks:
     fault: faults.Fault | None = None
 
 
-def checkpoint_dir_name(epoch: int, taken=(), step: int | None = None) -> str:
-    """``checkpoint_epoch_0003`` at the end of epoch 3; ``checkpoint_epoch_0003_step_0000120``
-    for a checkpoint inside it, after global step 120."""
-    name = f"checkpoint_epoch_{epoch:04d}" + (f"_step_{step:07d}" if step is not None else "")
-    k, candidate = 1, name
-    while candidate in taken:
-        k += 1
-        candidate = f"{name}-{k}"
-    return candidate
-
-
 @dataclass
 class _State:
     """Where training stands: restored from a checkpoint or fresh."""
@@ -246,7 +235,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
                 # Not evaluated: -1 ranks it below every evaluated checkpoint in Ray's retention
                 # (a finite number: Ray's saved state turns -inf into null and then fails on it).
                 metrics = {"epoch": epoch, "step": step, "val_accuracy": -1.0, "time": time.time()}
-                name = checkpoint_dir_name(epoch, hooks.damaged, step)
+                name = ckpt.dir_name(epoch, hooks.damaged, step)
                 save(epoch, metrics, ema.module if ema is not None else ckpt.unwrap(model), progress, name)
                 if rank == 0:
                     hooks.send({"kind": "checkpoint", "epoch": epoch, "step": step, "checkpoint": name,
@@ -271,7 +260,7 @@ def run_loop(cfg: TrainConfig, manifest: dict, hooks: Hooks) -> None:
         metrics["images_per_s"] = seen / max(train_time, 1e-9)  # training only, validation excluded
         metrics.update(rank_timing)
         metrics["time"] = time.time()
-        name = checkpoint_dir_name(epoch, hooks.damaged)
+        name = ckpt.dir_name(epoch, hooks.damaged)
         history.append(dict(metrics, kind="epoch", checkpoint=name))
         save(epoch, metrics, evaluated, None, name)
         if rank == 0:  # only once the checkpoint is stored: history never runs ahead of it
