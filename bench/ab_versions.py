@@ -24,7 +24,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SAMPLE_DATA, ensure_data, environment, fmt, ray_head, summarize, write_result  # noqa: E402
+from common import (  # noqa: E402
+    SAMPLE_DATA,
+    ensure_data,
+    environment,
+    fmt,
+    ray_head,
+    summarize,
+    write_result,
+)
 from train_throughput import GPU_FLAGS, ROOT, _steps, settle, steady_rate  # noqa: E402
 
 from imgtrain.runs import read_metrics  # noqa: E402

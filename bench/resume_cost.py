@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SAMPLE_DATA as DATA, ensure_data, environment, fmt, ray_head, summarize, write_result  # noqa: E402
+from common import SAMPLE_DATA as DATA  # noqa: E402
+from common import ensure_data, environment, fmt, ray_head, summarize, write_result
 
 from imgtrain.runs import read_metrics as records  # noqa: E402
-
 
 
 def imgtrain(*args: str) -> list[str]:

@@ -41,7 +41,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SAMPLE_DATA, ensure_data, environment, fmt, ray_head, summarize, write_result  # noqa: E402
+from common import (  # noqa: E402
+    SAMPLE_DATA,
+    ensure_data,
+    environment,
+    fmt,
+    ray_head,
+    summarize,
+    write_result,
+)
 
 from imgtrain.runs import read_jsonl, read_metrics  # noqa: E402
 

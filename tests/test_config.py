@@ -1,6 +1,13 @@
 import pytest
 
-from imgtrain.config import TrainConfig, by_name, changed_fields, per_worker_batch_sizes, settings, validate
+from imgtrain.config import (
+    TrainConfig,
+    by_name,
+    changed_fields,
+    per_worker_batch_sizes,
+    settings,
+    validate,
+)
 from imgtrain.errors import ImgtrainError
 
 

@@ -53,8 +53,8 @@ def test_checkpoint_meta_without_metrics_does_not_break_listing(tmp_path):
 def test_a_start_record_brings_back_the_epochs_its_checkpoint_holds(tmp_path):
     # A retried worker group starts from a checkpoint whose epoch record never reached the
     # file (rank 0 died after storing it): the history it carries fills the gap, once.
-    from imgtrain.training.progress import TrainingDisplay
     from imgtrain.training.driver import Records
+    from imgtrain.training.progress import TrainingDisplay
 
     class Logged(list):  # what a tracker (MLflow, TensorBoard) is given
         def log(self, record):

@@ -21,16 +21,17 @@ from PIL import Image
 
 import imgtrain
 from imgtrain import runs
-from imgtrain.ops import ownership
-from imgtrain.training import tracking
-from imgtrain.ops.clean import plan_dataset, plan_runs, remove
 from imgtrain.config import TrainConfig, validate
-from imgtrain.data import images, format as parquet, sources
+from imgtrain.data import format as parquet
+from imgtrain.data import images, sources
 from imgtrain.data.dataset import ray_dataset
-from imgtrain.training.progress import TrainingDisplay
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops.files import atomic_write_text
 from imgtrain.inference.inputs import read_inputs
+from imgtrain.ops import ownership
+from imgtrain.ops.clean import plan_dataset, plan_runs, remove
+from imgtrain.ops.files import atomic_write_text
+from imgtrain.training import tracking
+from imgtrain.training.progress import TrainingDisplay
 from tests.conftest import run_cli
 from tests.conftest_data_helpers import rehash, save_image, tiny_raw, write_idx
 

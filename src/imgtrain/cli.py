@@ -166,8 +166,8 @@ def runs_list(storage: str = typer.Option("./runs", help=STORAGE_HELP),
 def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP),
               json_out: bool = typer.Option(False, "--json", help="Print JSON.")):
     """Show one run: status, per-epoch metrics, checkpoints."""
-    from imgtrain.training.progress import epoch_line
     from imgtrain.runs import load_run
+    from imgtrain.training.progress import epoch_line
 
     r = load_run(storage, name)
     if json_out:

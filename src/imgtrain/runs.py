@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgtrain import checkpoint as ckpt
-from imgtrain.ops import ownership
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops import ownership
 from imgtrain.ops.files import atomic_write_text
 
 CONFIG_FILE = ownership.CONFIG_FILE

@@ -14,10 +14,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tests.conftest_data_helpers import rehash, save_image, tiny_raw, rewrite_columns
 
-from imgtrain.data import format as parquet, sources
+from imgtrain.data import format as parquet
+from imgtrain.data import sources
 from imgtrain.errors import ImgtrainError
+from tests.conftest_data_helpers import rehash, rewrite_columns, save_image, tiny_raw
 
 
 @pytest.fixture(scope="module")

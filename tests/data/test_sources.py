@@ -8,10 +8,15 @@ import types
 import numpy as np
 import pandas as pd
 import pytest
-from tests.conftest_data_helpers import png_bytes, save_image, synthetic_mnist, write_idx
 
 from imgtrain.data import sources
 from imgtrain.errors import ImgtrainError
+from tests.conftest_data_helpers import (
+    png_bytes,
+    save_image,
+    synthetic_mnist,
+    write_idx,
+)
 
 # ---------------------------------------------------------------------------- mnist-sample
 

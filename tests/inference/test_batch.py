@@ -7,7 +7,11 @@ import pytest
 from PIL import Image
 
 from imgtrain.errors import ImgtrainError
-from imgtrain.inference.batch import InferenceOptions, confusion_matrix, per_class_scores
+from imgtrain.inference.batch import (
+    InferenceOptions,
+    confusion_matrix,
+    per_class_scores,
+)
 from imgtrain.inference.inputs import conform, read_inputs
 
 

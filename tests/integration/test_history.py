@@ -25,8 +25,8 @@ import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.config import TrainConfig
-from imgtrain.training.progress import TrainingDisplay
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
+from imgtrain.training.progress import TrainingDisplay
 
 pytestmark = pytest.mark.integration
 

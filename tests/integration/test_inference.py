@@ -15,9 +15,15 @@ import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain.config import TrainConfig
 from imgtrain.data.format import read_split
-from imgtrain.training.progress import TrainingDisplay
 from imgtrain.errors import ImgtrainError
-from imgtrain.inference.batch import InferenceOptions, Predictor, evaluate, load_model, predict
+from imgtrain.inference.batch import (
+    InferenceOptions,
+    Predictor,
+    evaluate,
+    load_model,
+    predict,
+)
+from imgtrain.training.progress import TrainingDisplay
 from tests.conftest import run_cli
 from tests.integration.test_bad_input import assert_one_line_error
 

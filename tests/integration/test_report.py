@@ -21,8 +21,8 @@ from PIL import Image
 import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
-from imgtrain.inference import report
 from imgtrain.config import TrainConfig
+from imgtrain.inference import report
 from imgtrain.training.progress import TrainingDisplay
 from tests.conftest import run_cli
 

@@ -20,8 +20,8 @@ import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.config import TrainConfig
-from imgtrain.training.progress import TrainingDisplay
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
+from imgtrain.training.progress import TrainingDisplay
 from imgtrain.training.watchdog import read_workers
 from tests.conftest import run_cli
 from tests.integration.test_faults import wait_for

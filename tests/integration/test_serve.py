@@ -19,9 +19,9 @@ from PIL import Image
 import imgtrain
 from imgtrain.config import TrainConfig
 from imgtrain.data.format import read_split
-from imgtrain.training.progress import TrainingDisplay
 from imgtrain.inference.batch import Predictor
 from imgtrain.inference.inputs import conform
+from imgtrain.training.progress import TrainingDisplay
 from tests.conftest import run_cli
 from tests.integration.test_bad_input import assert_one_line_error
 

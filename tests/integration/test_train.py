@@ -13,8 +13,8 @@ import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.config import TrainConfig
-from imgtrain.training.progress import TrainingDisplay
 from imgtrain.errors import ImgtrainError
+from imgtrain.training.progress import TrainingDisplay
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.integration

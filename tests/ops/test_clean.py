@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from imgtrain import runs
+from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
 from imgtrain.ops.clean import plan_dataset, plan_runs, remove
-from imgtrain.errors import ImgtrainError
 
 
 def make_run(storage, name, status="finished", pid=None, host=None):

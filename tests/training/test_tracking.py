@@ -10,7 +10,12 @@ import torch
 
 from imgtrain import checkpoint as ckpt
 from imgtrain.config import TrainConfig
-from imgtrain.training.tracking import MLFLOW_RUN_FILE, MLflowTracker, TensorBoardTracker, metrics_of
+from imgtrain.training.tracking import (
+    MLFLOW_RUN_FILE,
+    MLflowTracker,
+    TensorBoardTracker,
+    metrics_of,
+)
 
 MANIFEST = {"name": "tiny", "splits": {"train": {"num_samples": 256}, "test": {"num_samples": 100}}}
 

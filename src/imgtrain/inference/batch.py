@@ -16,7 +16,6 @@ or in this process (``backend="local"``, no Ray) for small inputs and debugging.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,7 +230,9 @@ class InferenceOptions:
             raise ImgtrainError("; ".join(problems))
 
     def threads_per_actor(self) -> int:
-        return self.threads or max(1, (os.cpu_count() or 1) // self.concurrency)
+        from imgtrain.ops.cluster import threads_for
+
+        return threads_for(self.concurrency, self.threads)
 
 
 def run_predictor(loaded: LoadedCheckpoint, columns: dict, images: np.ndarray, opts: InferenceOptions):
@@ -271,7 +272,8 @@ def _run_on_ray(checkpoint_dir: Path, columns: dict, images: np.ndarray, opts: I
             import ray.data
             from ray.data.extensions import ArrowTensorArray
 
-            _check_gpus(opts)
+            if opts.use_gpu:
+                cluster_mod.require_gpus(opts.concurrency, "GPU actor(s)", "drop --gpu or lower --concurrency")
             ray.data.DataContext.get_current().enable_progress_bars = False
             table = pa.table({**{k: pa.array(v) for k, v in columns.items()},
                               "image": ArrowTensorArray.from_numpy(images)})
@@ -296,19 +298,6 @@ def _run_on_ray(checkpoint_dir: Path, columns: dict, images: np.ndarray, opts: I
             )
         finally:
             cluster_mod.shutdown(cluster)
-
-
-def _check_gpus(opts: InferenceOptions) -> None:
-    """Refuse in seconds what Ray would wait for forever: GPU actors on a cluster without GPUs."""
-    import ray
-
-    if opts.use_gpu:
-        gpus = ray.cluster_resources().get("GPU", 0.0)
-        if gpus < opts.concurrency:
-            raise ImgtrainError(
-                f"asked for {opts.concurrency} GPU actor(s) but the Ray cluster has {gpus:g} GPU(s); "
-                "drop --gpu or lower --concurrency"
-            )
 
 
 # ---------------------------------------------------------------- evaluation

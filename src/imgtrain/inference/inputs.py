@@ -19,7 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from imgtrain.data.images import IMAGE_SUFFIXES, ImageRejected, conform_image, open_image
+from imgtrain.data.images import (
+    IMAGE_SUFFIXES,
+    ImageRejected,
+    conform_image,
+    open_image,
+)
 from imgtrain.errors import ImgtrainError
 
 ON_ERROR = ("skip", "fail")
@@ -63,7 +68,11 @@ def _from_dataset(path: Path, split: str, image_shape) -> Inputs:
 def _from_parquet(path: Path, image_column: str, image_shape) -> Inputs:
     import pyarrow as pa
 
-    from imgtrain.data.sources import images_from_column, parquet_files, read_parquet_columns
+    from imgtrain.data.sources import (
+        images_from_column,
+        parquet_files,
+        read_parquet_columns,
+    )
 
     files = parquet_files(path)
     if not files:

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import signal
 import socket
 import sys
@@ -44,10 +43,11 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from imgtrain.ops import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.batch import Predictor, resolve_checkpoint
+from imgtrain.ops import cluster as cluster_mod
+from imgtrain.ops.files import link_dir
 
 APP_NAME = "imgtrain"
 REPLICA_CPUS = 0.5  # logical: a replica mostly waits for requests; torch threads are set below
@@ -121,7 +121,12 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def image_from_bytes(body: bytes, shape, max_pixels: int) -> np.ndarray:
     """PNG/JPEG bytes -> uint8 [1, H, W, C], converted like ``imgtrain predict`` converts files."""
-    from imgtrain.data.images import ImageRejected, ImageTooLarge, conform_image, open_image
+    from imgtrain.data.images import (
+        ImageRejected,
+        ImageTooLarge,
+        conform_image,
+        open_image,
+    )
 
     try:
         with open_image(body, max_pixels) as im:
@@ -264,10 +269,10 @@ def run_server(run, checkpoint: str = "best", storage: str = "./runs", host: str
                 _shutdown_ray()
                 return
             try:
-                _link(logs / "ray-serve", cluster.session_logs)
+                link_dir(logs / "ray-serve", cluster.session_logs)
                 serve.start(http_options={"host": host, "port": port, "request_timeout_s": limits.request_timeout_s})
                 _check_http_config(host, port)
-                threads = max(1, (os.cpu_count() or 1) // replicas)
+                threads = cluster_mod.threads_for(replicas)
                 app = ModelServer.options(num_replicas=replicas, max_queued_requests=limits.max_queued_requests).bind(
                     str(path), limits, threads, openapi)
                 serve.run_many([serve.RunTarget(app, name=APP_NAME)], wait_for_applications_running=False)
@@ -348,14 +353,6 @@ def _shutdown_ray() -> None:
 
     with contextlib.suppress(Exception):  # a half-started cluster: its atexit hook cleans up too
         ray.shutdown()
-
-
-def _link(link: Path, target: Path | None) -> None:
-    with contextlib.suppress(OSError):
-        if target is not None:
-            if link.is_symlink():
-                link.unlink()
-            link.symlink_to(target, target_is_directory=True)
 
 
 def _url(host: str, port: int, connect: bool = True) -> str:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgtrain import runs
-from imgtrain.ops import ownership
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops import ownership
 
 
 @dataclass

@@ -30,6 +30,22 @@ class Cluster:
     session_logs: Path | None
 
 
+def threads_for(sharing: int, given: int = 0) -> int:
+    """torch threads for one of ``sharing`` processes on this machine's cores; ``given`` (a
+    user's setting) wins. More threads than cores made OpenMP spin against the other processes
+    (a grid_sample went from 1.6 to 34 ms, docs/NOTES.md)."""
+    return given or max(1, (os.cpu_count() or 1) // max(1, sharing))
+
+
+def require_gpus(needed: int, what: str, hint: str) -> None:
+    """Refuse in seconds what Ray would wait for forever: GPU work on a cluster with too few GPUs."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    if gpus < needed:
+        raise ImgtrainError(f"asked for {needed} {what} but the Ray cluster has {gpus:g} GPU(s); {hint}")
+
+
 def user_log_dir() -> Path:
     """Where Ray's logs go when there is no run directory (evaluate, predict, a bare checkpoint
     served): this user's own cache folder, not a folder in /tmp that every user shares."""
@@ -173,13 +189,10 @@ def check_resources(cfg: TrainConfig) -> None:
 
     total = ray.cluster_resources()
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
+    cpus = total.get("CPU", 0.0)
     workers = cfg.fewest_workers()
-    if cfg.use_gpu and gpus < workers:
-        raise ImgtrainError(
-            f"asked for {workers} GPU worker(s) but the Ray cluster has {gpus:g} GPU(s); "
-            "use --cpu, fewer --workers, or a cluster with GPUs"
-        )
+    if cfg.use_gpu:
+        require_gpus(workers, "GPU worker(s)", "use --cpu, fewer --workers, or a cluster with GPUs")
     need = required_cpus(cfg, workers)
     if cpus < need:
         raise ImgtrainError(

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops.files import write_problem
 
 OK, INFO, FAIL = "ok", "info", "FAIL"
 LOW_DISK_BYTES = 2 << 30  # a ResNet-18 checkpoint with its optimizer state is about 170 MB
@@ -108,13 +109,9 @@ def _cuda() -> Check:
 
 def _storage(root: Path) -> Check:
     """Writable (``diagnose`` removes the folders created here), with room for checkpoints."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / ".imgtrain-doctor"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        return Check(FAIL, "storage", f"{root} is not writable ({e.strerror or e}); choose another --storage")
+    problem = write_problem(root)
+    if problem:
+        return Check(FAIL, "storage", f"{root} is not writable ({problem}); choose another --storage")
     free = shutil.disk_usage(root).free
     status = OK if free >= LOW_DISK_BYTES else FAIL
     note = "" if status == OK else " (less than 2 GiB: checkpoints may not fit)"

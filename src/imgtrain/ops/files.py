@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import tempfile
 from pathlib import Path
+
+from imgtrain.errors import ImgtrainError
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -44,3 +47,48 @@ def fsync_dir(folder: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def write_problem(folder: Path) -> str | None:
+    """Why ``folder`` cannot be created or written to (the OS's words), or None when it can."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def check_writable(folder: Path, what: str = "storage", hint: str = "choose a writable --storage") -> None:
+    """Create ``folder`` if needed and write a file there: one clear error when that fails."""
+    problem = write_problem(folder)
+    if problem:
+        raise ImgtrainError(f"cannot write to {what} {folder}: {problem}; {hint}")
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or one it wraps: a Ray task's cause, a worker failure) is a full disk."""
+    seen = set()
+    stack = [error, *(getattr(error, "worker_failures", None) or {}).values()]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        stack += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    return False
+
+
+def link_dir(link: Path, target: Path | None) -> None:
+    """Point ``link`` at the folder ``target`` (replacing an older link); a convenience only, so
+    a file system without links is no error."""
+    if target is None:
+        return
+    with contextlib.suppress(OSError):
+        if link.is_symlink():
+            link.unlink()
+        link.symlink_to(target, target_is_directory=True)

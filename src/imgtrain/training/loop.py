@@ -25,35 +25,15 @@ import torch
 import torch.nn as nn
 
 from imgtrain import checkpoint as ckpt
-from imgtrain.training import faults
-from imgtrain.config import TrainConfig, per_worker_batch_sizes, steps_per_epoch as epoch_steps
+from imgtrain.config import TrainConfig, per_worker_batch_sizes
+from imgtrain.config import steps_per_epoch as epoch_steps
+from imgtrain.data.order import augment_draw
 from imgtrain.errors import ImgtrainError
 from imgtrain.model import build_from_args, model_args, random_affine, to_model_input
-from imgtrain.data.order import augment_draw
+from imgtrain.training import faults
+from imgtrain.training.health import Progress
 
 Batch = dict  # {"id": int64 [B], "image": uint8 [B, H, W, C], "label": int64 [B]} on the device
-
-# Phases in which a rank may wait for the others (with DDP the forward pass broadcasts rank 0's
-# BatchNorm buffers, the backward pass all-reduces gradients): a rank stuck there is more
-# likely a victim than the cause.
-COLLECTIVE_PHASES = frozenset({"forward", "backward", "sync", "report"})
-
-
-class Progress:
-    """What this rank is doing right now; a heartbeat thread reports it to the driver."""
-
-    def __init__(self):
-        self.phase, self.step, self.since = "start", 0, time.time()
-
-    def enter(self, phase: str, step: int | None = None) -> None:
-        if step is not None:
-            self.step = step
-        if phase != self.phase:
-            self.phase, self.since = phase, time.time()
-
-    def snapshot(self) -> dict:
-        return {"phase": self.phase, "step": self.step, "phase_since": self.since}
-
 
 @dataclass
 class Hooks:
@@ -76,6 +56,20 @@ class Hooks:
     progress: Progress = field(default_factory=Progress)
     run_dir: Path | None = None  # for the sample ledger and injected faults
     fault: faults.Fault | None = None
+
+
+def in_memory_batches(data_dir: str, split: str, batch_size: int, device) -> Callable[[], Iterable[Batch]]:
+    """``val_batches`` over a split read once into memory (validation keeps rows by id)."""
+    from imgtrain.data.format import read_split
+
+    ids, images, labels = map(torch.from_numpy, read_split(data_dir, split))
+
+    def batches():
+        for start in range(0, len(ids), batch_size):
+            sl = slice(start, start + batch_size)
+            yield {"id": ids[sl], "image": images[sl].to(device), "label": labels[sl].to(device)}
+
+    return batches
 
 
 @dataclass

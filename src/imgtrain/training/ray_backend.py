@@ -1,178 +1,214 @@
-"""The Ray Train side of the loop: ``train_loop_per_worker`` wires ``run_loop`` to Ray.
-
-Each worker also runs a heartbeat thread that tells the driver, once a second, which step
-and phase it is in, so that a stuck rank can be named (``watchdog.Watchdog``), and dumps its
-Python stacks when asked (``stacks.py``).
+"""The driver side of the Ray backend: start or join Ray, run a ``TorchTrainer`` whose workers
+run ``ray_worker.train_loop_per_worker``, and forward what they send (records, heartbeats) to
+metrics.jsonl, the display, the trackers and the watchdog.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
 from pathlib import Path
 
-import torch
-
 from imgtrain import checkpoint as ckpt
-from imgtrain.training import faults
-from imgtrain.config import TrainConfig, steps_per_epoch
-from imgtrain.data.order import ordered_batches, sort_by_id
-from imgtrain.training.loop import Hooks, Progress, run_loop
+from imgtrain import runs
+from imgtrain.config import TrainConfig
+from imgtrain.errors import ImgtrainError, one_line
+from imgtrain.ops import cluster as cluster_mod
+from imgtrain.ops.files import disk_full, link_dir
+from imgtrain.training import faults, tracking
 
-HEARTBEAT_S = 1.0
-BATCH_DTYPES = {"id": torch.int64, "image": torch.uint8, "label": torch.int64}
+log = logging.getLogger(__name__)
+POLL_S = 0.5
+POLL_FAILING_S = 30.0  # a poll failing this long is reported on the terminal
 
 
-def train_loop_per_worker(config: dict) -> None:
-    """Ray Train entry point. ``config`` is a plain dict: {"cfg", "manifest", "monitor",
-    "resume", "run_dir", "fault"}."""
+def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> None:
+    """Train on Ray Train workers (``ray_worker.train_loop_per_worker``); records go to ``records``."""
+    # Ray's core, raylet and driver write warnings straight to this process's stdout and
+    # stderr; they go to logs/ so that the terminal shows only the progress display.
+    logs = run_dir / runs.LOGS_DIR
+    records.display.pin_output()
+    with cluster_mod.ray_output_to(logs):
+        _fit(cfg, manifest, run_dir, records, resume)
+
+
+def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> None:
+    import ray
     import ray.train
-    import ray.train.torch
+    from ray.train.torch import TorchTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    cfg = TrainConfig(**config["cfg"])
-    manifest = config["manifest"]
-    monitor = config.get("monitor")
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    threads = cfg.threads_per_worker or max(1, (os.cpu_count() or 1) // ctx.get_local_world_size())
-    torch.set_num_threads(threads)
-    device = ray.train.torch.get_device()
-    progress = Progress()
-    stop_heartbeat = _start_heartbeat(monitor, rank, world, progress)
+    from imgtrain.training.monitor import Monitor
+    from imgtrain.training.ray_worker import train_loop_per_worker
+    from imgtrain.training.watchdog import Watchdog
 
-    def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-        if world == 1:
-            return t
-        import torch.distributed as dist
-
-        moved = t.to(device)
-        dist.all_reduce(moved)
-        return moved.cpu()
-
-    resume = config.get("resume") or {}
-
-    @contextlib.contextmanager
-    def restored_checkpoint():
-        # Ray's latest checkpoint: on a retry the one this run last reported, on a re-run the
-        # run's latest. If its files fail their sha256, the driver's newest good one instead
-        # (None: no good one was left, and the driver said it starts from scratch).
-        found = ray.train.get_checkpoint()
-        if found is None:
-            yield resume.get("fallback")
-            return
-        with found.as_directory() as d:
-            try:
-                ckpt.verify(d)
-            except ckpt.CheckpointError:
-                d = resume.get("fallback")
-            yield d
-
-    def report(metrics: dict, save_dir: str | None, name: str) -> None:
-        checkpoint = ray.train.Checkpoint.from_directory(save_dir) if save_dir else None
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
-
-    def send(record: dict) -> None:
-        if monitor is not None:
-            monitor.push.remote(record)  # fire and forget: never a barrier
-
-    ingest = _torch_ingest if cfg.ingest == "torch" else _ray_data_ingest
-    hooks = Hooks(
-        rank=rank, world_size=world, device=device,
-        prepare_model=ray.train.torch.prepare_model,
-        train_batches=ingest(cfg, manifest, rank, world, device),
-        val_batches=_in_memory_val_batches(cfg, device), all_reduce_sum=all_reduce_sum,
-        restored_checkpoint=restored_checkpoint, report=report, send=send,
-        damaged=resume.get("damaged") or [], progress=progress,
-        run_dir=Path(config["run_dir"]) if config.get("run_dir") else None,
-        fault=faults.parse(config.get("fault")),
-    )
+    logs = run_dir / runs.LOGS_DIR
+    display = records.display
+    fault = os.environ.get(faults.ENV_VAR)
+    faults.parse(fault)  # a malformed spec fails here, not on every worker
+    cluster = cluster_mod.connect(cfg, logs / "driver.log")
     try:
-        run_loop(cfg, manifest, hooks)
+        link_dir(logs / "ray", cluster.session_logs)
+        cluster_mod.check_resources(cfg)
+        cluster_mod.require_shared_paths(run_dir, cfg.data)
+        display.note(f"run {cfg.name}: {run_dir}  (logs: {logs})")
+        if cluster.dashboard_url:
+            display.note(f"Ray dashboard: {cluster.dashboard_url}")
+        # On the driver's own node: an actor placed on another node dies with it (an elastic run
+        # losing a node would go on training with nobody receiving its records). Hard affinity:
+        # Ray places an actor that needs no resources on a random node despite a soft one (3 of
+        # 12 landed on the driver's node in a 3-node test); the driver's node lives as long as the driver.
+        monitor = Monitor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)).remote()
+        watchdog = Watchdog(run_dir, cfg.stall_timeout_s, note=display.note)
+        elastic = cfg.min_workers and cfg.min_workers < cfg.workers
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            # the workers never see tracking credentials (meta.json stores this config)
+            train_loop_config={"cfg": tracking.public_config(cfg), "manifest": manifest, "monitor": monitor,
+                               "resume": resume.to_worker(), "run_dir": str(run_dir), "fault": fault},
+            scaling_config=ray.train.ScalingConfig(
+                num_workers=(cfg.min_workers, cfg.workers) if elastic else cfg.workers, use_gpu=cfg.use_gpu,
+                resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})},
+                **({"elastic_resize_monitor_interval_s": ELASTIC_CHECK_S} if elastic else {}),
+            ),
+            run_config=ray.train.RunConfig(
+                name=cfg.name, storage_path=str(run_dir.parent),
+                failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+                checkpoint_config=ray.train.CheckpointConfig(
+                    num_to_keep=cfg.num_to_keep, checkpoint_score_attribute="val_accuracy",
+                    checkpoint_score_order="max",
+                ),
+            ),
+            datasets=_datasets(cfg),
+            # Every worker gets the whole data set and takes its rows of each global batch
+            # itself (ray_worker._ray_data_ingest): exact resumption at any world size.
+            dataset_config=ray.train.DataConfig(datasets_to_split=[]),
+        )
+        try:
+            with _forward_records(monitor, records, watchdog), _start_timeout(elastic):
+                trainer.fit()
+        except ray.train.TrainingFailedError as e:
+            # A checkpoint half copied when the failure struck (a full disk) must not stay visible.
+            removed = ckpt.remove_incomplete(run_dir, keep=resume.damaged)
+            if removed:
+                display.note(f"removed incomplete checkpoint(s): {', '.join(removed)}")
+            raise ImgtrainError(_failure_message(e, watchdog.incident, run_dir, logs)) from None
+        finally:
+            ray.kill(monitor)  # on a shared cluster it would outlive this run
     finally:
-        stop_heartbeat()
+        cluster_mod.shutdown(cluster)
 
 
-def _start_heartbeat(monitor, rank: int, world: int, progress: Progress):
-    """Send this rank's progress to the driver every HEARTBEAT_S seconds; returns a stop function."""
-    if monitor is None:
-        return lambda: None
+# How often an elastic run checks whether more workers fit (Ray's default is 60 s).
+ELASTIC_CHECK_S = 10.0
+# How long an elastic run waits for its workers' placement before trying again with the workers
+# the cluster has then. Ray Train sizes the group from a view of the cluster refreshed every 20 s,
+# so right after a node dies it still counts that node and, with Ray's 60 s default, sat idle
+# for a minute before shrinking (measured: 72 s from the node's loss to one worker training).
+ELASTIC_START_TIMEOUT_S = 20
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # read by Ray Train in fit()
+
+
+@contextlib.contextmanager
+def _start_timeout(elastic: bool):
+    """Ray's worker-group start timeout for this fit(): shorter when elastic, unless the user set one."""
+    if not elastic or START_TIMEOUT_ENV in os.environ:
+        yield
+        return
+    os.environ[START_TIMEOUT_ENV] = str(ELASTIC_START_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        os.environ.pop(START_TIMEOUT_ENV, None)
+
+
+def _datasets(cfg: TrainConfig):
+    """Ray Data ingest: the train split, handed whole to every worker."""
+    if cfg.ingest != "ray-data":
+        return None
+    import ray.data
+
+    from imgtrain.data.dataset import ray_dataset
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    return {"train": ray_dataset(cfg.data, "train")}
+
+
+def _failure_message(error: Exception, incident: str | None, run_dir: Path, logs: Path) -> str:
+    cause = _root_cause(error)
+    if incident:
+        cause = f"{incident} ({cause})"
+    elif disk_full(error):
+        cause = (f"the disk holding {run_dir.parent} is full (No space left on device); "
+                 "free space or choose another --storage")
+    latest = next(reversed(ckpt.verified(run_dir)[0]), None)
+    saved = (f"; the run resumes from {latest.name} when you run the same command again"
+             if latest else "; no checkpoint was saved")
+    return f"training failed: {cause}{saved}; logs: {logs}"
+
+
+def _root_cause(error: Exception) -> str:
+    failures = getattr(error, "worker_failures", None) or {}
+    for rank, exc in sorted(failures.items()):
+        cause = exc
+        while getattr(cause, "cause", None) is not None:  # RayTaskError wraps the user's exception
+            cause = cause.cause
+        if isinstance(cause, ImgtrainError):
+            return str(cause)
+        lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+        return f"rank {rank}: {type(cause).__name__}: {lines[-1] if lines else ''}"
+    text = str(error).strip().splitlines()
+    return text[-1] if text else type(error).__name__
+
+
+@contextlib.contextmanager
+def _forward_records(monitor, records, watchdog):
+    """While training runs, move records from the monitor actor to metrics.jsonl, the display
+    and the trackers, and heartbeats to the watchdog."""
     import ray
 
     stop = threading.Event()
-    from imgtrain.training import stacks
 
-    ids = {"rank": rank, "world_size": world, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
-           "node_id": ray.get_runtime_context().get_node_id(),
-           # for hang diagnosis: where this rank writes its stacks on SIGUSR1, and its logs
-           "stack_file": stacks.enable_stack_dumps(), "log_files": stacks.worker_log_files()}
+    def deliver():
+        sent, beats = ray.get(monitor.drain.remote(), timeout=30)
+        for record in sent:
+            records.send(record)
+        watchdog.observe(beats)
 
-    def beat():
-        while not stop.is_set():
-            with contextlib.suppress(Exception):  # a lost heartbeat must never fail training
-                monitor.heartbeat.remote(dict(ids, **progress.snapshot(), time=time.time()))
-            stop.wait(HEARTBEAT_S)
+    def poll():
+        warned, failing_since = False, None
+        while not stop.wait(POLL_S):
+            try:
+                deliver()
+                watchdog.check()
+                failing_since = None
+            except ray.exceptions.RayActorError as e:  # the mailbox is gone: say so once
+                if not warned:
+                    records.display.note(f"warning: progress records no longer arrive ({type(e).__name__}); "
+                                         "training goes on, but metrics.jsonl and the trackers miss them")
+                warned = True
+            except Exception as e:  # a slow round trip: the records wait in the mailbox for the next one
+                log.warning("progress poll failed: %s", one_line(e), exc_info=True)
+                failing_since = failing_since or time.monotonic()
+                if not warned and time.monotonic() - failing_since > POLL_FAILING_S:
+                    # never a silent end of hang detection: the watchdog runs in this loop
+                    records.display.note(f"warning: progress records and hang detection have failed for "
+                                         f"{POLL_FAILING_S:.0f} s ({type(e).__name__}: {one_line(e, 200)}); "
+                                         "training goes on; see logs/driver.log")
+                    warned = True
 
-    threading.Thread(target=beat, name="imgtrain-heartbeat", daemon=True).start()
-    return stop.set
-
-
-def _steps(cfg: TrainConfig, manifest: dict) -> int:
-    n_train = manifest["splits"]["train"]["num_samples"]
-    return max(1, steps_per_epoch(n_train, cfg.batch_size, cfg.limit_train_batches))
-
-
-def _ray_data_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, device):
-    """Every worker gets the whole (unsplit) train Dataset from Ray Data once, then takes its
-    rows of each global batch in the run's global order (``order.py``): unlike
-    ``streaming_split``, which rows a rank sees never depends on timing or world size."""
-    import ray.train
-
-    whole = ray.train.get_dataset_shard("train")  # not split: DataConfig(datasets_to_split=[])
-    columns = {"id": [], "image": [], "label": []}
-    for batch in whole.iter_torch_batches(batch_size=8192, dtypes=BATCH_DTYPES):
-        for key in columns:
-            columns[key].append(batch[key])
-    rows = sort_by_id(*(torch.cat(columns[key]) for key in ("id", "image", "label")))
-    return ordered_batches(rows, cfg.seed, cfg.batch_size, _steps(cfg, manifest), world, rank, device,
-                           on_device=cfg.data_on_device)
-
-
-def _torch_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, device):
-    """A DataLoader over the split read from its Parquet files, fed this rank's rows of each
-    global batch (the same global order as the Ray Data ingest)."""
-    import ray.train.torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from imgtrain.data.format import read_split
-    from imgtrain.data.order import epoch_permutation, rank_rows
-
-    rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
-    steps = _steps(cfg, manifest)
-    if cfg.data_on_device:  # no loader at all: batches are gathered in device memory
-        return ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world, rank, device, on_device=True)
-    train = TensorDataset(*rows)
-
-    def train_batches(epoch: int, first_step: int):
-        perm = epoch_permutation(len(train), cfg.seed, epoch)
-        plan = [rank_rows(perm, k, cfg.batch_size, world, rank).tolist() for k in range(first_step, steps)]
-        loader = DataLoader(train, batch_sampler=plan)
-        for ids, images, labels in ray.train.torch.prepare_data_loader(loader, add_dist_sampler=False):
-            yield {"id": ids, "image": images, "label": labels}
-
-    return train_batches
+    thread = threading.Thread(target=poll, name="imgtrain-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        with contextlib.suppress(Exception):
+            deliver()  # the last records sent before fit() returned
 
 
-def _in_memory_val_batches(cfg: TrainConfig, device):
-    """The test split read once into memory on each worker (evaluation keeps rows by id)."""
-    from imgtrain.data.format import read_split
-
-    ids, images, labels = map(torch.from_numpy, read_split(cfg.data, "test"))
-
-    def val_batches():
-        for start in range(0, len(ids), cfg.eval_batch_size):
-            sl = slice(start, start + cfg.eval_batch_size)
-            yield {"id": ids[sl], "image": images[sl].to(device), "label": labels[sl].to(device)}
-
-    return val_batches

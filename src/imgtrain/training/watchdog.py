@@ -16,10 +16,9 @@ import json
 import time
 from pathlib import Path
 
-from imgtrain.training import stacks
 from imgtrain.ops.files import atomic_write_text
-from imgtrain.training.loop import COLLECTIVE_PHASES
-from imgtrain.training.ray_backend import HEARTBEAT_S
+from imgtrain.training import stacks
+from imgtrain.training.health import COLLECTIVE_PHASES, HEARTBEAT_S
 
 WORKERS_FILE = "workers.json"
 

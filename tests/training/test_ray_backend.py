@@ -2,7 +2,11 @@
 
 import os
 
-from imgtrain.training.driver import ELASTIC_START_TIMEOUT_S, START_TIMEOUT_ENV, _start_timeout
+from imgtrain.training.ray_backend import (
+    ELASTIC_START_TIMEOUT_S,
+    START_TIMEOUT_ENV,
+    _start_timeout,
+)
 
 
 def test_an_elastic_fit_waits_less_for_its_workers_and_leaves_the_environment_as_it_was(monkeypatch):

@@ -1,0 +1,88 @@
+"""The local backend: the same training loop in this process, no Ray, the tutorial's
+single-device baseline (``--backend local``). What it changes in the process (torch threads,
+deterministic kernels, the global RNG) is put back afterwards: the library may run in a
+notebook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from imgtrain import checkpoint as ckpt
+from imgtrain.config import TrainConfig, steps_per_epoch
+from imgtrain.errors import ImgtrainError
+from imgtrain.ops.cluster import threads_for
+from imgtrain.ops.files import disk_full
+from imgtrain.training import faults, tracking
+
+
+def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> None:
+    """Train in this process; records go to ``records``."""
+    from imgtrain.data.format import read_split
+    from imgtrain.data.order import ordered_batches, sort_by_id
+    from imgtrain.training.loop import Hooks, in_memory_batches, run_loop
+
+    device = torch.device("cuda" if cfg.use_gpu else "cpu")
+    rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
+    records.display.note(f"run {cfg.name}: {run_dir}  (local backend, {device})")
+    for stale in run_dir.glob(f".{ckpt.PREFIX}*.tmp"):  # a copy cut short by a killed driver
+        shutil.rmtree(stale, ignore_errors=True)
+
+    steps = max(1, steps_per_epoch(len(rows[0]), cfg.batch_size, cfg.limit_train_batches))
+    train_batches = ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world_size=1, rank=0, device=device,
+                                    on_device=cfg.data_on_device)
+
+    fault = faults.parse(os.environ.get(faults.ENV_VAR))
+
+    @contextlib.contextmanager
+    def restored_checkpoint():
+        yield str(resume.checkpoint) if resume.checkpoint else None  # verified by train()
+
+    def report(metrics: dict, save_dir: str | None, name: str) -> None:
+        target = run_dir / name
+        tmp = run_dir / f".{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            shutil.copytree(save_dir, tmp)
+            faults.maybe_fire(fault, 0, metrics["step"], run_dir, "saving")  # half copied into the run
+        except (OSError, shutil.Error) as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # never leave half a checkpoint behind
+            if disk_full(e):
+                raise ImgtrainError(f"cannot save checkpoint {name}: the disk holding {run_dir.parent} is "
+                                    "full (No space left on device); free space or choose another --storage") from None
+            raise
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)  # complete or invisible
+        ckpt.retain(run_dir, cfg.num_to_keep, ignore=resume.damaged)
+
+    hooks = Hooks(
+        rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device), damaged=resume.damaged,
+        train_batches=train_batches, val_batches=in_memory_batches(cfg.data, "test", cfg.eval_batch_size, device),
+        all_reduce_sum=lambda t: t,
+        restored_checkpoint=restored_checkpoint, report=report, send=records.send,
+        run_dir=run_dir, fault=fault,
+    )
+    with process_settings_restored():
+        torch.set_num_threads(threads_for(1, cfg.threads_per_worker))
+        run_loop(TrainConfig(**tracking.public_config(cfg)), manifest, hooks)  # meta.json stores it
+
+
+@contextlib.contextmanager
+def process_settings_restored():
+    """Put back what training changes process-wide: torch's thread count, deterministic
+    kernels, cuDNN autotuning and the global RNG (seeded for the model's initial weights)."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    benchmark, rng = torch.backends.cudnn.benchmark, torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.backends.cudnn.benchmark = benchmark
+        torch.set_rng_state(rng)

@@ -1,0 +1,139 @@
+"""The worker side of the Ray backend: ``train_loop_per_worker`` wires ``run_loop`` to Ray Train.
+
+Each worker also runs a heartbeat thread that tells the driver, once a second, which step
+and phase it is in, so that a stuck rank can be named (``watchdog.Watchdog``), and dumps its
+Python stacks when asked (``stacks.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from imgtrain import checkpoint as ckpt
+from imgtrain.config import TrainConfig, steps_per_epoch
+from imgtrain.data.order import ordered_batches, sort_by_id
+from imgtrain.ops.cluster import threads_for
+from imgtrain.training import faults, health
+from imgtrain.training.health import Progress
+from imgtrain.training.loop import Hooks, in_memory_batches, run_loop
+
+BATCH_DTYPES = {"id": torch.int64, "image": torch.uint8, "label": torch.int64}
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """Ray Train entry point. ``config`` is a plain dict: {"cfg", "manifest", "monitor",
+    "resume", "run_dir", "fault"}."""
+    import ray.train
+    import ray.train.torch
+
+    cfg = TrainConfig(**config["cfg"])
+    manifest = config["manifest"]
+    monitor = config.get("monitor")
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(threads_for(ctx.get_local_world_size(), cfg.threads_per_worker))  # its own process
+    device = ray.train.torch.get_device()
+    progress = Progress()
+    stop_heartbeat = health.start_heartbeat(monitor, rank, world, progress)
+
+    def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+        if world == 1:
+            return t
+        import torch.distributed as dist
+
+        moved = t.to(device)
+        dist.all_reduce(moved)
+        return moved.cpu()
+
+    resume = config.get("resume") or {}
+
+    @contextlib.contextmanager
+    def restored_checkpoint():
+        # Ray's latest checkpoint: on a retry the one this run last reported, on a re-run the
+        # run's latest. If its files fail their sha256, the driver's newest good one instead
+        # (None: no good one was left, and the driver said it starts from scratch).
+        found = ray.train.get_checkpoint()
+        if found is None:
+            yield resume.get("fallback")
+            return
+        with found.as_directory() as d:
+            try:
+                ckpt.verify(d)
+            except ckpt.CheckpointError:
+                d = resume.get("fallback")
+            yield d
+
+    def report(metrics: dict, save_dir: str | None, name: str) -> None:
+        checkpoint = ray.train.Checkpoint.from_directory(save_dir) if save_dir else None
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+
+    def send(record: dict) -> None:
+        if monitor is not None:
+            monitor.push.remote(record)  # fire and forget: never a barrier
+
+    ingest = _torch_ingest if cfg.ingest == "torch" else _ray_data_ingest
+    hooks = Hooks(
+        rank=rank, world_size=world, device=device,
+        prepare_model=ray.train.torch.prepare_model,
+        train_batches=ingest(cfg, manifest, rank, world, device),
+        val_batches=in_memory_batches(cfg.data, "test", cfg.eval_batch_size, device), all_reduce_sum=all_reduce_sum,
+        restored_checkpoint=restored_checkpoint, report=report, send=send,
+        damaged=resume.get("damaged") or [], progress=progress,
+        run_dir=Path(config["run_dir"]) if config.get("run_dir") else None,
+        fault=faults.parse(config.get("fault")),
+    )
+    try:
+        run_loop(cfg, manifest, hooks)
+    finally:
+        stop_heartbeat()
+
+
+def _steps(cfg: TrainConfig, manifest: dict) -> int:
+    n_train = manifest["splits"]["train"]["num_samples"]
+    return max(1, steps_per_epoch(n_train, cfg.batch_size, cfg.limit_train_batches))
+
+
+def _ray_data_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, device):
+    """Every worker gets the whole (unsplit) train Dataset from Ray Data once, then takes its
+    rows of each global batch in the run's global order (``order.py``): unlike
+    ``streaming_split``, which rows a rank sees never depends on timing or world size."""
+    import ray.train
+
+    whole = ray.train.get_dataset_shard("train")  # not split: DataConfig(datasets_to_split=[])
+    columns = {"id": [], "image": [], "label": []}
+    for batch in whole.iter_torch_batches(batch_size=8192, dtypes=BATCH_DTYPES):
+        for key in columns:
+            columns[key].append(batch[key])
+    rows = sort_by_id(*(torch.cat(columns[key]) for key in ("id", "image", "label")))
+    return ordered_batches(rows, cfg.seed, cfg.batch_size, _steps(cfg, manifest), world, rank, device,
+                           on_device=cfg.data_on_device)
+
+
+def _torch_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, device):
+    """A DataLoader over the split read from its Parquet files, fed this rank's rows of each
+    global batch (the same global order as the Ray Data ingest)."""
+    import ray.train.torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from imgtrain.data.format import read_split
+    from imgtrain.data.order import epoch_permutation, rank_rows
+
+    rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
+    steps = _steps(cfg, manifest)
+    if cfg.data_on_device:  # no loader at all: batches are gathered in device memory
+        return ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world, rank, device, on_device=True)
+    train = TensorDataset(*rows)
+
+    def train_batches(epoch: int, first_step: int):
+        perm = epoch_permutation(len(train), cfg.seed, epoch)
+        plan = [rank_rows(perm, k, cfg.batch_size, world, rank).tolist() for k in range(first_step, steps)]
+        loader = DataLoader(train, batch_sampler=plan)
+        for ids, images, labels in ray.train.torch.prepare_data_loader(loader, add_dist_sampler=False):
+            yield {"id": ids, "image": images, "label": labels}
+
+    return train_batches
+
+
