@@ -53,7 +53,7 @@ def test_a_stuck_rank_is_named_and_killed_within_the_stall_timeout(ray_cluster, 
     out = done.stdout
     stack = out.split("rank 1 (stuck) stack, innermost last:\n")[1].split("rank 1 logs")[0]
     frames = [line.strip() for line in stack.splitlines() if line.strip()]
-    assert frames[0].endswith("in run_loop") and "train_loop.py" in frames[0]
+    assert frames[0].endswith("in run_loop") and "training/loop.py" in frames[0]
     assert "faults.py" in frames[-1] and frames[-1].endswith("in maybe_fire"), frames  # the injected hang
     logs_line = next(line for line in out.splitlines() if line.strip().startswith("rank 1 logs (on "))
     log_files = logs_line.split("): ", 1)[1].split(", ")

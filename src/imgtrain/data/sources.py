@@ -2,7 +2,7 @@
 
 Every loader returns a :class:`RawDataset`: class names plus a train and a test :class:`Split`
 holding ``images`` uint8 [N, H, W, C], ``labels`` int64 [N] and ``ids`` int64 [N] (stable ids,
-unique across train + test). ``data/parquet.py`` turns a RawDataset into a dataset directory.
+unique across train + test). ``data/format.py`` turns a RawDataset into a dataset directory.
 
 Two rules hold for every source:
 

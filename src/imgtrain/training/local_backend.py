@@ -25,7 +25,12 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
     """Train in this process; records go to ``records``."""
     from imgtrain.data.format import read_split
     from imgtrain.data.order import ordered_batches, sort_by_id
-    from imgtrain.training.loop import Hooks, in_memory_batches, run_loop
+    from imgtrain.training.loop import (
+        Backend,
+        in_memory_batches,
+        run_loop,
+        single_process_collectives,
+    )
 
     device = torch.device("cuda" if cfg.use_gpu else "cpu")
     rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
@@ -60,16 +65,15 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
         os.replace(tmp, target)  # complete or invisible
         ckpt.retain(run_dir, cfg.num_to_keep, ignore=resume.damaged)
 
-    hooks = Hooks(
+    backend = Backend(
         rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device), damaged=resume.damaged,
         train_batches=train_batches, val_batches=in_memory_batches(cfg.data, "test", cfg.eval_batch_size, device),
-        all_reduce_sum=lambda t: t,
-        restored_checkpoint=restored_checkpoint, report=report, send=records.send,
+        **single_process_collectives(), restored_checkpoint=restored_checkpoint, report=report, send=records.send,
         run_dir=run_dir, fault=fault,
     )
     with process_settings_restored():
         torch.set_num_threads(threads_for(1, cfg.threads_per_worker))
-        run_loop(TrainConfig(**tracking.public_config(cfg)), manifest, hooks)  # meta.json stores it
+        run_loop(TrainConfig(**tracking.public_config(cfg)), manifest, backend)  # meta.json stores it
 
 
 @contextlib.contextmanager

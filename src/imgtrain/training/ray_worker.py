@@ -18,7 +18,12 @@ from imgtrain.data.order import ordered_batches, sort_by_id
 from imgtrain.ops.cluster import threads_for
 from imgtrain.training import faults, health
 from imgtrain.training.health import Progress
-from imgtrain.training.loop import Hooks, in_memory_batches, run_loop
+from imgtrain.training.loop import (
+    Backend,
+    in_memory_batches,
+    run_loop,
+    single_process_collectives,
+)
 
 BATCH_DTYPES = {"id": torch.int64, "image": torch.uint8, "label": torch.int64}
 
@@ -38,15 +43,6 @@ def train_loop_per_worker(config: dict) -> None:
     device = ray.train.torch.get_device()
     progress = Progress()
     stop_heartbeat = health.start_heartbeat(monitor, rank, world, progress)
-
-    def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-        if world == 1:
-            return t
-        import torch.distributed as dist
-
-        moved = t.to(device)
-        dist.all_reduce(moved)
-        return moved.cpu()
 
     resume = config.get("resume") or {}
 
@@ -75,20 +71,44 @@ def train_loop_per_worker(config: dict) -> None:
             monitor.push.remote(record)  # fire and forget: never a barrier
 
     ingest = _torch_ingest if cfg.ingest == "torch" else _ray_data_ingest
-    hooks = Hooks(
+    backend = Backend(
         rank=rank, world_size=world, device=device,
         prepare_model=ray.train.torch.prepare_model,
         train_batches=ingest(cfg, manifest, rank, world, device),
-        val_batches=in_memory_batches(cfg.data, "test", cfg.eval_batch_size, device), all_reduce_sum=all_reduce_sum,
+        val_batches=in_memory_batches(cfg.data, "test", cfg.eval_batch_size, device),
+        **(_collectives(world, device) if world > 1 else single_process_collectives()),
         restored_checkpoint=restored_checkpoint, report=report, send=send,
         damaged=resume.get("damaged") or [], progress=progress,
         run_dir=Path(config["run_dir"]) if config.get("run_dir") else None,
         fault=faults.parse(config.get("fault")),
     )
     try:
-        run_loop(cfg, manifest, hooks)
+        run_loop(cfg, manifest, backend)
     finally:
         stop_heartbeat()
+
+
+def _collectives(world: int, device) -> dict:
+    """torch.distributed's collectives for the loop (gloo on CPUs, NCCL on GPUs: tensors go
+    through the device), CPU tensors in and out."""
+    import torch.distributed as dist
+
+    def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+        moved = t.to(device)
+        dist.all_reduce(moved)
+        return moved.cpu()
+
+    def broadcast(t: torch.Tensor) -> torch.Tensor:
+        moved = t.to(device)
+        dist.broadcast(moved, src=0)
+        return moved.cpu()
+
+    def all_gather(t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t, device=device) for _ in range(world)]
+        dist.all_gather(parts, t.to(device))
+        return torch.stack(parts).cpu()
+
+    return {"all_reduce_sum": all_reduce_sum, "broadcast": broadcast, "all_gather": all_gather}
 
 
 def _steps(cfg: TrainConfig, manifest: dict) -> int:

@@ -1,6 +1,6 @@
 """The driver's view of its workers: who they are (``workers.json``) and whether one is stuck.
 
-Every rank sends a heartbeat each second with its step and phase (``worker.py``). A rank is
+Every rank sends a heartbeat each second with its step and phase (``health.py``). A rank is
 *stuck* when its heartbeats stop (the process is frozen) or when it has spent longer than
 ``stall_timeout_s`` in a phase where it waits for nobody. The other ranks are then blocked in
 a collective (DDP's all-reduce, the report barrier) and would wait forever: the default in Ray
