@@ -24,6 +24,7 @@ import numpy as np
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops import process
 
 DEFAULT_BATCH_SIZE = 500
 DEFAULT_TOP_K = 3
@@ -108,7 +109,8 @@ def load_checkpoint(
     meta = ckpt.read_meta(path)
     args, data = meta.get("model_args") or {}, meta.get("data") or {}
     try:
-        model = build_from_args(args)
+        with torch.random.fork_rng(devices=[]):  # its random initial weights are overwritten: the caller's RNG is left alone
+            model = build_from_args(args)
     except (ValueError, KeyError, TypeError):
         raise ImgtrainError(
             f"checkpoint {path} holds a model imgtrain cannot build (model_args {args}); "
@@ -246,12 +248,13 @@ def run_predictor(loaded: LoadedCheckpoint, columns: dict, images: np.ndarray, o
     if opts.backend == "local":
         if opts.use_gpu:
             raise ImgtrainError("--gpu needs the Ray backend (GPU actors); drop --backend local")
-        predictor = Predictor(loaded, top_k=opts.top_k, threads=opts.threads)
-        parts = [
-            predictor({**{k: v[i : i + opts.batch_size] for k, v in columns.items()},
-                       "image": images[i : i + opts.batch_size]})
-            for i in range(0, len(images), opts.batch_size)
-        ]
+        predictor = Predictor(loaded, top_k=opts.top_k)
+        with process.torch_threads(opts.threads):  # this process's setting, put back after
+            parts = [
+                predictor({**{k: v[i : i + opts.batch_size] for k, v in columns.items()},
+                           "image": images[i : i + opts.batch_size]})
+                for i in range(0, len(images), opts.batch_size)
+            ]
         frame = pd.concat([pd.DataFrame(p) for p in parts], ignore_index=True)
     else:
         frame = _run_on_ray(loaded.path, columns, images, opts)
@@ -264,40 +267,34 @@ def _run_on_ray(checkpoint_dir: Path, columns: dict, images: np.ndarray, opts: I
 
     from imgtrain.ops import cluster as cluster_mod
 
-    logs = cluster_mod.user_log_dir()
-    with cluster_mod.ray_output_to(logs):
-        cluster = cluster_mod.start_or_join(opts.address, opts.concurrency, log_file=logs / "inference.log")
-        try:
-            import ray
-            import ray.data
-            from ray.data.extensions import ArrowTensorArray
+    with cluster_mod.ray_session(opts.address, opts.concurrency, cluster_mod.user_log_dir(), "inference.log"):
+        import ray
+        import ray.data
+        from ray.data.extensions import ArrowTensorArray
 
-            if opts.use_gpu:
-                cluster_mod.require_gpus(opts.concurrency, "GPU actor(s)", "drop --gpu or lower --concurrency")
-            ray.data.DataContext.get_current().enable_progress_bars = False
-            table = pa.table({**{k: pa.array(v) for k, v in columns.items()},
-                              "image": ArrowTensorArray.from_numpy(images)})
-            # Several blocks so that every actor of the pool gets work. from_blocks computes
-            # block metadata here; from_arrow would start one remote task per block for it.
-            n_blocks = max(1, min(len(images) // opts.batch_size, 4 * opts.concurrency))
-            step = -(-len(images) // n_blocks)
-            blocks = [table.slice(i, step) for i in range(0, len(images), step)]
-            ds = ray.data.from_blocks(blocks).map_batches(
-                Predictor,
-                fn_constructor_kwargs=dict(
-                    checkpoint=str(checkpoint_dir), device="cuda" if opts.use_gpu else "cpu",
-                    top_k=opts.top_k, threads=0 if opts.use_gpu else opts.threads_per_actor(),
-                ),
-                batch_size=opts.batch_size, batch_format="numpy", num_cpus=1,
-                num_gpus=1 if opts.use_gpu else 0,
-                compute=ray.data.ActorPoolStrategy(size=opts.concurrency),
-            )
-            return pd.concat(
-                [pd.DataFrame(b) for b in ds.iter_batches(batch_size=None, batch_format="numpy")],
-                ignore_index=True,
-            )
-        finally:
-            cluster_mod.shutdown(cluster)
+        if opts.use_gpu:
+            cluster_mod.require_gpus(opts.concurrency, "GPU actor(s)", "drop --gpu or lower --concurrency")
+        table = pa.table({**{k: pa.array(v) for k, v in columns.items()},
+                          "image": ArrowTensorArray.from_numpy(images)})
+        # Several blocks so that every actor of the pool gets work. from_blocks computes
+        # block metadata here; from_arrow would start one remote task per block for it.
+        n_blocks = max(1, min(len(images) // opts.batch_size, 4 * opts.concurrency))
+        step = -(-len(images) // n_blocks)
+        blocks = [table.slice(i, step) for i in range(0, len(images), step)]
+        ds = ray.data.from_blocks(blocks).map_batches(
+            Predictor,
+            fn_constructor_kwargs=dict(
+                checkpoint=str(checkpoint_dir), device="cuda" if opts.use_gpu else "cpu",
+                top_k=opts.top_k, threads=0 if opts.use_gpu else opts.threads_per_actor(),
+            ),
+            batch_size=opts.batch_size, batch_format="numpy", num_cpus=1,
+            num_gpus=1 if opts.use_gpu else 0,
+            compute=ray.data.ActorPoolStrategy(size=opts.concurrency),
+        )
+        return pd.concat(
+            [pd.DataFrame(b) for b in ds.iter_batches(batch_size=None, batch_format="numpy")],
+            ignore_index=True,
+        )
 
 
 # ---------------------------------------------------------------- evaluation

@@ -232,6 +232,34 @@ def run_server(run, checkpoint: str = "best", storage: str = "./runs", host: str
                port: int = 8000, limits: Limits = Limits(), replicas: int = 1,
                address: str | None = None, openapi: bool = False, announce=print) -> None:
     """Serve the checkpoint until SIGINT or SIGTERM; returns after a clean shutdown."""
+    path, logs = _check_request(run, checkpoint, storage, host, port, limits, replicas)
+    stop = _StopSignals()
+    terminal = sys.stdout  # ray_session swaps sys.stdout for a log file; announce needs the real one
+    with stop.listening():  # from before Ray starts: a signal during startup shuts down too
+        try:
+            with cluster_mod.ray_session(address, replicas * REPLICA_CPUS, logs, "serve.log") as cluster:
+                stop.listen()  # ray.init replaced our SIGTERM handler with its sys.exit(15)
+                if stop.is_set():  # Ctrl-C while Ray started
+                    return
+                link_dir(logs / "ray-serve", cluster.session_logs)
+                try:
+                    _deploy(path, host, port, limits, replicas, openapi)
+                    if _wait_ready(host, port, stop, logs):
+                        with contextlib.redirect_stdout(terminal):
+                            announce(f"serving {path} at {_url(host, port, connect=False)} (POST /predict, "
+                                     "GET /healthz); Ctrl-C stops")
+                            terminal.flush()  # seen at once through a pipe or a log file too
+                        while not stop.wait(1.0):  # a timed wait: signal handlers run promptly
+                            pass
+                finally:
+                    _stop_serve(joined=address is not None)
+        except SystemExit as e:  # ray.init's own SIGTERM handler: a stop during startup
+            if e.code != signal.SIGTERM:
+                raise
+
+
+def _check_request(run, checkpoint, storage, host, port, limits, replicas) -> tuple[Path, Path]:
+    """(the verified checkpoint, where logs go), after every check that can fail before Ray starts."""
     problems = limits.problems()
     if not 0 < port < 65536:
         problems.append(f"--port must be 1..65535, got {port}")
@@ -245,49 +273,40 @@ def run_server(run, checkpoint: str = "best", storage: str = "./runs", host: str
     in_run = (path.parent / runs.CONFIG_FILE).is_file()  # a checkpoint inside a run directory
     logs = path.parent / runs.LOGS_DIR if in_run else cluster_mod.user_log_dir()
     logs.mkdir(parents=True, exist_ok=True)
-    stop = threading.Event()
+    return path, logs
 
-    def on_signal(*_):
-        if stop.is_set():  # a second Ctrl-C: stop waiting for the clean shutdown
+
+def _deploy(path: Path, host: str, port: int, limits: Limits, replicas: int, openapi: bool) -> None:
+    serve.start(http_options={"host": host, "port": port, "request_timeout_s": limits.request_timeout_s})
+    _check_http_config(host, port)
+    app = ModelServer.options(num_replicas=replicas, max_queued_requests=limits.max_queued_requests).bind(
+        str(path), limits, cluster_mod.threads_for(replicas), openapi)
+    serve.run_many([serve.RunTarget(app, name=APP_NAME)], wait_for_applications_running=False)
+
+
+class _StopSignals(threading.Event):
+    """Set by SIGINT or SIGTERM; a second Ctrl-C stops waiting for the clean shutdown."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def _on_signal(self, *_):
+        if self.is_set():
             raise KeyboardInterrupt
-        stop.set()
+        self.set()
 
-    listen_for_stop = lambda: {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    previous = listen_for_stop()  # before Ray starts, so that a signal during startup shuts down too
-    terminal = sys.stdout  # ray_output_to swaps sys.stdout for a log file; announce needs the real one
-    try:
-        with cluster_mod.ray_output_to(logs):
-            try:
-                cluster = cluster_mod.start_or_join(address, replicas * REPLICA_CPUS, log_file=logs / "serve.log")
-            except SystemExit as e:  # ray.init's own SIGTERM handler: a stop during startup
-                if e.code != signal.SIGTERM:
-                    raise
-                _shutdown_ray()
-                return
-            listen_for_stop()  # ray.init replaced our SIGTERM handler with its sys.exit(15)
-            if stop.is_set():  # Ctrl-C while Ray started
-                _shutdown_ray()
-                return
-            try:
-                link_dir(logs / "ray-serve", cluster.session_logs)
-                serve.start(http_options={"host": host, "port": port, "request_timeout_s": limits.request_timeout_s})
-                _check_http_config(host, port)
-                threads = cluster_mod.threads_for(replicas)
-                app = ModelServer.options(num_replicas=replicas, max_queued_requests=limits.max_queued_requests).bind(
-                    str(path), limits, threads, openapi)
-                serve.run_many([serve.RunTarget(app, name=APP_NAME)], wait_for_applications_running=False)
-                if _wait_ready(host, port, stop, logs):
-                    with contextlib.redirect_stdout(terminal):
-                        announce(f"serving {path} at {_url(host, port, connect=False)} (POST /predict, GET /healthz); Ctrl-C stops")
-                        terminal.flush()  # seen at once through a pipe or a log file too
-                    while not stop.wait(1.0):  # a timed wait: signal handlers run promptly
-                        pass
-            finally:
-                _stop_serve(joined=address is not None)
-                cluster_mod.shutdown(cluster)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    def listen(self) -> None:
+        for s in self.SIGNALS:
+            signal.signal(s, self._on_signal)
+
+    @contextlib.contextmanager
+    def listening(self):
+        previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+        self.listen()
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -346,13 +365,6 @@ def _stop_serve(joined: bool) -> None:
             if serve.status().applications:
                 return
         serve.shutdown()
-
-
-def _shutdown_ray() -> None:
-    import ray
-
-    with contextlib.suppress(Exception):  # a half-started cluster: its atexit hook cleans up too
-        ray.shutdown()
 
 
 def _url(host: str, port: int, connect: bool = True) -> str:

@@ -12,12 +12,12 @@ import contextlib
 import logging
 import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops import process
 
 INGEST_CPUS = 1  # logical CPUs kept free for Ray Data's read and split tasks
 RAY_LOGGERS = ("ray", "ray.train", "ray.data", "ray.tune", "ray.serve")
@@ -60,18 +60,40 @@ def required_cpus(cfg: TrainConfig, workers: int | None = None) -> float:
     return workers * cfg.cpus_per_worker + (INGEST_CPUS if cfg.ingest == "ray-data" else 0)
 
 
-def connect(cfg: TrainConfig, log_file: Path | None = None) -> Cluster:
-    """Join ``cfg.address`` or start a private local cluster sized for the plan."""
-    return start_or_join(cfg.address, required_cpus(cfg), cfg.dashboard, log_file)
+@contextlib.contextmanager
+def ray_session(address: str | None, min_cpus: float, logs: Path, log_name: str, dashboard: bool = False):
+    """Ray for the length of a command: ``address`` joined, or a private local cluster with at
+    least ``min_cpus`` logical CPUs started (and shut down at the end); Ray's output goes to
+    ``logs`` (``log_name`` for its Python loggers), never to the terminal."""
+    # One machine is never preempted; the watcher would be one more process to start.
+    env = {} if address else {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+    import ray
+    import ray.data
+
+    with contextlib.ExitStack() as scoped:
+        scoped.enter_context(process.output_to(logs))
+        scoped.enter_context(process.loggers_to(logs / log_name, RAY_LOGGERS))
+        scoped.enter_context(process.environment_restored())  # ray.init writes some of its own
+        scoped.enter_context(process.signal_handlers_restored())  # and a SIGTERM handler
+        scoped.enter_context(process.environment(**env))
+        # Ray Data's progress bars would draw over ours (and fill CI logs)
+        scoped.enter_context(process.attribute(ray.data.DataContext.get_current(), "enable_progress_bars", False))
+        try:
+            cluster = start_or_join(address, min_cpus, dashboard)
+        except BaseException:  # a half-started Ray (a SIGTERM during ray.init): its atexit hook is too late
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            raise
+        try:
+            yield cluster
+        finally:
+            shutdown(cluster)
 
 
-def start_or_join(
-    address: str | None, min_cpus: float, dashboard: bool = False, log_file: Path | None = None
-) -> Cluster:
+def start_or_join(address: str | None, min_cpus: float, dashboard: bool = False) -> Cluster:
     """Join ``address``, or start a private local cluster with at least ``min_cpus`` logical CPUs."""
     import ray
 
-    route_ray_logs(log_file)
     if ray.is_initialized():  # a cluster this process already joined (library use, tests)
         return Cluster(False, None, _session_logs())
     # Worker output stays in the session's log files (linked from the run's logs/).
@@ -84,8 +106,6 @@ def start_or_join(
             # Logical CPUs: enough for every worker plus ingest. Threads are set per worker,
             # so logical CPUs above the physical count do not oversubscribe the cores.
             num_cpus = max(os.cpu_count() or 1, math.ceil(min_cpus) + 1)
-            # One machine is never preempted; the watcher would be one more process to start.
-            os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
             ctx = ray.init(address="local", num_cpus=num_cpus, **kwargs)
     except ConnectionError as e:
         raise ImgtrainError(f"could not join the Ray cluster at {address}: {e}") from None
@@ -118,7 +138,7 @@ def check_joinable(address: str, timeout_s: float = 5.0) -> None:
 
     def refuses() -> bool:
         try:
-            with _stderr_silenced():  # Ray's C++ client logs each refusal to fd 2
+            with process.stderr_silenced():  # Ray's C++ client logs each refusal to fd 2
                 GcsClient(address=target).internal_kv_get(b"session_name", b"session", timeout=timeout_s)
             return False
         except AuthenticationError:
@@ -140,19 +160,6 @@ def check_joinable(address: str, timeout_s: float = 5.0) -> None:
             f"the Ray cluster at {address} requires token authentication and refused this process; set "
             "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the output of `ray get-auth-token` on its head node>"
         )
-
-
-@contextlib.contextmanager
-def _stderr_silenced():
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 def _reachable(address: str, timeout_s: float) -> str:
@@ -288,48 +295,6 @@ def _probe_node(probe: str, token: str, read_files: list[str]) -> list[str]:
             problems.append(f"cannot write in {os.path.dirname(probe)} ({e.strerror})")
     problems += [f"cannot read {path}" for path in read_files if not os.path.isfile(path)]
     return problems
-
-
-def route_ray_logs(log_file: Path | None) -> None:
-    """Send Ray's driver-side Python logging to the run's log file instead of the terminal."""
-    if log_file is None:
-        return
-    handler = logging.FileHandler(log_file)
-    handler.setLevel(logging.INFO)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for name in RAY_LOGGERS:
-        logger = logging.getLogger(name)
-        for h in list(logger.handlers):
-            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-                logger.removeHandler(h)
-        for h in list(logger.handlers):  # the previous run's file, in a long-lived process
-            if isinstance(h, logging.FileHandler):
-                logger.removeHandler(h)
-                h.close()
-        logger.addHandler(handler)
-        logger.propagate = False
-
-
-@contextlib.contextmanager
-def ray_output_to(logs: Path):
-    """Keep Ray's own output out of the terminal while Ray runs.
-
-    File descriptor 2 goes to ``driver.err`` (the C++ core and raylet write there directly);
-    ``sys.stdout`` goes to ``driver.out`` (Ray's driver prints cluster warnings, such as
-    "N worker processes have been started", to it from a background thread). Whoever needs
-    the real terminal meanwhile must hold on to it before entering (the progress display does).
-    """
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(logs / "driver.err", "ab") as err, open(logs / "driver.out", "a") as out:
-        os.dup2(err.fileno(), 2)
-        try:
-            with contextlib.redirect_stdout(out):
-                yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 def _session_logs() -> Path | None:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops import process
 from imgtrain.ops.files import write_problem
 
 OK, INFO, FAIL = "ok", "info", "FAIL"
@@ -144,30 +145,37 @@ def _cluster(address: str | None, root: Path | None, data: str | None) -> list[C
 
 def _joined_cluster(address: str, root: Path | None, data: str | None) -> list[Check]:
     """Nodes and resources; whether every node sees the storage (and data set) as this one does."""
+    from imgtrain.ops import cluster
+
+    with process.loggers_to(Path(os.devnull), cluster.RAY_LOGGERS):  # a verdict, not Ray's log lines
+        try:
+            joined = cluster.start_or_join(address, 0)
+        except ImgtrainError as e:
+            return [Check(FAIL, "cluster", str(e))]
+        try:
+            return _cluster_checks(address, root, data)
+        finally:
+            cluster.shutdown(joined)
+
+
+def _cluster_checks(address: str, root: Path | None, data: str | None) -> list[Check]:
     import ray
 
     from imgtrain.ops import cluster
 
-    try:
-        joined = cluster.start_or_join(address, 0, log_file=Path(os.devnull))
-    except ImgtrainError as e:
-        return [Check(FAIL, "cluster", str(e))]
-    try:
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        total = ray.cluster_resources()
-        lines = [_node_line(n) for n in nodes]
-        checks = [Check(OK, "cluster", f"{address}: {len(nodes)} node(s) alive, {total.get('CPU', 0):g} CPUs, "
-                        f"{total.get('GPU', 0):g} GPUs, {total.get('memory', 0) / 2**30:.1f} GiB memory", lines)]
-        if root is not None:
-            manifest = [str(Path(data).resolve() / "manifest.json")] if data else []
-            problems = cluster.check_shared_paths(root, manifest)
-            what = "storage" + (" and data" if data else "")
-            checks.append(Check(FAIL, "shared storage", f"{what} not shared by every node", problems) if problems
-                          else Check(OK, "shared storage", f"every node ({len(nodes)}) sees and writes {root}"
-                                     + (" and reads the data set" if data else "")))
-        return checks
-    finally:
-        cluster.shutdown(joined)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    total = ray.cluster_resources()
+    lines = [_node_line(n) for n in nodes]
+    checks = [Check(OK, "cluster", f"{address}: {len(nodes)} node(s) alive, {total.get('CPU', 0):g} CPUs, "
+                    f"{total.get('GPU', 0):g} GPUs, {total.get('memory', 0) / 2**30:.1f} GiB memory", lines)]
+    if root is not None:
+        manifest = [str(Path(data).resolve() / "manifest.json")] if data else []
+        problems = cluster.check_shared_paths(root, manifest)
+        what = "storage" + (" and data" if data else "")
+        checks.append(Check(FAIL, "shared storage", f"{what} not shared by every node", problems) if problems
+                      else Check(OK, "shared storage", f"every node ({len(nodes)}) sees and writes {root}"
+                                 + (" and reads the data set" if data else "")))
+    return checks
 
 
 def _node_line(node: dict) -> str:

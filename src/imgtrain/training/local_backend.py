@@ -16,6 +16,7 @@ import torch
 from imgtrain import checkpoint as ckpt
 from imgtrain.config import TrainConfig, steps_per_epoch
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops import process
 from imgtrain.ops.cluster import threads_for
 from imgtrain.ops.files import disk_full
 from imgtrain.training import faults, tracking
@@ -79,12 +80,14 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
 @contextlib.contextmanager
 def process_settings_restored():
     """Put back what training changes process-wide: torch's thread count, deterministic
-    kernels, cuDNN autotuning and the global RNG (seeded for the model's initial weights)."""
+    kernels, cuDNN autotuning, the global RNG (seeded for the model's initial weights) and the
+    environment."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     benchmark, rng = torch.backends.cudnn.benchmark, torch.get_rng_state()
     try:
-        yield
+        with process.environment_restored():  # torch's inductor notes its cache folder there
+            yield
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)

@@ -17,6 +17,7 @@ from imgtrain import runs
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import cluster as cluster_mod
+from imgtrain.ops import process
 from imgtrain.ops.files import disk_full, link_dir
 from imgtrain.training import faults, tracking
 
@@ -30,77 +31,79 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
     # Ray's core, raylet and driver write warnings straight to this process's stdout and
     # stderr; they go to logs/ so that the terminal shows only the progress display.
     logs = run_dir / runs.LOGS_DIR
+    faults.parse(os.environ.get(faults.ENV_VAR))  # a malformed spec fails here, not on every worker
     records.display.pin_output()
-    with cluster_mod.ray_output_to(logs):
+    with cluster_mod.ray_session(cfg.address, cluster_mod.required_cpus(cfg), logs, "driver.log", cfg.dashboard) as cluster:
+        link_dir(logs / "ray", cluster.session_logs)
+        cluster_mod.check_resources(cfg)
+        cluster_mod.require_shared_paths(run_dir, cfg.data)
+        records.display.note(f"run {cfg.name}: {run_dir}  (logs: {logs})")
+        if cluster.dashboard_url:
+            records.display.note(f"Ray dashboard: {cluster.dashboard_url}")
         _fit(cfg, manifest, run_dir, records, resume)
 
 
 def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> None:
     import ray
     import ray.train
-    from ray.train.torch import TorchTrainer
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from imgtrain.training.monitor import Monitor
-    from imgtrain.training.ray_worker import train_loop_per_worker
     from imgtrain.training.watchdog import Watchdog
 
-    logs = run_dir / runs.LOGS_DIR
-    display = records.display
-    fault = os.environ.get(faults.ENV_VAR)
-    faults.parse(fault)  # a malformed spec fails here, not on every worker
-    cluster = cluster_mod.connect(cfg, logs / "driver.log")
+    # On the driver's own node: an actor placed on another node dies with it (an elastic run
+    # losing a node would go on training with nobody receiving its records). Hard affinity:
+    # Ray places an actor that needs no resources on a random node despite a soft one (3 of
+    # 12 landed on the driver's node in a 3-node test); the driver's node lives as long as the driver.
+    monitor = Monitor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        ray.get_runtime_context().get_node_id(), soft=False)).remote()
+    watchdog = Watchdog(run_dir, cfg.stall_timeout_s, note=records.display.note)
+    elastic = bool(cfg.min_workers and cfg.min_workers < cfg.workers)
     try:
-        link_dir(logs / "ray", cluster.session_logs)
-        cluster_mod.check_resources(cfg)
-        cluster_mod.require_shared_paths(run_dir, cfg.data)
-        display.note(f"run {cfg.name}: {run_dir}  (logs: {logs})")
-        if cluster.dashboard_url:
-            display.note(f"Ray dashboard: {cluster.dashboard_url}")
-        # On the driver's own node: an actor placed on another node dies with it (an elastic run
-        # losing a node would go on training with nobody receiving its records). Hard affinity:
-        # Ray places an actor that needs no resources on a random node despite a soft one (3 of
-        # 12 landed on the driver's node in a 3-node test); the driver's node lives as long as the driver.
-        monitor = Monitor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-            ray.get_runtime_context().get_node_id(), soft=False)).remote()
-        watchdog = Watchdog(run_dir, cfg.stall_timeout_s, note=display.note)
-        elastic = cfg.min_workers and cfg.min_workers < cfg.workers
-        trainer = TorchTrainer(
-            train_loop_per_worker,
-            # the workers never see tracking credentials (meta.json stores this config)
-            train_loop_config={"cfg": tracking.public_config(cfg), "manifest": manifest, "monitor": monitor,
-                               "resume": resume.to_worker(), "run_dir": str(run_dir), "fault": fault},
-            scaling_config=ray.train.ScalingConfig(
-                num_workers=(cfg.min_workers, cfg.workers) if elastic else cfg.workers, use_gpu=cfg.use_gpu,
-                resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})},
-                **({"elastic_resize_monitor_interval_s": ELASTIC_CHECK_S} if elastic else {}),
-            ),
-            run_config=ray.train.RunConfig(
-                name=cfg.name, storage_path=str(run_dir.parent),
-                failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-                checkpoint_config=ray.train.CheckpointConfig(
-                    num_to_keep=cfg.num_to_keep, checkpoint_score_attribute="val_accuracy",
-                    checkpoint_score_order="max",
-                ),
-            ),
-            datasets=_datasets(cfg),
-            # Every worker gets the whole data set and takes its rows of each global batch
-            # itself (ray_worker._ray_data_ingest): exact resumption at any world size.
-            dataset_config=ray.train.DataConfig(datasets_to_split=[]),
-        )
-        try:
-            with _forward_records(monitor, records, watchdog), _start_timeout(elastic):
-                trainer.fit()
-        except ray.train.TrainingFailedError as e:
-            # A checkpoint half copied when the failure struck (a full disk) must not stay visible.
-            removed = ckpt.remove_incomplete(run_dir, keep=resume.damaged)
-            if removed:
-                display.note(f"removed incomplete checkpoint(s): {', '.join(removed)}")
-            raise ImgtrainError(_failure_message(e, watchdog.incident, run_dir, logs)) from None
-        finally:
-            ray.kill(monitor)  # on a shared cluster it would outlive this run
+        trainer = _trainer(cfg, manifest, run_dir, monitor, resume, elastic)
+        with _forward_records(monitor, records, watchdog), _start_timeout(elastic):
+            trainer.fit()
+    except ray.train.TrainingFailedError as e:
+        # A checkpoint half copied when the failure struck (a full disk) must not stay visible.
+        removed = ckpt.remove_incomplete(run_dir, keep=resume.damaged)
+        if removed:
+            records.display.note(f"removed incomplete checkpoint(s): {', '.join(removed)}")
+        raise ImgtrainError(_failure_message(e, watchdog.incident, run_dir, run_dir / runs.LOGS_DIR)) from None
     finally:
-        cluster_mod.shutdown(cluster)
+        ray.kill(monitor)  # on a shared cluster it would outlive this run
+
+
+def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, elastic: bool):
+    """The TorchTrainer of this run: its workers, checkpoints kept, failures retried, data."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from imgtrain.training.ray_worker import train_loop_per_worker
+
+    return TorchTrainer(
+        train_loop_per_worker,
+        # the workers never see tracking credentials (meta.json stores this config)
+        train_loop_config={"cfg": tracking.public_config(cfg), "manifest": manifest, "monitor": monitor,
+                           "resume": resume.to_worker(), "run_dir": str(run_dir),
+                           "fault": os.environ.get(faults.ENV_VAR)},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=(cfg.min_workers, cfg.workers) if elastic else cfg.workers, use_gpu=cfg.use_gpu,
+            resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})},
+            **({"elastic_resize_monitor_interval_s": ELASTIC_CHECK_S} if elastic else {}),
+        ),
+        run_config=ray.train.RunConfig(
+            name=cfg.name, storage_path=str(run_dir.parent),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=cfg.num_to_keep, checkpoint_score_attribute="val_accuracy",
+                checkpoint_score_order="max",
+            ),
+        ),
+        datasets=_datasets(cfg),
+        # Every worker gets the whole data set and takes its rows of each global batch
+        # itself (ray_worker._ray_data_ingest): exact resumption at any world size.
+        dataset_config=ray.train.DataConfig(datasets_to_split=[]),
+    )
 
 
 # How often an elastic run checks whether more workers fit (Ray's default is 60 s).
@@ -113,28 +116,17 @@ ELASTIC_START_TIMEOUT_S = 20
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # read by Ray Train in fit()
 
 
-@contextlib.contextmanager
 def _start_timeout(elastic: bool):
     """Ray's worker-group start timeout for this fit(): shorter when elastic, unless the user set one."""
-    if not elastic or START_TIMEOUT_ENV in os.environ:
-        yield
-        return
-    os.environ[START_TIMEOUT_ENV] = str(ELASTIC_START_TIMEOUT_S)
-    try:
-        yield
-    finally:
-        os.environ.pop(START_TIMEOUT_ENV, None)
+    return process.environment(**({START_TIMEOUT_ENV: str(ELASTIC_START_TIMEOUT_S)} if elastic else {}))
 
 
 def _datasets(cfg: TrainConfig):
     """Ray Data ingest: the train split, handed whole to every worker."""
     if cfg.ingest != "ray-data":
         return None
-    import ray.data
-
     from imgtrain.data.dataset import ray_dataset
 
-    ray.data.DataContext.get_current().enable_progress_bars = False
     return {"train": ray_dataset(cfg.data, "train")}
 
 

@@ -15,14 +15,14 @@ Metric names, the same in both (x axis: the global optimizer step):
 
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
-import os
 import re
 from pathlib import Path
 
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops import process
 
 MLFLOW_RUN_FILE = "mlflow.json"  # {"tracking_uri", "experiment_id", "run_id"}: a resumed run continues it
 TENSORBOARD_DIR = "tensorboard"
@@ -107,7 +107,10 @@ class _Guarded:
         self._call(self.tracker.log, record)
 
     def finish(self, status: str, best_checkpoint: Path | None) -> None:
-        self._call(self.tracker.finish, status, best_checkpoint)
+        try:
+            self._call(self.tracker.finish, status, best_checkpoint)
+        finally:
+            self.tracker.close()  # even after a failure: what it changed in the process is put back
 
     def _call(self, method, *args) -> None:
         if self.failed:
@@ -127,14 +130,18 @@ class MLflowTracker:
     name = "MLflow"
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, manifest: dict):
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # nothing leaves the machine unasked
-        from mlflow.tracking import MlflowClient
-
-        _log_to_file(run_dir, "mlflow", "alembic")
+        # For the tracker's life only (the library may run in a notebook): no telemetry leaves
+        # the machine unasked, and MLflow's (and alembic's) INFO lines go to the run's log.
+        self.scoped = contextlib.ExitStack()
+        self.scoped.enter_context(process.environment(MLFLOW_DISABLE_TELEMETRY="true"))
+        self.scoped.enter_context(process.loggers_to(Path(run_dir) / "logs" / "tracking.log", ("mlflow", "alembic")))
         try:
+            from mlflow.tracking import MlflowClient
+
             self.client = MlflowClient(tracking_uri=cfg.mlflow)
             self.run_id = self._open_run(cfg, run_dir, manifest)
         except Exception as e:
+            self.close()
             raise ImgtrainError(
                 f"cannot log to MLflow at {public_uri(cfg.mlflow)}: {type(e).__name__}: "
                 f"{scrub(str(e).strip().splitlines()[0])[:200]}; "
@@ -194,6 +201,9 @@ class MLflowTracker:
         mlflow_status = {"finished": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED")
         self.client.set_terminated(self.run_id, status=mlflow_status)
 
+    def close(self) -> None:
+        self.scoped.close()
+
 
 class TensorBoardTracker:
     """Event files under ``{run}/tensorboard``: ``tensorboard --logdir runs/`` shows every run."""
@@ -220,14 +230,5 @@ class TensorBoardTracker:
     def finish(self, status: str, best_checkpoint: Path | None) -> None:
         self.writer.close()
 
-
-def _log_to_file(run_dir: Path, *names: str) -> None:
-    """MLflow and alembic log INFO lines to stderr on first use; send them to the run's log."""
-    handler = logging.FileHandler(Path(run_dir) / "logs" / "tracking.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for name in names:
-        logger = logging.getLogger(name)
-        for h in list(logger.handlers):
-            logger.removeHandler(h)
-        logger.addHandler(handler)
-        logger.propagate = False
+    def close(self) -> None:
+        self.writer.close()

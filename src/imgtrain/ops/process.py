@@ -1,0 +1,145 @@
+"""What imgtrain changes in its own process while a command runs, each change undone when it
+ends: the library may run inside a notebook or another program, which must find its
+environment, its loggers, its file descriptors and torch's settings as it left them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def environment(**values: str):
+    """Set environment variables the user has not set, for the length of the block."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+@contextlib.contextmanager
+def environment_restored():
+    """Whatever the block (Ray's ``init``, torch's inductor) writes into the environment is
+    undone at its end."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k not in before]:
+            del os.environ[key]
+        os.environ.update({k: v for k, v in before.items() if os.environ.get(k) != v})
+
+
+@contextlib.contextmanager
+def signal_handlers_restored():
+    """SIGINT's and SIGTERM's handlers put back after the block (ray.init installs its own)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set them
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:
+                signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def loggers_to(path: Path | None, names, level: int = logging.INFO):
+    """Send the loggers ``names`` (Ray's, MLflow's) to ``path`` instead of the terminal; their
+    handlers, level and propagation are put back afterwards."""
+    if path is None:
+        yield
+        return
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    saved = []
+    for name in names:
+        logger = logging.getLogger(name)
+        saved.append((logger, list(logger.handlers), logger.propagate, logger.level))
+        for h in list(logger.handlers):
+            logger.removeHandler(h)
+        logger.addHandler(handler)
+        logger.propagate = False
+        if logger.level == logging.NOTSET or logger.level > level:
+            logger.setLevel(level)
+    try:
+        yield
+    finally:
+        for logger, handlers, propagate, old_level in saved:
+            logger.removeHandler(handler)
+            for h in handlers:
+                logger.addHandler(h)
+            logger.propagate, logger.level = propagate, old_level
+        handler.close()
+
+
+@contextlib.contextmanager
+def output_to(logs: Path):
+    """Keep what Ray writes itself out of the terminal: file descriptor 2 goes to
+    ``driver.err`` (the C++ core and raylet write there directly) and ``sys.stdout`` to
+    ``driver.out`` (Ray's driver prints cluster warnings to it from a background thread).
+    Whoever needs the real terminal meanwhile holds on to it before entering (the progress
+    display does)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(logs / "driver.err", "ab") as err, open(logs / "driver.out", "a") as out:
+        os.dup2(err.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(out):
+                yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+@contextlib.contextmanager
+def stderr_silenced():
+    """File descriptor 2 to /dev/null for the block (a C++ client logging each retry)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch's intra-op threads set to ``count`` (0: left as they are) for the block."""
+    import torch
+
+    before = torch.get_num_threads()
+    if count > 0:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def attribute(obj, name: str, value):
+    """``obj.name = value`` for the block (a library's process-wide setting, such as Ray Data's
+    progress bars)."""
+    before = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, before)
