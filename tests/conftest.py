@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,43 @@ def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subpro
         [sys.executable, "-m", "imgtrain.cli", *args], capture_output=True, text=True,
         stdin=subprocess.DEVNULL, timeout=timeout, cwd=cwd, env={**os.environ, "COLUMNS": "200"},
     )
+
+
+def quiet_display():
+    """A progress display that prints nothing (tests read the run's files instead)."""
+    from imgtrain.training.progress import TrainingDisplay
+
+    return TrainingDisplay(quiet=True)
+
+
+def tiny_config(data, storage, name, **overrides):
+    """A short real run on the tiny data set: 2 workers, 2 epochs of 8 steps."""
+    from imgtrain.config import TrainConfig
+
+    base = dict(data=str(data), storage=str(storage), name=name, workers=2, epochs=2,
+                batch_size=32, eval_batch_size=50, log_every_steps=2)
+    return TrainConfig(**{**base, **overrides})
+
+
+def assert_one_line_error(proc, *fragments: str) -> str:
+    """The CLI's promise for bad input: exit 2, one line on stderr starting with "error:", no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    err = proc.stderr.strip()
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error:"), err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+    return err
+
+
+def wait_for(condition, timeout: float, what: str, proc=None, poll_s: float = 0.2) -> None:
+    """Poll ``condition`` until true; fail after ``timeout`` s, or as soon as ``proc`` exits."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) before {what}: {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll_s)
+

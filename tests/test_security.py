@@ -31,11 +31,10 @@ from imgtrain.ops import ownership
 from imgtrain.ops.clean import plan_dataset, plan_runs, remove
 from imgtrain.ops.files import atomic_write_text
 from imgtrain.training import tracking
-from imgtrain.training.progress import TrainingDisplay
-from tests.conftest import run_cli
+from tests.conftest import quiet_display, run_cli
 from tests.conftest_data_helpers import rehash, save_image, tiny_raw, write_idx
 
-QUIET = TrainingDisplay(quiet=True)
+QUIET = quiet_display()
 
 
 class Payload:

@@ -27,7 +27,9 @@ config_app = typer.Typer(no_args_is_help=True, help="Training settings: defaults
 clean_app = typer.Typer(no_args_is_help=True, help="Delete runs or prepared data sets (only what imgtrain made).")
 for group, group_name in ((data_app, "data"), (runs_app, "runs"), (config_app, "config"), (clean_app, "clean")):
     app.add_typer(group, name=group_name)
-console = Console(markup=False)  # messages hold paths and errors: never rich markup
+# Messages hold paths and errors: never rich markup, never rich's colouring of numbers and paths.
+console = Console(markup=False)
+err_console = Console(stderr=True, markup=False)
 
 STORAGE_HELP = "Where runs live (local or shared path)."
 
@@ -56,8 +58,8 @@ def data_prepare(
         label_column=label_column, channels=channels, size=hw, test_fraction=test_fraction,
         seed=seed, overwrite=overwrite,
     )
-    console.print(describe(manifest), highlight=False)
-    console.print(f"prepared data set: {out_dir.resolve()}", highlight=False)
+    console.print(describe(manifest))
+    console.print(f"prepared data set: {out_dir.resolve()}")
 
 
 def _setting_option(s) -> inspect.Parameter:
@@ -107,11 +109,10 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
     acc = result.final_accuracy
     console.print(
         f"finished {result.name}: test accuracy {acc:.2%}" if acc is not None else f"finished {result.name}",
-        highlight=False,
     )
-    console.print(f"run directory: {result.path}", highlight=False)
+    console.print(f"run directory: {result.path}")
     if result.best_checkpoint:
-        console.print(f"best checkpoint: {result.best_checkpoint}", highlight=False)
+        console.print(f"best checkpoint: {result.best_checkpoint}")
 
 
 def _train_signature() -> inspect.Signature:
@@ -149,7 +150,7 @@ def runs_list(storage: str = typer.Option("./runs", help=STORAGE_HELP),
         print(json.dumps([r.to_json() for r in found], indent=2))
         return
     if not found:
-        console.print(f"no runs in {storage}", highlight=False)
+        console.print(f"no runs in {storage}")
         return
     table = Table("name", "status", "epochs", "best val acc", "last val acc", "path")
     for r in found:
@@ -173,24 +174,24 @@ def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP
     if json_out:
         print(json.dumps(r.to_json(), indent=2))
         return
-    console.print(f"{r.name}  status: {r.status}  ({r.path})", highlight=False, soft_wrap=True)
+    console.print(f"{r.name}  status: {r.status}  ({r.path})", soft_wrap=True)
     if r.error:
-        console.print(f"error: {r.error}", highlight=False, soft_wrap=True)
+        console.print(f"error: {r.error}", soft_wrap=True)
     cfg = r.config
     console.print(
         f"data {cfg.get('data')}  backend {cfg.get('backend')}  ingest {cfg.get('ingest')}  "
-        f"workers {cfg.get('workers')}  batch {cfg.get('batch_size')}  lr {cfg.get('lr')}", highlight=False, soft_wrap=True,
+        f"workers {cfg.get('workers')}  batch {cfg.get('batch_size')}  lr {cfg.get('lr')}", soft_wrap=True,
     )
     for rec in r.history:
-        console.print(epoch_line(rec, cfg.get("epochs", 0)), highlight=False, soft_wrap=True)
+        console.print(epoch_line(rec, cfg.get("epochs", 0)), soft_wrap=True)
     last = r.history[-1] if r.history else {}
     if last.get("rank_step_time_s"):  # is any rank starved by data?
         per_rank = "; ".join(
             f"rank {rank}: {step:.3f} s/step, {wait * 1000:.1f} ms waiting for data ({wait / max(step, 1e-9):.0%})"
             for rank, (step, wait) in enumerate(zip(last["rank_step_time_s"], last["rank_data_wait_s"])))
-        console.print(f"last epoch per rank: {per_rank}", highlight=False, soft_wrap=True)
-    console.print(f"best checkpoint:   {r.best_checkpoint}", highlight=False, soft_wrap=True)
-    console.print(f"latest checkpoint: {r.latest_checkpoint}", highlight=False, soft_wrap=True)
+        console.print(f"last epoch per rank: {per_rank}", soft_wrap=True)
+    console.print(f"best checkpoint:   {r.best_checkpoint}", soft_wrap=True)
+    console.print(f"latest checkpoint: {r.latest_checkpoint}", soft_wrap=True)
 
 
 @config_app.command("show")
@@ -210,7 +211,7 @@ def config_show(
     rows = [("field", "value" if run else "default", "description"), *describe_fields(values)]
     width = max(len(value) for _, value, _ in rows)
     for field, value, description in rows:  # one line each: easy to grep, wrapped by the terminal
-        console.print(f"{field:<22} {value:<{width}}  {description}", highlight=False, soft_wrap=True)
+        console.print(f"{field:<22} {value:<{width}}  {description}", soft_wrap=True)
 
 
 CHECKPOINT_HELP = "best, latest, or a checkpoint directory."
@@ -250,11 +251,11 @@ def evaluate_cmd(
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
         return
-    console.print(f"checkpoint {result.checkpoint}", highlight=False)
+    console.print(f"checkpoint {result.checkpoint}")
     recorded = result.recorded_val_accuracy
     console.print(
         f"{result.split} accuracy {result.accuracy:.2%} on {result.num_samples} samples"
-        + (f" (recorded in training: {recorded:.2%})" if recorded is not None else ""), highlight=False,
+        + (f" (recorded in training: {recorded:.2%})" if recorded is not None else ""),
     )
     table = Table("class", "precision", "recall", "f1", "support")
     for name, s in result.per_class.items():
@@ -287,15 +288,15 @@ def predict_cmd(
     opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k)
     result = predict(run, input, out, checkpoint=checkpoint, storage=storage, on_error=on_error,
                      split=split, image_column=image_column, options=opts, overwrite=overwrite)
-    err = Console(stderr=True, markup=False)
+    err = err_console
     for name, why in result.skipped:
-        err.print(f"skipped {name}: {why}", highlight=False, soft_wrap=True)
+        err.print(f"skipped {name}: {why}", soft_wrap=True)
     summary = f"wrote {result.num_predictions} predictions to {result.out}"
     if result.converted:
         summary += f" ({result.converted} image(s) converted to {result.image_shape_text})"
     if result.skipped:
         summary += f"; skipped {len(result.skipped)} unreadable file(s)"
-    console.print(summary, highlight=False)
+    console.print(summary)
 
 
 @app.command("report")
@@ -308,7 +309,7 @@ def report_cmd(
     from imgtrain.inference.report import write_report
 
     page = write_report(run, checkpoint=checkpoint, storage=storage)
-    console.print(f"report: {page}", highlight=False)
+    console.print(f"report: {page}")
 
 
 @app.command("serve")
@@ -337,7 +338,7 @@ def serve_cmd(
                     max_queued_requests=max_queued_requests)
     run_server(run, checkpoint=checkpoint, storage=storage, host=host, port=port, limits=limits,
                replicas=replicas, address=address, openapi=openapi,
-               announce=lambda line: console.print(line, highlight=False, soft_wrap=True))
+               announce=lambda line: console.print(line, soft_wrap=True))
 
 
 YES_OPTION = typer.Option(False, "--yes", "-y", help="Delete without asking.")
@@ -374,10 +375,10 @@ def _clean(plan, yes: bool, dry_run: bool) -> None:
     from imgtrain.ops.clean import remove
 
     if not plan:
-        console.print("nothing to delete", highlight=False)
+        console.print("nothing to delete")
         return
     for removal in plan:
-        console.print(("would delete " if dry_run else "") + removal.describe(), highlight=False, soft_wrap=True)
+        console.print(("would delete " if dry_run else "") + removal.describe(), soft_wrap=True)
     if dry_run:
         return
     total = sum(r.size for r in plan) / 2**20
@@ -387,13 +388,13 @@ def _clean(plan, yes: bool, dry_run: bool) -> None:
         except typer.Abort:  # end of input (a script, CI): never a yes
             raise ImgtrainError("no answer to the confirmation; nothing deleted (pass --yes to delete without asking)") from None
         if not agreed:
-            console.print("nothing deleted", highlight=False)
+            console.print("nothing deleted")
             raise typer.Exit(1)
     for removal in plan:
         remove(removal)
-        console.print(f"deleted {removal.path}", highlight=False, soft_wrap=True)
+        console.print(f"deleted {removal.path}", soft_wrap=True)
         for kept in removal.kept:
-            console.print(f"  kept {kept} (not written by imgtrain)", highlight=False, soft_wrap=True)
+            console.print(f"  kept {kept} (not written by imgtrain)", soft_wrap=True)
 
 
 @app.command("doctor")
@@ -414,10 +415,10 @@ def doctor_cmd(
         print(json.dumps(found.to_json(), indent=2))
     else:
         for check in found.checks:
-            console.print(f"{check.status:<5} {check.name}: {check.detail}", highlight=False, soft_wrap=True)
+            console.print(f"{check.status:<5} {check.name}: {check.detail}", soft_wrap=True)
             for line in check.lines:
-                console.print(f"        {line}", highlight=False, soft_wrap=True)
-        console.print(f"verdict: {found.verdict}", highlight=False, soft_wrap=True)
+                console.print(f"        {line}", soft_wrap=True)
+        console.print(f"verdict: {found.verdict}", soft_wrap=True)
     if not found.ready:
         raise typer.Exit(1)
 
@@ -425,7 +426,7 @@ def doctor_cmd(
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """imgtrain's own warnings as one line each; any other as Python shows it."""
     if issubclass(category, ImgtrainWarning):
-        Console(stderr=True, markup=False).print(f"warning: {message}", highlight=False, soft_wrap=True)
+        err_console.print(f"warning: {message}", soft_wrap=True)
     else:
         _python_show_warning(message, category, filename, lineno, file, line)
 
@@ -441,10 +442,10 @@ def main() -> None:
         if isinstance(code, int) and code:
             sys.exit(code)
     except ImgtrainError as e:
-        Console(stderr=True, markup=False).print(f"error: {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"error: {e}", soft_wrap=True)
         sys.exit(2)
     except (KeyboardInterrupt, typer.Abort):
-        Console(stderr=True).print("interrupted; run the same command again to resume")
+        err_console.print("interrupted; run the same command again to resume")
         sys.exit(130)
     except typer.TyperException as e:  # unknown options, missing arguments: click's usage message
         show = getattr(e, "show", None)
@@ -455,10 +456,9 @@ def main() -> None:
         if os.environ.get("IMGTRAIN_DEBUG"):
             raise
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        Console(stderr=True, markup=False).print(
+        err_console.print(
             f"error: unexpected {type(e).__name__}: {first} "
-            "(run logs are in the run's logs/ folder; IMGTRAIN_DEBUG=1 shows the traceback)",
-            highlight=False, soft_wrap=True,
+            "(run logs are in the run's logs/ folder; IMGTRAIN_DEBUG=1 shows the traceback)", soft_wrap=True,
         )
         sys.exit(1)
 

@@ -10,21 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import assert_one_line_error, run_cli
 from tests.conftest_data_helpers import rehash, rewrite_columns
 
 pytestmark = pytest.mark.integration
 
 
-def assert_one_line_error(proc, *fragments: str) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    err = proc.stderr.strip()
-    assert "Traceback" not in proc.stderr + proc.stdout
-    assert len(err.splitlines()) == 1, err
-    assert err.startswith("error:"), err
-    for fragment in fragments:
-        assert fragment in err, (fragment, err)
-    return err
 
 
 @pytest.fixture

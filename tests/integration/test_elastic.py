@@ -11,7 +11,7 @@ import pytest
 
 from imgtrain import runs
 from imgtrain.training.watchdog import read_workers
-from tests.integration.test_faults import wait_for
+from tests.conftest import wait_for
 from tests.integration.test_resume import global_batches
 
 pytestmark = pytest.mark.integration

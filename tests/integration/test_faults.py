@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,16 +16,6 @@ from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.integration
-
-
-def wait_for(condition, timeout: float, what: str, proc=None, poll_s: float = 0.2) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited ({proc.returncode}) before {what}: {proc.stderr.read()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(poll_s)
 
 
 def epochs_recorded(run_dir) -> list[int]:

@@ -24,8 +24,7 @@ from imgtrain.inference.batch import (
     predict,
 )
 from imgtrain.training.progress import TrainingDisplay
-from tests.conftest import run_cli
-from tests.integration.test_bad_input import assert_one_line_error
+from tests.conftest import assert_one_line_error, run_cli
 
 pytestmark = pytest.mark.integration
 

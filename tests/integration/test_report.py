@@ -21,14 +21,13 @@ from PIL import Image
 import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
-from imgtrain.config import TrainConfig
 from imgtrain.inference import report
-from imgtrain.training.progress import TrainingDisplay
-from tests.conftest import run_cli
+from tests.conftest import quiet_display, run_cli
+from tests.conftest import tiny_config as shared_tiny_config
 
 pytestmark = pytest.mark.integration
 
-QUIET = TrainingDisplay(quiet=True)
+QUIET = quiet_display()
 PLOTS = {  # element id -> file in report/
     "learning-curves": "learning_curves.png",
     "predictions-grid": "predictions_grid.png",
@@ -38,11 +37,8 @@ PLOTS = {  # element id -> file in report/
 TABLE_IDS = ("summary", "metrics-table", "config-table", "per-class-table", "checkpoints-table")
 
 
-def tiny_config(data, storage, name, **overrides) -> TrainConfig:
-    base = dict(data=str(data), storage=str(storage), name=name, backend="local", workers=1,
-                epochs=2, batch_size=32, eval_batch_size=50)
-    base.update(overrides)
-    return TrainConfig(**base)
+def tiny_config(data, storage, name, **overrides):
+    return shared_tiny_config(data, storage, name, **{"backend": "local", "workers": 1, "log_every_steps": 10, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -21,14 +21,12 @@ from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.config import TrainConfig
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
-from imgtrain.training.progress import TrainingDisplay
 from imgtrain.training.watchdog import read_workers
-from tests.conftest import run_cli
-from tests.integration.test_faults import wait_for
+from tests.conftest import quiet_display, run_cli, wait_for
 
 pytestmark = pytest.mark.integration
 
-QUIET = TrainingDisplay(quiet=True)
+QUIET = quiet_display()
 # 256 rows / batch 16 = 16 steps per epoch, 48 in all; step checkpoints at global steps 8, 24, 40.
 SETTINGS = dict(workers=2, epochs=3, batch_size=16, eval_batch_size=50, log_every_steps=1,
                 checkpoint_every_steps=8, deterministic=True, ledger=True, max_failures=0)

@@ -22,8 +22,7 @@ from imgtrain.data.format import read_split
 from imgtrain.inference.batch import Predictor
 from imgtrain.inference.inputs import conform
 from imgtrain.training.progress import TrainingDisplay
-from tests.conftest import run_cli
-from tests.integration.test_bad_input import assert_one_line_error
+from tests.conftest import assert_one_line_error, run_cli
 
 # Training a model, then starting Ray, Serve and a replica on 2 busy cores: minutes, not seconds.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

@@ -13,11 +13,11 @@ import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.config import TrainConfig
-from imgtrain.training.progress import TrainingDisplay
+from tests.conftest import quiet_display
 
 pytestmark = pytest.mark.integration
 
-QUIET = TrainingDisplay(quiet=True)
+QUIET = quiet_display()
 
 
 def run(data, storage, name, **overrides) -> tuple[list[dict], dict]:

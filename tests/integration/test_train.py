@@ -12,21 +12,14 @@ from torchvision.models import resnet18
 import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
-from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
-from imgtrain.training.progress import TrainingDisplay
-from tests.conftest import run_cli
+from tests.conftest import quiet_display, run_cli, tiny_config
 
 pytestmark = pytest.mark.integration
 
-QUIET = TrainingDisplay(quiet=True)
+QUIET = quiet_display()
 
 
-def tiny_config(data, storage, name, **overrides) -> TrainConfig:
-    base = dict(data=str(data), storage=str(storage), name=name, workers=2, epochs=2,
-                batch_size=32, eval_batch_size=50, log_every_steps=2)
-    base.update(overrides)
-    return TrainConfig(**base)
 
 
 @pytest.mark.parametrize("ingest", ["ray-data", "torch"])

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from imgtrain.data import sources
 from imgtrain.data.sources import RawDataset, Split
-from imgtrain.errors import ImgtrainError
+from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops.files import sha256_file
 
 FORMAT_VERSION = 1
@@ -44,11 +44,6 @@ NORMALIZE_STD = 0.5
 _REQUIRED_KEYS = ("format_version", "name", "source", "classes", "num_classes", "image_shape",
                   "channels", "splits", "class_counts", "normalize", "sha256", "created")
 PathLike = Union[str, Path]
-
-
-def _one_line(e: Exception) -> str:
-    """An exception's message squeezed onto one short line (pyarrow's span several)."""
-    return " ".join(str(e).split())[:120]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,7 +200,7 @@ def write_dataset(
         else:
             os.rename(tmp, out_dir)
     except OSError as e:  # permissions, full disk, ...
-        raise ImgtrainError(f"cannot write data set to {out_dir}: {_one_line(e)}") from None
+        raise ImgtrainError(f"cannot write data set to {out_dir}: {one_line(e, 120)}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
     return manifest
@@ -387,7 +382,7 @@ def _check_file(path: Path, rel: str, manifest: dict) -> int:
         pf = pq.ParquetFile(path)
         schema = pf.schema_arrow
     except (pa.ArrowException, OSError) as e:
-        raise ImgtrainError(f"{rel} is not a readable Parquet file ({_one_line(e)}); "
+        raise ImgtrainError(f"{rel} is not a readable Parquet file ({one_line(e, 120)}); "
                             "prepare the data set again")
     shape = check_split_schema(schema, rel)
     if shape != list(manifest["image_shape"]):
@@ -398,7 +393,7 @@ def _check_file(path: Path, rel: str, manifest: dict) -> int:
     try:
         labels = pf.read(columns=["label"]).column("label").to_numpy()
     except (pa.ArrowException, OSError) as e:
-        raise ImgtrainError(f"{rel} is corrupt ({_one_line(e)}); prepare the data set again")
+        raise ImgtrainError(f"{rel} is corrupt ({one_line(e, 120)}); prepare the data set again")
     bad = labels[(labels < 0) | (labels >= manifest["num_classes"])]
     if len(bad):
         raise ImgtrainError(
@@ -445,7 +440,7 @@ def read_split_file(path: Path) -> pa.Table:
         check_split_schema(pq.read_schema(path), str(path))
         return pq.read_table(path, columns=list(COLUMNS))
     except (pa.ArrowException, OSError) as e:
-        raise ImgtrainError(f"cannot read {path} ({_one_line(e)}); "
+        raise ImgtrainError(f"cannot read {path} ({one_line(e, 120)}); "
                             "prepare the data set again with `imgtrain data prepare`") from None
 
 

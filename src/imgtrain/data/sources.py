@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from imgtrain.data import images
-from imgtrain.errors import ImgtrainError
+from imgtrain.errors import ImgtrainError, one_line
 
 # ----------------------------------------------------------------------------------------------
 # The in-memory result of every loader
@@ -299,7 +299,7 @@ def _download_mnist(source_dir: Path) -> None:
 
         MNIST(root=str(source_dir), download=True)
     except Exception as e:  # torchvision raises URLError, RuntimeError, ... when offline
-        reason = " ".join(str(e).split())[:200]
+        reason = one_line(e, 200)
         raise ImgtrainError(
             f"could not download MNIST into {source_dir} ({type(e).__name__}: {reason}); "
             "check the network, or copy the four IDX files there and drop --download"
@@ -740,7 +740,7 @@ def load_parquet_table(
         table = read_parquet_columns(files, [image_column, label_column], ["id", "split"],
                                      "choose with --image-column / --label-column")
     except (pa.ArrowException, OSError) as e:
-        raise ImgtrainError(f"cannot read Parquet data at {path}: {' '.join(str(e).split())[:200]}")
+        raise ImgtrainError(f"cannot read Parquet data at {path}: {one_line(e, 200)}")
     if table.num_rows == 0:
         raise ImgtrainError(f"{path} has no rows")
     images = images_from_column(table.column(image_column), table.schema.field(image_column))

@@ -23,7 +23,7 @@ import numpy as np
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
-from imgtrain.errors import ImgtrainError
+from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import process
 
 DEFAULT_BATCH_SIZE = 500
@@ -120,7 +120,7 @@ def load_checkpoint(
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
-        detail = " ".join(str(e).split())[:240]
+        detail = one_line(e, 240)
         raise ImgtrainError(
             f"checkpoint {path}: the weights in {ckpt.MODEL_FILE} do not fit a {args.get('architecture')} "
             f"with {args.get('in_channels')} channel(s) and {args.get('num_classes')} classes "

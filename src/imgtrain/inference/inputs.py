@@ -25,7 +25,7 @@ from imgtrain.data.images import (
     conform_image,
     open_image,
 )
-from imgtrain.errors import ImgtrainError
+from imgtrain.errors import ImgtrainError, one_line
 
 ON_ERROR = ("skip", "fail")
 
@@ -80,7 +80,7 @@ def _from_parquet(path: Path, image_column: str, image_shape) -> Inputs:
     try:
         table = read_parquet_columns(files, [image_column], ["id", "label"], "choose with --image-column")
     except (pa.ArrowException, OSError) as e:
-        raise ImgtrainError(f"cannot read Parquet data at {path}: {' '.join(str(e).split())[:200]}") from None
+        raise ImgtrainError(f"cannot read Parquet data at {path}: {one_line(e, 200)}") from None
     images = images_from_column(table.column(image_column), table.schema.field(image_column))
     columns = {"id": np.arange(table.num_rows, dtype=np.int64)}
     for name in ("id", "label"):

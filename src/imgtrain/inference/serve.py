@@ -44,7 +44,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from imgtrain import runs
-from imgtrain.errors import ImgtrainError
+from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.inference.batch import Predictor, resolve_checkpoint
 from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops.files import link_dir
@@ -343,7 +343,7 @@ def _wait_ready(host: str, port: int, stop: threading.Event, logs: Path) -> bool
     while not stop.is_set():
         app = serve.status().applications.get(APP_NAME)
         if app is not None and app.status == "DEPLOY_FAILED":
-            detail = " ".join(str(app.message).split())[-300:]
+            detail = one_line(app.message, 100_000)[-300:]  # the end says what failed
             raise ImgtrainError(f"the model replica failed to start: {detail} (logs: {logs})")
         if app is not None and app.status == "RUNNING":
             with contextlib.suppress(OSError):

@@ -96,12 +96,6 @@ class TrainingDisplay:
         if self.console.file is sys.stdout:
             self.console.file = sys.stdout
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def note(self, text: str) -> None:
         if not self.quiet:
             (self.progress.console if self.progress else self.console).print(

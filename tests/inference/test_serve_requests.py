@@ -1,0 +1,68 @@
+"""The server's request parsing on its own (no Ray): bodies, JSON pixels, limits."""
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+from starlette.requests import Request
+
+from imgtrain.inference.serve import Limits, RequestError, pixels_from_json, read_body
+
+SHAPE = (4, 3, 1)
+
+
+def request(body: bytes, headers: dict | None = None, chunk: int = 7) -> Request:
+    """A real Starlette request whose body arrives in chunks, as from a socket."""
+    pieces = [body[i:i + chunk] for i in range(0, len(body), chunk)] or [b""]
+    messages = [{"type": "http.request", "body": p, "more_body": i < len(pieces) - 1} for i, p in enumerate(pieces)]
+
+    async def receive():
+        return messages.pop(0)
+
+    raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    return Request({"type": "http", "method": "POST", "headers": raw}, receive)
+
+
+def read(body: bytes, limit: int, headers: dict | None = None) -> bytes:
+    return asyncio.run(read_body(request(body, headers), limit))
+
+
+def test_read_body_counts_the_stream_as_well_as_content_length():
+    assert read(b"x" * 50, limit=50) == b"x" * 50
+    with pytest.raises(RequestError) as too_long:  # chunked, no Content-Length
+        read(b"x" * 51, limit=50)
+    assert too_long.value.status == 413
+    with pytest.raises(RequestError) as lied:  # a client announcing less than it sends
+        read(b"x" * 80, limit=50, headers={"content-length": "10"})
+    assert lied.value.status == 413
+    for headers, status in (({"content-length": "999"}, 413), ({"content-length": "ten"}, 400)):
+        with pytest.raises(RequestError) as e:
+            read(b"x", limit=50, headers=headers)
+        assert e.value.status == status
+    with pytest.raises(RequestError, match="empty body"):
+        read(b"", limit=50)
+
+
+def test_json_pixels_in_every_form_and_every_malformed_body_is_a_400():
+    image = np.arange(12).reshape(4, 3)
+    for body in (image.tolist(), image[..., None].tolist(), image.ravel().tolist(), {"pixels": image.tolist()}):
+        pixels, batch = pixels_from_json(json.dumps(body).encode(), SHAPE)
+        assert pixels.shape == (1, 4, 3, 1) and pixels.dtype == np.uint8 and not batch
+        assert np.array_equal(pixels[0, ..., 0], image)
+    pixels, batch = pixels_from_json(json.dumps({"images": [image.tolist()] * 2}).encode(), SHAPE)
+    assert pixels.shape == (2, 4, 3, 1) and batch
+    for body in (b"[" * 100_000, b"{nope", b"[[1, 2], [3]]", json.dumps([[300] * 3] * 4).encode(),
+                 json.dumps([[0.5] * 3] * 4).encode(), json.dumps([["a"] * 3] * 4).encode(), b"[1, 2, 3]"):
+        with pytest.raises(RequestError) as e:
+            pixels_from_json(body, SHAPE)
+        assert e.value.status == 400, body[:20]
+
+
+def test_the_default_image_cap_follows_the_model_input_and_limits_are_checked():
+    assert Limits().image_pixels((28, 28, 1)) == 1 << 20  # at least a megapixel
+    assert Limits().image_pixels((224, 224, 3)) == 64 * 224 * 224
+    assert Limits(max_image_pixels=500).image_pixels((28, 28, 1)) == 500
+    problems = Limits(max_batch_images=0, request_timeout_s=float("nan")).problems()
+    assert problems == ["--max-batch-images must be a positive number, got 0",
+                        "--request-timeout must be a positive number, got nan"]
