@@ -98,7 +98,8 @@ def main() -> None:
     import torch
 
     from imgtrain.data.format import read_split
-    from imgtrain.inference.batch import InferenceOptions, load_checkpoint
+    from imgtrain.inference.batch import InferenceOptions
+    from imgtrain.inference.predictor import load_checkpoint
 
     torch.set_num_threads(os.cpu_count() or 1)
     loaded = load_checkpoint(args.run, storage=args.storage)

@@ -382,7 +382,7 @@ def test_logs_without_a_run_go_to_a_folder_of_this_users_own(tmp_path, monkeypat
 
 def test_a_checkpoint_claiming_a_huge_model_is_refused_before_building_it(tmp_path):
     from imgtrain import checkpoint as ckpt
-    from imgtrain.inference.batch import load_checkpoint
+    from imgtrain.inference.predictor import load_checkpoint
 
     args = {"architecture": "resnet18", "in_channels": 1, "num_classes": 10**9}  # a 2-TB output layer
     ckpt.save(tmp_path / "ck", {}, {}, {"model_args": args, "data": {"classes": ["a"]}})

@@ -14,14 +14,8 @@ Every CLI verb is one function here:
 
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
-from imgtrain.inference.batch import (
-    EvalResult,
-    InferenceOptions,
-    Predictor,
-    evaluate,
-    load_model,
-    predict,
-)
+from imgtrain.inference.batch import EvalResult, InferenceOptions, evaluate, predict
+from imgtrain.inference.predictor import Predictor, load_model
 from imgtrain.runs import RunResult, list_runs, load_run
 
 __version__ = "0.1.0"

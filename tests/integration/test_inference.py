@@ -16,13 +16,8 @@ from imgtrain import checkpoint as ckpt
 from imgtrain.config import TrainConfig
 from imgtrain.data.format import read_split
 from imgtrain.errors import ImgtrainError
-from imgtrain.inference.batch import (
-    InferenceOptions,
-    Predictor,
-    evaluate,
-    load_model,
-    predict,
-)
+from imgtrain.inference.batch import InferenceOptions, evaluate, predict
+from imgtrain.inference.predictor import Predictor, load_model
 from imgtrain.training.progress import TrainingDisplay
 from tests.conftest import assert_one_line_error, run_cli
 

@@ -19,8 +19,8 @@ from PIL import Image
 import imgtrain
 from imgtrain.config import TrainConfig
 from imgtrain.data.format import read_split
-from imgtrain.inference.batch import Predictor
 from imgtrain.inference.inputs import conform
+from imgtrain.inference.predictor import Predictor
 from imgtrain.training.progress import TrainingDisplay
 from tests.conftest import assert_one_line_error, run_cli
 

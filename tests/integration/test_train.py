@@ -173,7 +173,7 @@ def test_resume_skips_a_damaged_checkpoint_for_the_previous_good_one(ray_cluster
 
 
 def test_loading_best_or_latest_skips_a_damaged_checkpoint(tiny_data, tmp_path):
-    from imgtrain.inference.batch import resolve_checkpoint
+    from imgtrain.inference.predictor import resolve_checkpoint
 
     first = imgtrain.train(tiny_config(tiny_data, tmp_path, "dmgl", backend="local", num_to_keep=2), display=QUIET)
     damage(first.latest_checkpoint)

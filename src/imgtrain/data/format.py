@@ -1,6 +1,6 @@
 """The dataset directory: what `imgtrain data prepare` writes and everything else reads.
 
-Layout (the contract in DESIGN.md)::
+Layout (a contract: every reader checks it, docs/ARCHITECTURE.md)::
 
     DIR/manifest.json                  name, classes, image shape, counts, normalisation, sha256
     DIR/train/part-00000.parquet ...   columns: id int64, image uint8 tensor [H, W, C], label int64

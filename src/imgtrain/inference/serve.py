@@ -45,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError, one_line
-from imgtrain.inference.batch import Predictor, resolve_checkpoint
+from imgtrain.inference.predictor import Predictor, resolve_checkpoint
 from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops.files import link_dir
 

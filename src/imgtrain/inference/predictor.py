@@ -1,0 +1,198 @@
+"""A checkpoint's model, ready to predict: load it, preprocess images as in training, and the
+``Predictor`` callable that Ray Data's ``map_batches`` (and ``serve``) run.
+
+Everything needed to rebuild the model and preprocess its input comes from the checkpoint's
+``meta.json`` (model args, the data set's classes, image shape and normalisation, the memory
+format used in training), so no glue code is needed:
+
+    model, preprocess = imgtrain.load_model("demo")          # eval mode, on the CPU
+    probs = model(preprocess(images_uint8_nhwc)).softmax(1)
+
+    ds.map_batches(Predictor, fn_constructor_kwargs={"checkpoint": path},
+                   compute=ray.data.ActorPoolStrategy(size=2))   # the same, on Ray Data
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from imgtrain import checkpoint as ckpt
+from imgtrain import runs
+from imgtrain.errors import ImgtrainError, one_line
+
+DEFAULT_TOP_K = 3
+
+
+# ---------------------------------------------------------------- loading a checkpoint
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """uint8 images [B, H, W, C] (or one [H, W, C]) -> the model's float input [B, C, H, W],
+    exactly as in training."""
+
+    image_shape: tuple[int, int, int]  # (H, W, C)
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    classes: tuple[str, ...]
+    channels_last: bool = False
+
+    def __call__(self, images, device="cpu"):
+        import torch
+
+        from imgtrain.model import to_model_input
+
+        if not isinstance(images, torch.Tensor):
+            images = np.asarray(images)
+            if not images.flags.writeable:  # Ray Data's zero-copy batches; torch wants to own them
+                images = images.copy()
+        x = torch.as_tensor(images)
+        if x.ndim == 3:
+            x = x.unsqueeze(0)
+        if x.dtype != torch.uint8 or tuple(x.shape[1:]) != self.image_shape:
+            raise ImgtrainError(
+                f"the model takes uint8 images of shape {list(self.image_shape)} (H, W, C), "
+                f"got {str(x.dtype).removeprefix('torch.')} {list(x.shape[1:])}"
+            )
+        x = to_model_input(x.to(device), list(self.mean), list(self.std))
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+
+
+@dataclass
+class LoadedCheckpoint:
+    model: object  # torch.nn.Module in eval mode
+    preprocess: Preprocess
+    path: Path
+    meta: dict
+
+    @property
+    def recorded_val_accuracy(self) -> float | None:
+        return (self.meta.get("metrics") or {}).get("val_accuracy")
+
+
+def resolve_checkpoint(run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs") -> Path:
+    """A verified checkpoint directory from: a checkpoint directory, a run directory, or a run
+    name in ``storage``; ``checkpoint`` picks best/latest in a run, or is itself a checkpoint
+    path. A named checkpoint that fails its sha256 is an error naming the file; a damaged
+    best/latest is skipped (with a warning) for the best/latest of those that verify."""
+    if checkpoint not in ("best", "latest"):
+        path = Path(checkpoint).expanduser()
+        if not path.is_dir():
+            raise ImgtrainError(f"checkpoint {path} does not exist; pass best, latest or a checkpoint directory")
+        ckpt.verify(path)
+        return path.resolve()
+    target = Path(str(run_or_checkpoint)).expanduser()
+    if (target / ckpt.META_FILE).is_file():
+        ckpt.verify(target)
+        return target.resolve()
+    run_dir = runs.locate(run_or_checkpoint, storage)
+    return ckpt.choose(run_dir, checkpoint, run_dir.name)
+
+
+def load_checkpoint(
+    run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs", device: str = "cpu"
+) -> LoadedCheckpoint:
+    """Verify the checkpoint's checksums, rebuild its model and load the weights (eval mode)."""
+    import torch
+
+    from imgtrain.model import build_from_args
+
+    path = resolve_checkpoint(run_or_checkpoint, checkpoint, storage)  # verified
+    meta = ckpt.read_meta(path)
+    args, data = meta.get("model_args") or {}, meta.get("data") or {}
+    try:
+        with torch.random.fork_rng(devices=[]):  # its random initial weights are overwritten: the caller's RNG is left alone
+            model = build_from_args(args)
+    except (ValueError, KeyError, TypeError):
+        raise ImgtrainError(
+            f"checkpoint {path} holds a model imgtrain cannot build (model_args {args}); "
+            "only resnet18 checkpoints written by imgtrain are supported"
+        ) from None
+    state = ckpt.load_model_state(path)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        detail = one_line(e, 240)
+        raise ImgtrainError(
+            f"checkpoint {path}: the weights in {ckpt.MODEL_FILE} do not fit a {args.get('architecture')} "
+            f"with {args.get('in_channels')} channel(s) and {args.get('num_classes')} classes "
+            f"(another architecture or class count?): {detail}"
+        ) from None
+    classes = tuple(str(c) for c in data.get("classes") or range(args["num_classes"]))
+    if len(classes) != args["num_classes"]:
+        raise ImgtrainError(
+            f"checkpoint {path} names {len(classes)} classes but its model has {args['num_classes']} outputs"
+        )
+    norm = data.get("normalize") or {"mean": [0.5] * args["in_channels"], "std": [0.5] * args["in_channels"]}
+    image_shape = tuple(int(v) for v in data.get("image_shape") or (28, 28, args["in_channels"]))
+    if len(image_shape) != 3 or image_shape[2] != args["in_channels"] or not all(0 < v <= 8192 for v in image_shape):
+        raise ImgtrainError(f"checkpoint {path} records an image shape of {list(image_shape)}, which its "
+                            f"{args['in_channels']}-channel model cannot take; use another checkpoint")
+    preprocess = Preprocess(
+        image_shape=image_shape,
+        mean=tuple(norm["mean"]), std=tuple(norm["std"]), classes=classes,
+        channels_last=bool((meta.get("config") or {}).get("channels_last", False)),
+    )
+    model = model.to(device).eval()
+    if preprocess.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return LoadedCheckpoint(model, preprocess, path, meta)
+
+
+def load_model(run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs", device: str = "cpu"):
+    """``(model, preprocess)``: a ready ``torch.nn.Module`` in eval mode and the function that
+    turns uint8 images [B, H, W, C] into its input. ``run_or_checkpoint`` is a run name (in
+    ``storage``), a run directory or a checkpoint directory."""
+    loaded = load_checkpoint(run_or_checkpoint, checkpoint, storage, device)
+    return loaded.model, loaded.preprocess
+
+
+# ---------------------------------------------------------------- the predictor
+
+
+class Predictor:
+    """Class probabilities and top-k predictions for batches of images.
+
+    Directly: ``Predictor("demo")({"image": images})``; on Ray Data, as the callable class
+    of ``map_batches``, one model per actor. Input batches are dicts of numpy arrays with an
+    ``image`` column, uint8 [B, H, W, C]; every other column (id, path, label...) is passed
+    through. Output adds ``pred_index``, ``pred_class``, ``confidence`` and, for i = 1..k,
+    ``top{i}_class`` / ``top{i}_prob``.
+    """
+
+    def __init__(self, checkpoint, storage: str = "./runs", device: str = "cpu",
+                 top_k: int = DEFAULT_TOP_K, threads: int = 0):
+        import torch
+
+        if threads > 0:
+            torch.set_num_threads(threads)  # one actor per core, or one actor using them all
+        if isinstance(checkpoint, LoadedCheckpoint):  # loaded in this process already
+            self.loaded = checkpoint
+        else:
+            self.loaded = load_checkpoint(checkpoint, "best", storage, device)
+        self.device = device
+        self.top_k = max(1, min(top_k, len(self.loaded.preprocess.classes)))
+        self.classes = np.asarray(self.loaded.preprocess.classes, dtype=object)
+
+    def predict_proba(self, images) -> np.ndarray:
+        """uint8 [B, H, W, C] -> float32 probabilities [B, num_classes]."""
+        import torch
+
+        with torch.inference_mode():
+            x = self.loaded.preprocess(images, self.device)
+            return self.loaded.model(x).float().softmax(1).cpu().numpy()
+
+    def __call__(self, batch: dict) -> dict:
+        probs = self.predict_proba(batch["image"])  # [B, K]
+        top = np.argsort(-probs, axis=1, kind="stable")[:, : self.top_k]  # [B, k]
+        out = {k: v for k, v in batch.items() if k != "image"}
+        out["pred_index"] = top[:, 0].astype(np.int64)
+        out["pred_class"] = self.classes[top[:, 0]].astype(str)
+        out["confidence"] = np.take_along_axis(probs, top[:, :1], 1)[:, 0]
+        for i in range(self.top_k):
+            out[f"top{i + 1}_class"] = self.classes[top[:, i]].astype(str)
+            out[f"top{i + 1}_prob"] = np.take_along_axis(probs, top[:, i : i + 1], 1)[:, 0]
+        return out
