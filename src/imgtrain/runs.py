@@ -88,6 +88,18 @@ def read_status(run_dir: Path) -> dict:
     return status
 
 
+def refuse_if_trained(run_dir: Path, hint: str, this_host: bool = True, other_hosts: bool = True) -> None:
+    """Raise when status.json says a live driver trains the run. On this host a dead pid reads
+    as "interrupted"; another host's record cannot be checked, so it is believed unless
+    ``other_hosts`` is False (``clean --force``). ``this_host`` False: the caller holds the
+    run's lock, which settles it on this host."""
+    status = read_status(run_dir)
+    here = status.get("host") == socket.gethostname()
+    if status.get("status") == "running" and (this_host if here else other_hosts):
+        raise ImgtrainError(f"run {run_dir.name!r} is being trained right now by process {status.get('pid')} "
+                            f"on {status.get('host')}; {hint}")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

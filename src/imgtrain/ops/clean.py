@@ -65,15 +65,10 @@ def plan_runs(storage: str, names: list[str], everything: bool = False, force: b
 
 
 def _refuse_if_running(run_dir: Path, force: bool) -> None:
-    status = runs.read_status(run_dir)  # a dead driver on this host reads as "interrupted"
-    if status.get("status") != "running":
-        return
-    here = status.get("host") == socket.gethostname()
-    if force and not here:
-        return
-    hint = ("if that driver is gone, pass --force" if not here else "stop it first")
-    raise ImgtrainError(f"run {run_dir.name!r} is being trained right now by process {status.get('pid')} "
-                        f"on {status.get('host')}; {hint}; nothing deleted")
+    hint = "stop it first" if not force else "stop it first (--force is for a driver on another host that is gone)"
+    if runs.read_status(run_dir).get("host") != socket.gethostname():
+        hint = "if that driver is gone, pass --force"
+    runs.refuse_if_trained(run_dir, hint=hint + "; nothing deleted", other_hosts=not force)
 
 
 def plan_dataset(data_dir: str | Path) -> Removal:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import socket
 import time
 from pathlib import Path
 
@@ -90,14 +89,8 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
     stored, resume = None, Resume()
     if exists:
         held.enter_context(ownership.locked(run_dir, "trained"))  # refuses a run in use on this machine
-        status = runs.read_status(run_dir)
-        # On this host the lock is the truth; a driver on another host may share a file system
-        # whose locks do not reach across machines: its "running" is believed.
-        if status.get("status") == "running" and status.get("host") != socket.gethostname():
-            raise ImgtrainError(
-                f"run {cfg.name!r} is being trained right now by process {status.get('pid')} on "
-                f"{status.get('host')}; wait for it or stop it (if that process is gone, delete {run_dir / runs.STATUS_FILE})"
-            )
+        runs.refuse_if_trained(run_dir, this_host=False, hint="wait for it or stop it (if that process is gone, "
+                               f"delete {run_dir / runs.STATUS_FILE})")
         if not ownership.is_marked(run_dir):
             ownership.mark(run_dir)  # a run made before markers: adopted
         if overwrite and not cfg.data:

@@ -47,13 +47,21 @@ def enable_stack_dumps() -> str:
     return path
 
 
+def is_ray_worker(pid: int) -> bool:
+    """Whether ``pid`` is a Ray worker process (a pid may have been reused since it was seen)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().startswith(b"ray::")
+    except OSError:
+        return False
+
+
 def dump(pid: int, path: str, wait_s: float = 5.0) -> str | None:
     """Runs on the worker's node: signal the worker and return the stacks it wrote; '' when
     it did not answer (a stopped process), None when it is no longer a Ray worker."""
+    if not is_ray_worker(pid):
+        return None
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if not f.read().startswith(b"ray::"):  # the pid may have been reused
-                return None
         before = os.path.getsize(path) if os.path.exists(path) else 0
         os.kill(pid, DUMP_SIGNAL)
     except OSError:

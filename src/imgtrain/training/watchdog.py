@@ -179,11 +179,10 @@ def _kill_if_ray_worker(pid: int) -> bool:
     import os
     import signal
 
-    try:  # never a process that is not a Ray worker (the pid could have been reused)
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if not f.read().startswith(b"ray::"):
-                return False
+    if not stacks.is_ray_worker(pid):  # never another process that got the pid since
+        return False
+    try:
         os.kill(pid, signal.SIGKILL)
         return True
-    except (OSError, ProcessLookupError):
+    except OSError:
         return False
