@@ -47,7 +47,7 @@ def subset(raw, n_train: int, n_test: int):
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory, sample_raw) -> Path:
     """256 training and 100 test real MNIST digits: enough to exercise every code path fast."""
-    from imgtrain.data.format import write_dataset
+    from imgtrain.data.writer import write_dataset
 
     out = tmp_path_factory.mktemp("data") / "tiny"
     write_dataset(subset(sample_raw, 256, 100), out, name="tiny", source="mnist-sample")

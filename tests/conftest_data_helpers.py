@@ -95,3 +95,41 @@ def rewrite_columns(path: Path, **columns) -> None:
         else:
             table = table.set_column(table.schema.get_field_index(name), name, values)
     pq.write_table(table, path)
+
+
+def read_back(data_dir: Path) -> dict:
+    """{split: (ids, labels, images uint8 [N, H, W, C])} of a prepared data set; encoded images
+    are decoded at their stored size (to the manifest's channels), as written."""
+    import pyarrow.parquet as pq
+
+    from imgtrain.data import format as fmt
+    from imgtrain.data.images import open_image, to_mode
+
+    manifest = fmt.load_manifest(data_dir)
+    out = {}
+    for split in manifest["splits"]:
+        if manifest["storage"] == "tensor":
+            ids, images, labels = fmt.read_split(data_dir, split)
+            out[split] = (ids, labels, images)
+            continue
+        ids, labels, images = [], [], []
+        for path in fmt.split_files(Path(data_dir), manifest, split):
+            table = pq.read_table(path)
+            ids += table.column("id").to_pylist()
+            labels += table.column("label").to_pylist()
+            for data in table.column("image").to_pylist():
+                with open_image(data) as im:
+                    c = manifest["channels"]
+                    images.append(np.asarray(to_mode(im, c)).reshape(im.size[1], im.size[0], c))
+        out[split] = (np.array(ids), np.array(labels), np.stack(images) if len({i.shape for i in images}) == 1 else images)
+    return out
+
+
+def read_inputs_whole(spec: str, shape, preset: str = "digits", **options) -> dict:
+    """Every row predict would read from ``spec``, in one dict of arrays (small test inputs only)."""
+    import json
+
+    from imgtrain.inference.inputs import list_inputs, read_task
+
+    parts = [read_task({"task": [json.dumps(t)]}, shape, preset) for t in list_inputs(spec, **options).tasks]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}

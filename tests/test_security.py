@@ -25,14 +25,22 @@ from imgtrain.config import TrainConfig, validate
 from imgtrain.data import format as parquet
 from imgtrain.data import images, sources
 from imgtrain.data.dataset import ray_dataset
+from imgtrain.data.prepare import prepare
+from imgtrain.data.writer import write_dataset
 from imgtrain.errors import ImgtrainError
-from imgtrain.inference.inputs import read_inputs
 from imgtrain.ops import ownership
 from imgtrain.ops.clean import plan_dataset, plan_runs, remove
 from imgtrain.ops.files import atomic_write_text
 from imgtrain.training import tracking
 from tests.conftest import quiet_display, run_cli
-from tests.conftest_data_helpers import rehash, save_image, tiny_raw, write_idx
+from tests.conftest_data_helpers import (
+    read_back,
+    read_inputs_whole,
+    rehash,
+    save_image,
+    tiny_raw,
+    write_idx,
+)
 
 QUIET = quiet_display()
 
@@ -58,7 +66,7 @@ def poisoned(tmp_path) -> tuple[Path, Path]:
     """A prepared data set whose ``id`` column holds pickled objects (hashes updated to match,
     as an attacker would: the manifest's sha256 values are self-declared)."""
     data = tmp_path / "poisoned"
-    parquet.write_dataset(tiny_raw(), data, name="poisoned", source="test")
+    write_dataset(tiny_raw(), data, name="poisoned", source="test")
     proof = tmp_path / "code-ran"
     path = data / "train" / "part-00000.parquet"
     table = pq.read_table(path)
@@ -80,7 +88,7 @@ def test_a_pickled_column_in_a_data_set_is_refused_unread(poisoned):
 
 def test_a_data_set_with_an_extra_column_is_refused(tmp_path):
     data = tmp_path / "extra"
-    parquet.write_dataset(tiny_raw(), data, name="extra", source="test")
+    write_dataset(tiny_raw(), data, name="extra", source="test")
     path = data / "test" / "part-00000.parquet"
     table = pq.read_table(path)
     pq.write_table(table.append_column("note", pa.array(["x"] * table.num_rows)), path)
@@ -99,9 +107,9 @@ def test_user_parquet_with_a_pickled_column_is_refused_by_prepare_and_predict(tm
     source = tmp_path / "table.parquet"
     pq.write_table(table, source)
     with pytest.raises(ImgtrainError, match="column 'label' has the Arrow extension type 'ray.data.arrow_pickled_object'"):
-        parquet.prepare("parquet", tmp_path / "out", source_path=source)
+        prepare("parquet", tmp_path / "out", source_path=source)
     with pytest.raises(ImgtrainError, match="column 'id' has the Arrow extension type"):
-        read_inputs(str(source), (2, 2, 1))
+        read_inputs_whole(str(source), (2, 2, 1))
     assert not proof.exists() and not (tmp_path / "out").exists()
 
 
@@ -171,27 +179,27 @@ def test_credentials_in_the_mlflow_uri_are_never_written_or_shown(tiny_data, tmp
 
 def test_prepare_overwrite_replaces_only_its_own_files(tmp_path):
     out = tmp_path / "data"
-    parquet.write_dataset(tiny_raw(), out, name="data", source="test")
+    write_dataset(tiny_raw(), out, name="data", source="test")
     (out / "NOTES.md").write_text("my notes")
     (out / "raw").mkdir()
     (out / "raw" / "0.png").write_bytes(b"photo")
     with pytest.raises(ImgtrainError, match="holds 2 file\\(s\\) imgtrain did not write \\(NOTES.md, raw/0.png\\)"):
-        parquet.write_dataset(tiny_raw(seed=1), out, name="data", source="test", overwrite=True)
+        write_dataset(tiny_raw(seed=1), out, name="data", source="test", overwrite=True)
     assert (out / "NOTES.md").read_text() == "my notes" and (out / "raw" / "0.png").read_bytes() == b"photo"
     parquet.verify_dataset(out)  # the old data set is untouched too
 
 
 def test_prepare_refuses_a_source_inside_the_output(tmp_path):
     out = tmp_path / "data"
-    parquet.write_dataset(tiny_raw(), out, name="data", source="test")
+    write_dataset(tiny_raw(), out, name="data", source="test")
     photos = out / "photos"
     for c in ("a", "b"):
         for i in range(3):
             save_image(photos / c / f"{i}.png", 40 * i)
     with pytest.raises(ImgtrainError, match="overlap"):
-        parquet.prepare("folder", out, source_path=photos, overwrite=True)
+        prepare("folder", out, source_path=photos, overwrite=True)
     with pytest.raises(ImgtrainError, match="overlap"):  # and an output inside the image folder
-        parquet.prepare("folder", photos / "prepared", source_path=photos)
+        prepare("folder", photos / "prepared", source_path=photos)
     assert len(list(photos.rglob("*.png"))) == 6
 
 
@@ -307,10 +315,11 @@ def test_sixteen_bit_png_is_scaled_not_saturated_everywhere(tmp_path):
         folder.joinpath(c).mkdir(parents=True)
         for i in range(3):
             sixteen_bit_ramp(folder / c / f"{i}.png")
-    raw = sources.load_image_folder(folder)
-    assert abs(raw.train.images.mean() - 127.5) < 2  # convert("L") alone gave ~254
-    predicted = read_inputs(str(folder), (64, 64, 1))
-    assert abs(predicted.images.mean() - 127.5) < 2
+    prepare("folder", tmp_path / "data", source_path=folder)
+    stored = read_back(tmp_path / "data")["train"][2]
+    assert abs(stored.mean() - 127.5) < 2  # convert("L") alone gave ~254
+    predicted = read_inputs_whole(str(folder), (64, 64, 1))
+    assert abs(predicted["image"].mean() - 127.5) < 2
     with images.open_image(sixteen_bit_ramp(tmp_path / "one.png")) as im:
         assert abs(images.conform_image(im, (64, 64, 1))[0].mean() - 127.5) < 2  # what the server does
 
@@ -322,12 +331,11 @@ def test_only_png_and_jpeg_are_decoded_and_huge_images_are_refused(tmp_path):
     save_image(tmp_path / "in" / "a" / "ok.png", 9)
     huge = tmp_path / "in" / "a" / "huge.png"
     Image.new("L", (8000, 8000)).save(huge)  # 64 MP, a few hundred KB
-    found = read_inputs(str(tmp_path / "in"), (8, 8, 1))
-    reasons = dict(found.skipped)
-    assert list(found.columns["path"]) == [str(tmp_path / "in" / "a" / "ok.png")]
+    found = read_inputs_whole(str(tmp_path / "in"), (8, 8, 1))
+    reasons = dict(zip(found["path"], found["_error"]))
+    assert [p for p, why in reasons.items() if not why] == [str(tmp_path / "in" / "a" / "ok.png")]
     assert "not a PNG or JPEG" in reasons[str(gif)] and "over the limit" in reasons[str(huge)]
-    with pytest.raises(ImgtrainError, match="disguised.png \\(not a PNG or JPEG image\\)"):
-        sources.decode_images([("disguised.png", gif)], None, None)
+    assert images.check_image(gif.read_bytes(), None).reason == "not a PNG or JPEG image"  # data prepare's check
 
 
 def test_predict_glob_does_not_follow_a_symlink_loop(tmp_path):
@@ -335,14 +343,14 @@ def test_predict_glob_does_not_follow_a_symlink_loop(tmp_path):
     save_image(folder / "x.png", 3)
     for i in range(4):  # several links to the parent: glob.glob(recursive=True) walked in circles
         (folder / f"back{i}").symlink_to("..", target_is_directory=True)
-    code = f"from imgtrain.inference.inputs import read_inputs; print(len(read_inputs({str(tmp_path / 'loop' / '**' / '*.png')!r}, (8, 8, 1)).images))"
+    code = f"from imgtrain.inference.inputs import list_inputs; print(list_inputs({str(tmp_path / 'loop' / '**' / '*.png')!r}).total)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr
 
 
 def test_clean_data_never_deletes_through_a_linked_split_folder(tmp_path):
     data = tmp_path / "data"
-    parquet.write_dataset(tiny_raw(), data, name="data", source="test")
+    write_dataset(tiny_raw(), data, name="data", source="test")
     elsewhere = tmp_path / "elsewhere"
     shutil.move(data / "train", elsewhere)
     (data / "train").symlink_to(elsewhere, target_is_directory=True)

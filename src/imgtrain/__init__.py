@@ -29,8 +29,8 @@ def train(cfg: TrainConfig, display=None, overwrite: bool = False) -> RunResult:
 
 
 def prepare(source: str, out_dir, **options) -> dict:
-    """Prepare a data set directory. See ``imgtrain.data.format.prepare``."""
-    from imgtrain.data.format import prepare as _prepare
+    """Prepare a data set directory. See ``imgtrain.data.prepare.prepare``."""
+    from imgtrain.data.prepare import prepare as _prepare
 
     return _prepare(source, out_dir, **options)
 

@@ -28,37 +28,63 @@ clean_app = typer.Typer(no_args_is_help=True, help="Delete runs or prepared data
 for group, group_name in ((data_app, "data"), (runs_app, "runs"), (config_app, "config"), (clean_app, "clean")):
     app.add_typer(group, name=group_name)
 # Messages hold paths and errors: never rich markup, never rich's colouring of numbers and paths.
-console = Console(markup=False)
-err_console = Console(stderr=True, markup=False)
+console = Console(markup=False, highlight=False)
+err_console = Console(stderr=True, markup=False, highlight=False)
 
 STORAGE_HELP = "Where runs live (local or shared path)."
 
 
 @data_app.command("prepare")
 def data_prepare(
-    source: str = typer.Argument(..., help="mnist-sample | mnist | folder | parquet"),
+    source: str = typer.Argument(..., help="mnist-sample | mnist | folder | parquet | list"),
     out_dir: Path = typer.Argument(..., help="Directory to write the prepared data set to."),
-    source_path: Optional[Path] = typer.Option(None, "--source", help="Input: IDX dir, image folder or Parquet."),
+    source_path: Optional[Path] = typer.Option(
+        None, "--source", help="Input: IDX dir, image folder, Parquet table, or (list) a CSV/Parquet of path,label."),
     download: bool = typer.Option(False, "--download", help="mnist: download with torchvision (needs internet)."),
-    image_column: str = typer.Option("image", help="parquet: the image column."),
-    label_column: str = typer.Option("label", help="parquet: the label column."),
-    channels: Optional[int] = typer.Option(None, help="folder: 1 (grayscale) or 3 (RGB); default: detect."),
-    size: Optional[str] = typer.Option(None, help="folder: resize every image to HxW, e.g. 28x28."),
+    image_column: str = typer.Option("image", help="parquet: the image column (PNG/JPEG bytes or pixel arrays)."),
+    label_column: str = typer.Option("label", help="parquet, list: the label column (class ids or names)."),
+    path_column: str = typer.Option("path", help="list: the column of image paths (relative to the table)."),
+    channels: Optional[int] = typer.Option(None, help="1 (grayscale) or 3 (RGB); default: 1 when every image is gray."),
+    size: Optional[str] = typer.Option(None, help="Resize (and re-encode) every image to HxW, e.g. 64x64; default: "
+                                        "keep them, train at their size (or the median one)."),
     test_fraction: float = typer.Option(0.2, help="Share held out for testing when the source has no split."),
-    seed: int = typer.Option(0, help="Seed of the split and the row order."),
+    val_fraction: float = typer.Option(0.0, help="Share held out for validation (picks the best checkpoint; the "
+                                       "test split then stays untouched until evaluate/report); 0 = none."),
+    on_error: str = typer.Option("skip", help="Unreadable images: skip (and list them) or fail."),
+    workers: int = typer.Option(0, help="Processes checking and converting images; 0 = one per core."),
+    seed: int = typer.Option(0, help="Seed of the splits."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing data set in OUT_DIR."),
 ):
-    """Convert a source into a prepared data set (manifest.json + train/ and test/ Parquet)."""
-    from imgtrain.data.format import describe, prepare
+    """Convert a source into a prepared data set (manifest.json + train/ [val/] test/ Parquet), streamed."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    from imgtrain.data.format import describe
+    from imgtrain.data.prepare import prepare
     from imgtrain.data.sources import parse_size
 
     hw = parse_size(size) if size else None
-    manifest = prepare(
-        source, out_dir, source_path=source_path, download=download, image_column=image_column,
-        label_column=label_column, channels=channels, size=hw, test_fraction=test_fraction,
-        seed=seed, overwrite=overwrite,
-    )
-    console.print(describe(manifest))
+    bar = Progress(TextColumn("prepare"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   console=err_console, transient=True, disable=not err_console.is_terminal)
+    with bar:
+        task = bar.add_task("prepare", total=None)
+        manifest = prepare(
+            source, out_dir, source_path=source_path, download=download, image_column=image_column,
+            label_column=label_column, path_column=path_column, channels=channels, size=hw,
+            test_fraction=test_fraction, val_fraction=val_fraction, on_error=on_error, workers=workers,
+            seed=seed, overwrite=overwrite, progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )
+    skipped = manifest.get("skipped") or {}
+    for name, why in skipped.get("files", []):
+        err_console.print(f"skipped {name}: {why}", soft_wrap=True)
+    if skipped.get("count", 0) > len(skipped.get("files", [])):
+        err_console.print(f"... and {skipped['count'] - len(skipped['files'])} more (not listed)")
+    console.print(describe(manifest), soft_wrap=True)
     console.print(f"prepared data set: {out_dir.resolve()}")
 
 

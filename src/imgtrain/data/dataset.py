@@ -1,33 +1,21 @@
-"""Prepared data set -> ray.data.Dataset, the way that suits its size.
+"""A small prepared data set (tensor storage, held in memory) -> ray.data.Dataset.
 
 Ray Data 2.60's Parquet reader starts list and read tasks plus a pool of footer-reader actors
 for every read; on a 2-core machine each new worker process costs seconds. A small data set
 (the 5,000-digit sample is 4 MB) is therefore read once here with pyarrow and handed to Ray
 as in-memory Arrow blocks: no read tasks at all, and every epoch reuses the same blocks.
-Larger ones stream from Parquet as usual.
+Larger ones are streamed by each worker's own pipeline (``stream.py``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from imgtrain.data.format import (
-    check_split_schema,
     load_manifest,
     read_split_file,
     split_files,
 )
-
-IN_MEMORY_MAX_BYTES = 256 << 20  # above this, stream from Parquet instead
-
-
-def split_bytes(data_dir: str | Path, split: str) -> int:
-    """Decoded size of a split's images in memory (the Parquet files are compressed)."""
-    manifest = load_manifest(data_dir)
-    h, w, c = manifest["image_shape"]
-    return manifest["splits"][split]["num_samples"] * h * w * c
 
 
 def ray_dataset(data_dir: str | Path, split: str):
@@ -36,10 +24,6 @@ def ray_dataset(data_dir: str | Path, split: str):
 
     data_dir = Path(data_dir)
     files = split_files(data_dir, load_manifest(data_dir), split)
-    if split_bytes(data_dir, split) > IN_MEMORY_MAX_BYTES:
-        for f in files:  # footers only: a column Ray would unpickle is refused before any read
-            check_split_schema(pq.read_schema(f), str(f))
-        return ray.data.read_parquet([str(f) for f in files])
     import pyarrow as pa
     import ray.data.extensions  # noqa: F401  registers the tensor column type with pyarrow
 

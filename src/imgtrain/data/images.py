@@ -11,6 +11,7 @@ became 99.5 % white).
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -73,17 +74,172 @@ def to_mode(im, channels: int):
     return im.convert("L" if channels == 1 else "RGB")
 
 
-def conform_image(im, image_shape) -> tuple[np.ndarray, bool]:
-    """A PIL image -> uint8 [H, W, C] in the model's shape (bilinear resize, L/RGB); True when
-    it had to be converted. JPEGs far larger than the target are decoded at 1/2 to 1/8 scale."""
-    from PIL import Image
-
+def conform_image(im, image_shape, preset: str = "digits") -> tuple[np.ndarray, bool]:
+    """A PIL image -> uint8 [H, W, C] in the model's shape with its evaluation transform (digits:
+    a bilinear resize; photos: resize and centre crop), L/RGB; True when it had to be converted.
+    JPEGs far larger than the target are decoded at 1/2 to 1/8 scale."""
     h, w, c = image_shape
     mode = "L" if c == 1 else "RGB"
-    changed = im.mode != mode or im.size != (w, h)
+    changed = im.mode != mode or im.size != (w, h) or preset == "photos"  # photos: always the centre crop
     if im.format == "JPEG" and changed:
-        im.draft(mode, (w, h))  # the decoder's own downscaling: less memory and time
+        side = int(max(h, w) / EVAL_CROP) + 1 if preset == "photos" else max(h, w)
+        im.draft(mode, (side, side))  # the decoder's own downscaling: less memory and time
     im = to_mode(im, c)
-    if im.size != (w, h):
-        im = im.resize((w, h), Image.Resampling.BILINEAR)
+    if preset == "photos":
+        im = center_crop(im, (h, w))  # as validation in training saw them
+    elif im.size != (w, h):
+        im = im.resize((w, h), _bilinear())
     return np.asarray(im, dtype=np.uint8).reshape(h, w, c), changed
+
+
+# ---------------------------------------------------------------- checking images at prepare time
+
+
+@dataclass
+class Checked:
+    """One image as ``data prepare`` found it: the bytes to store (None: unreadable, ``reason``
+    says why), its size after EXIF orientation, whether it is grayscale, and pixel statistics
+    (rows: mean and mean of squares, columns: R, G, B, L; values in [0, 1])."""
+
+    data: bytes | None
+    reason: str = ""
+    height: int = 0
+    width: int = 0
+    gray: bool = True
+    stats: np.ndarray | None = None
+
+
+def check_chunk(chunk, size: tuple[int, int] | None) -> list[Checked]:
+    """Check every image of a ``listing.Chunk`` (runs in the preparation pool)."""
+    return [check_image(data, size) for data in _chunk_bytes(chunk)]
+
+
+def _chunk_bytes(chunk):
+    """The encoded bytes of each image of a chunk, or the reason there are none."""
+    if chunk.paths is not None:
+        for path in chunk.paths:
+            if Path(path).suffix.lower() not in IMAGE_SUFFIXES:
+                yield ImageRejected("not a .png/.jpg/.jpeg file")
+                continue
+            try:
+                yield Path(path).read_bytes()
+            except OSError as e:
+                yield ImageRejected(f"cannot be read ({e.strerror or type(e).__name__})")
+        return
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    file, group, column = chunk.parquet
+    values = pq.ParquetFile(file).read_row_group(group, columns=[column]).column(column)
+    if str(values.type).startswith("struct"):  # Hugging Face's {bytes, path} images
+        values = pc.struct_field(values, "bytes")
+    for value in values.to_pylist():
+        yield value if isinstance(value, (bytes, bytearray)) else ImageRejected("empty (null) image")
+
+
+def check_image(data, size: tuple[int, int] | None) -> Checked:
+    """Open (PNG/JPEG only, pixel cap), decode fully once (a truncated file shows only then),
+    measure, and re-encode at ``size`` (H, W) when asked."""
+    if isinstance(data, ImageRejected):
+        return Checked(None, str(data))
+    try:
+        with open_image(data) as im:
+            fmt, (h, w) = im.format, oriented_size(im)
+            gray = im.mode in GRAY_MODES
+            im = to_mode(im, 1 if gray else 3)  # decodes every pixel
+            stats = _statistics(im)
+            if size is not None:
+                return Checked(_encode(im.resize((size[1], size[0]), _bilinear()), fmt), "", size[0], size[1], gray, stats)
+            return Checked(bytes(data), "", h, w, gray, stats)
+    except ImageRejected as e:
+        return Checked(None, str(e))
+    except Exception as e:  # truncated or corrupt pixel data
+        return Checked(None, type(e).__name__)
+
+
+def _statistics(im) -> np.ndarray:
+    """[[mean R, G, B, L], [mean of squares]] of about 4,096 evenly spread pixels (a thumbnail
+    would smooth the image and understate its spread)."""
+    rgb = np.asarray(im.convert("RGB")).reshape(-1, 3)
+    lum = np.asarray(im.convert("L")).reshape(-1, 1)
+    stride = max(1, len(rgb) // 4096)
+    x = np.concatenate([rgb[::stride], lum[::stride]], axis=1).astype(np.float64) / 255.0
+    return np.stack([x.mean(0), (x ** 2).mean(0)])
+
+
+def _encode(im, fmt: str) -> bytes:
+    """PNG stays PNG (lossless); anything else becomes a JPEG of quality 95."""
+    out = io.BytesIO()
+    im.save(out, format="PNG") if fmt == "PNG" else im.save(out, format="JPEG", quality=95)
+    return out.getvalue()
+
+
+def _bilinear():
+    from PIL import Image
+
+    return Image.Resampling.BILINEAR
+
+
+# ---------------------------------------------------------------- the photo recipe's transforms
+
+CROP_SCALE = (0.08, 1.0)  # share of the image a random crop keeps (torchvision's and timm's default)
+CROP_RATIO = (3 / 4, 4 / 3)  # its aspect ratio
+EVAL_CROP = 0.875  # evaluation: resize so the centre crop keeps 87.5 % of the shorter side (224 of 256)
+PHOTO_PARAMS = 5  # random numbers per image: crop area, ratio, x, y, flip
+
+
+def random_resized_crop(im, draw: np.ndarray, shape: tuple[int, int]):
+    """Crop a random region (``draw``: five uniform numbers in [0, 1): area, log-ratio, x, y,
+    flip) and resize it to ``shape`` (H, W), flipped horizontally when draw[4] < 0.5. One
+    attempt, clamped to the image (torchvision retries ten times, which is not reproducible
+    from a fixed number of draws)."""
+    from PIL import Image
+
+    w, h = im.size
+    area = w * h * (CROP_SCALE[0] + draw[0] * (CROP_SCALE[1] - CROP_SCALE[0]))
+    lo, hi = np.log(CROP_RATIO[0]), np.log(CROP_RATIO[1])
+    ratio = np.exp(lo + draw[1] * (hi - lo))
+    cw = min(w, max(1.0, np.sqrt(area * ratio)))
+    ch = min(h, max(1.0, np.sqrt(area / ratio)))
+    x0, y0 = draw[2] * (w - cw), draw[3] * (h - ch)
+    out = im.resize((shape[1], shape[0]), Image.Resampling.BILINEAR, box=(x0, y0, x0 + cw, y0 + ch))
+    return out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if draw[4] < 0.5 else out
+
+
+def center_crop(im, shape: tuple[int, int]):
+    """Evaluation: resize so that ``shape`` covers EVAL_CROP of the image, then the centre crop."""
+    from PIL import Image
+
+    w, h = im.size
+    th, tw = shape
+    scale = max(th / (h * EVAL_CROP), tw / (w * EVAL_CROP))
+    cw, ch = tw / scale, th / scale  # the region that becomes the output
+    x0, y0 = (w - cw) / 2, (h - ch) / 2
+    return im.resize((tw, th), Image.Resampling.BILINEAR, box=(x0, y0, x0 + cw, y0 + ch))
+
+
+def transform_array(pixels: np.ndarray, shape, draw: np.ndarray | None) -> np.ndarray:
+    """The photo recipe on an image already decoded: uint8 [H', W', C] -> [H, W, C]."""
+    from PIL import Image
+
+    h, w, c = shape
+    im = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+    im = random_resized_crop(im, draw, (h, w)) if draw is not None else center_crop(im, (h, w))
+    return np.asarray(im, dtype=np.uint8).reshape(h, w, c)
+
+
+def decode_for_training(data: bytes, shape, preset: str, draw: np.ndarray | None) -> np.ndarray:
+    """Stored PNG/JPEG bytes -> uint8 [H, W, C] for the model: the photo recipe's random resized
+    crop and flip when ``draw`` is given (training), its centre crop otherwise; digits are
+    resized to the model's size (their affine augmentation works on whole batches)."""
+    h, w, c = shape
+    with open_image(data) as im:
+        if im.format == "JPEG" and draw is None:  # decode at 1/2 .. 1/8 scale when the crop allows
+            side = int(max(h, w) / EVAL_CROP) + 1  # whatever the EXIF orientation turns out to be
+            im.draft("L" if c == 1 else "RGB", (side, side))
+        im = to_mode(im, c)
+        if preset == "photos":
+            im = random_resized_crop(im, draw, (h, w)) if draw is not None else center_crop(im, (h, w))
+        elif im.size != (w, h):
+            im = im.resize((w, h), _bilinear())
+        return np.asarray(im, dtype=np.uint8).reshape(h, w, c)

@@ -47,6 +47,15 @@ def augment_draw(seed: int, global_step: int, global_batch: int, world_size: int
     return draw[rank_share(global_batch, world_size, rank)]
 
 
+def photo_draw(seed: int, global_step: int, global_batch: int):
+    """Uniform [0, 1) numbers [global batch, 5] for the photo recipe's crops and flips at this
+    step (``images.random_resized_crop``), the whole global batch at once like ``augment_draw``."""
+    from imgtrain.data.images import PHOTO_PARAMS
+
+    generator = torch.Generator().manual_seed(seed * 7_919 + global_step * 104_729 + 2)
+    return torch.rand(global_batch, PHOTO_PARAMS, generator=generator, dtype=torch.float64).numpy()
+
+
 def sort_by_id(ids: torch.Tensor, *columns: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The canonical row order both ingests share: ascending id (ids are unique per data set),
     whatever order the files or Ray Data blocks delivered the rows in."""

@@ -5,12 +5,15 @@ or in this process (``backend="local"``, no Ray) for small inputs and debugging.
 
 from __future__ import annotations
 
+import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from imgtrain.errors import ImgtrainError
+from imgtrain.inference.inputs import CONVERTED_KEY, ERROR_KEY, ROW_KEY, read_task
 from imgtrain.inference.predictor import (
     DEFAULT_TOP_K,
     LoadedCheckpoint,
@@ -20,7 +23,6 @@ from imgtrain.inference.predictor import (
 from imgtrain.ops import process
 
 DEFAULT_BATCH_SIZE = 500
-ROW_KEY = "_row"  # input position, so outputs come back in input order whatever Ray does
 
 
 # ---------------------------------------------------------------- running it over many images
@@ -57,64 +59,70 @@ class InferenceOptions:
         return threads_for(self.concurrency, self.threads)
 
 
-def run_predictor(loaded: LoadedCheckpoint, columns: dict, images: np.ndarray, opts: InferenceOptions):
-    """Predictions for ``images`` uint8 [N, H, W, C] as a pandas DataFrame in input order,
-    with ``columns`` (id, path, label...: numpy arrays of length N) passed through. The
-    local backend uses ``loaded`` as is; Ray actors load the checkpoint from its path."""
-    import pandas as pd
-
+def predictions(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, on_error: str = "skip"):
+    """Predictions for every row of ``inputs`` (``inputs.list_inputs``), as pandas DataFrames of
+    at most a few thousand rows, in input order: the carried columns (path, or id and label),
+    pred_* and top-k. Images are read, converted and predicted task by task, never all held:
+    here (``backend="local"``) or on Ray Data's tasks and actor pool. Rows that cannot be used
+    are left out and reported to ``skipped(name, reason)``; with ``on_error="fail"`` the first
+    one raises."""
     opts.validate()
-    columns = {ROW_KEY: np.arange(len(images), dtype=np.int64), **columns}
-    if opts.backend == "local":
-        if opts.use_gpu:
-            raise ImgtrainError("--gpu needs the Ray backend (GPU actors); drop --backend local")
-        predictor = Predictor(loaded, top_k=opts.top_k)
-        with process.torch_threads(opts.threads):  # this process's setting, put back after
-            parts = [
-                predictor({**{k: v[i : i + opts.batch_size] for k, v in columns.items()},
-                           "image": images[i : i + opts.batch_size]})
-                for i in range(0, len(images), opts.batch_size)
-            ]
-        frame = pd.concat([pd.DataFrame(p) for p in parts], ignore_index=True)
-    else:
-        frame = _run_on_ray(loaded.path, columns, images, opts)
-    return frame.sort_values(ROW_KEY).drop(columns=ROW_KEY).reset_index(drop=True)
+    if opts.backend == "local" and opts.use_gpu:
+        raise ImgtrainError("--gpu needs the Ray backend (GPU actors); drop --backend local")
+    batches = _local_batches if opts.backend == "local" else _ray_batches
+    for frame in batches(loaded, inputs, opts):
+        bad = frame[ERROR_KEY] != ""
+        if bad.any():
+            first = frame[bad].iloc[0]
+            name = first.get("path", f"row {first[ROW_KEY]}")
+            if on_error == "fail":
+                raise ImgtrainError(f"input {name} {first[ERROR_KEY]}; remove it or pass --on-error skip")
+            yield frame[bad]  # the caller lists them
+        yield frame[~bad]
 
 
-def _run_on_ray(checkpoint_dir: Path, columns: dict, images: np.ndarray, opts: InferenceOptions):
+def _local_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions):
     import pandas as pd
-    import pyarrow as pa
+
+    predictor = Predictor(loaded, top_k=opts.top_k)
+    shape, preset = loaded.preprocess.image_shape, loaded.preprocess.preset
+    with process.torch_threads(opts.threads):  # this process's setting, put back after
+        for task in inputs.tasks:
+            rows = read_task({"task": [json.dumps(task)]}, shape, preset)
+            for i in range(0, len(rows[ROW_KEY]), opts.batch_size):
+                yield pd.DataFrame(predictor({k: v[i:i + opts.batch_size] for k, v in rows.items()}))
+
+
+def _ray_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions):
+    """Reading tasks (CPUs) feeding a pool of Predictor actors, order kept, output streamed."""
+    import pandas as pd
 
     from imgtrain.ops import cluster as cluster_mod
 
-    with cluster_mod.ray_session(opts.address, opts.concurrency, cluster_mod.user_log_dir(), "inference.log"):
-        import ray
+    with cluster_mod.ray_session(opts.address, opts.concurrency + 1, cluster_mod.user_log_dir(), "inference.log"):
         import ray.data
-        from ray.data.extensions import ArrowTensorArray
+        from ray.data import ExecutionResources
 
         if opts.use_gpu:
             cluster_mod.require_gpus(opts.concurrency, "GPU actor(s)", "drop --gpu or lower --concurrency")
-        table = pa.table({**{k: pa.array(v) for k, v in columns.items()},
-                          "image": ArrowTensorArray.from_numpy(images)})
-        # Several blocks so that every actor of the pool gets work. from_blocks computes
-        # block metadata here; from_arrow would start one remote task per block for it.
-        n_blocks = max(1, min(len(images) // opts.batch_size, 4 * opts.concurrency))
-        step = -(-len(images) // n_blocks)
-        blocks = [table.slice(i, step) for i in range(0, len(images), step)]
-        ds = ray.data.from_blocks(blocks).map_batches(
+        shape, preset = loaded.preprocess.image_shape, loaded.preprocess.preset
+        ds = ray.data.from_items([{"task": json.dumps(t)} for t in inputs.tasks], override_num_blocks=len(inputs.tasks))
+        ds = ds.map_batches(read_task, fn_kwargs={"shape": shape, "preset": preset}, batch_size=1, num_cpus=1)
+        ds = ds.map_batches(
             Predictor,
             fn_constructor_kwargs=dict(
-                checkpoint=str(checkpoint_dir), device="cuda" if opts.use_gpu else "cpu",
+                checkpoint=str(loaded.path), device="cuda" if opts.use_gpu else "cpu",
                 top_k=opts.top_k, threads=0 if opts.use_gpu else opts.threads_per_actor(),
             ),
-            batch_size=opts.batch_size, batch_format="numpy", num_cpus=1,
-            num_gpus=1 if opts.use_gpu else 0,
+            batch_size=opts.batch_size, batch_format="numpy", num_cpus=1, num_gpus=1 if opts.use_gpu else 0,
             compute=ray.data.ActorPoolStrategy(size=opts.concurrency),
         )
-        return pd.concat(
-            [pd.DataFrame(b) for b in ds.iter_batches(batch_size=None, batch_format="numpy")],
-            ignore_index=True,
-        )
+        ds.context.execution_options.preserve_order = True  # rows come back in input order
+        ds.context.execution_options.resource_limits = ExecutionResources(object_store_memory=256 << 20)
+        with warnings.catch_warnings():  # a small input has fewer tasks than actors: no news
+            warnings.filterwarnings("ignore", message="The minimum number of concurrent actors")
+            for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+                yield pd.DataFrame(batch)
 
 
 # ---------------------------------------------------------------- evaluation
@@ -166,7 +174,8 @@ def evaluate(
     data: str | None = None, options: InferenceOptions | None = None,
 ) -> EvalResult:
     """Accuracy, per-class scores and confusion matrix of a checkpoint on a prepared split."""
-    from imgtrain.data.format import read_split, verify_dataset
+    from imgtrain.data.format import eval_split, verify_dataset
+    from imgtrain.inference.inputs import list_inputs
 
     opts = options or InferenceOptions()
     loaded = load_checkpoint(run, checkpoint, storage)
@@ -177,19 +186,23 @@ def evaluate(
     _check_compatible(loaded, manifest, data_dir)
     if split not in manifest["splits"]:
         raise ImgtrainError(f"data set {data_dir} has no split {split!r}; it has {', '.join(manifest['splits'])}")
-    ids, images, labels = read_split(data_dir, split)
-    if len(ids) == 0:
+    if manifest["splits"][split]["num_samples"] == 0:
         raise ImgtrainError(f"split {split!r} of {data_dir} is empty; nothing to evaluate")
-    frame = run_predictor(loaded, {"id": ids, "label": labels}, images, opts)
     k = len(loaded.preprocess.classes)
-    cm = confusion_matrix(frame["label"].to_numpy(), frame["pred_index"].to_numpy(), k)
+    cm, parts = np.zeros((k, k), np.int64), []
+    for frame in predictions(loaded, list_inputs(str(data_dir), split), opts, on_error="fail"):
+        cm += confusion_matrix(frame["label"].to_numpy(), frame["pred_index"].to_numpy(), k)
+        # one small row per image (no pixels): what the report shows and the caller may inspect
+        parts.append(frame.drop(columns=[ERROR_KEY, CONVERTED_KEY, ROW_KEY], errors="ignore"))
+    import pandas as pd
+
     return EvalResult(
         accuracy=float(np.trace(cm) / cm.sum()), num_samples=int(cm.sum()),
         classes=list(loaded.preprocess.classes), confusion_matrix=cm.tolist(),
         per_class=per_class_scores(cm, loaded.preprocess.classes), checkpoint=str(loaded.path),
         split=split, data=str(Path(data_dir).resolve()),
-        recorded_val_accuracy=loaded.recorded_val_accuracy if split == "test" and not data else None,
-        predictions=frame,
+        recorded_val_accuracy=loaded.recorded_val_accuracy if split == eval_split(manifest) and not data else None,
+        predictions=pd.concat(parts, ignore_index=True),
     )
 
 
@@ -217,7 +230,13 @@ class PredictResult:
     converted: int  # inputs converted to the model's size or colour mode
     image_shape_text: str  # e.g. "28x28x1"
     skipped: list[tuple[str, str]]  # (path, reason) of image files that could not be read
-    predictions: object = field(default=None, repr=False)  # the DataFrame written
+
+    @property
+    def predictions(self):
+        """The written predictions, read back (they were never all held while predicting)."""
+        import pandas as pd
+
+        return pd.read_csv(self.out) if self.out.suffix.lower() == ".csv" else pd.read_parquet(self.out)
 
 
 def predict(
@@ -225,17 +244,39 @@ def predict(
     split: str = "test", image_column: str = "image", options: InferenceOptions | None = None,
     overwrite: bool = False,
 ) -> PredictResult:
-    """Predict every image of ``input`` (see ``imgtrain.inference.inputs``) and write ``out`` (.parquet/.csv)."""
-    from imgtrain.inference.inputs import check_output, read_inputs, write_table
+    """Predict every image of ``input`` (see ``imgtrain.inference.inputs``) and write ``out``
+    (.parquet/.csv) batch by batch: memory stays bounded however many images there are."""
+    from imgtrain.inference.inputs import (
+        ON_ERROR,
+        TableWriter,
+        check_output,
+        list_inputs,
+    )
 
     opts = options or InferenceOptions()
     opts.validate()
+    if on_error not in ON_ERROR:
+        raise ImgtrainError(f"--on-error must be skip or fail, got {on_error!r}")
     out = check_output(out, overwrite)  # before any work, not after it
     loaded = load_checkpoint(run, checkpoint, storage)
-    shape = loaded.preprocess.image_shape
-    inputs = read_inputs(input, shape, on_error=on_error, split=split, image_column=image_column)
-    frame = run_predictor(loaded, inputs.columns, inputs.images, opts)
-    write_table(frame, out)
-    return PredictResult(out=out, num_predictions=len(frame), converted=inputs.converted,
-                         image_shape_text="x".join(map(str, shape)), skipped=inputs.skipped,
-                         predictions=frame)
+    inputs = list_inputs(input, split=split, image_column=image_column)
+    writer, skipped, converted = TableWriter(out), [], 0
+    try:
+        for frame in predictions(loaded, inputs, opts, on_error):
+            if (frame[ERROR_KEY] != "").any():
+                names = frame["path"] if "path" in frame else frame[ROW_KEY].map(lambda r: f"row {r}")
+                skipped += list(zip(names, frame[ERROR_KEY]))
+                continue
+            converted += int(frame[CONVERTED_KEY].sum())
+            if len(frame):
+                writer.write(frame.drop(columns=[ERROR_KEY, CONVERTED_KEY, ROW_KEY]))
+        if writer.rows == 0:
+            raise ImgtrainError(f"no images to predict in {input}" + (
+                f": none of the {len(skipped)} file(s) is a readable PNG/JPEG image (first: {skipped[0][0]}: "
+                f"{skipped[0][1]})" if skipped else ""))
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    return PredictResult(out=out, num_predictions=writer.rows, converted=converted,
+                         image_shape_text="x".join(map(str, loaded.preprocess.image_shape)), skipped=skipped)

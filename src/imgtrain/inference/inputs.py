@@ -1,20 +1,24 @@
-"""What ``imgtrain predict`` reads and writes.
+"""What ``imgtrain predict`` (and ``evaluate``) read, in chunks: never all images at once.
 
 Inputs, recognised in this order:
   * a prepared data set directory (has manifest.json): one split, with ids and labels;
-  * a Parquet file, or a directory of them: an image column (pixels, Ray tensors or PNG/JPEG
-    bytes), plus ``id`` and ``label`` columns when present;
+  * a Parquet file, or a directory of them: an image column (PNG/JPEG bytes, pixel arrays or a
+    tensor column), plus ``id`` and ``label`` columns when present;
   * a directory of PNG/JPEG files (searched recursively), a glob (``photos/*.png``), or one file.
 
-Every image is converted to what the model takes: PIL ``convert("L")`` or ``convert("RGB")``
-for the channel count, then a bilinear resize to the model's height and width. Image files
-that cannot be decoded are reported by path and skipped (``on_error="skip"``) or make the
-whole command fail before any prediction (``on_error="fail"``).
+The input is first listed (paths, or row groups) into tasks of a few dozen images; each task
+is read, decoded and converted to what the model takes (``read_task``), in this process or in
+Ray Data's tasks, and predicted batch by batch. Conversion: ``L`` or ``RGB`` for the channel
+count, then the model's evaluation transform (the data set's preset: a bilinear resize for
+digits, resize and centre crop for photos). Files that cannot be used are reported by path
+and skipped (``on_error="skip"``) or stop the command (``on_error="fail"``; nothing is written).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,68 +32,69 @@ from imgtrain.data.images import (
 from imgtrain.errors import ImgtrainError, one_line
 
 ON_ERROR = ("skip", "fail")
+TASK_FILES = 64  # images per task
+ROW_KEY = "_row"  # input position, so outputs come back in input order whatever Ray does
+ERROR_KEY = "_error"  # why a row cannot be used ("" when it can)
+CONVERTED_KEY = "_converted"  # whether the image had to be converted to the model's size or mode
 
 
 @dataclass
 class Inputs:
-    columns: dict  # id or path (and label when known): numpy arrays [N]
-    images: np.ndarray  # uint8 [N, H, W, C] in the model's shape
-    converted: int = 0  # how many were converted to the model's size or channels
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+    """An input, listed: the tasks that read it and the columns each row carries along."""
+
+    tasks: list[dict]  # plain dicts (they travel to Ray Data's tasks)
+    columns: tuple[str, ...]  # "path", or "id" (and "label")
+    total: int
 
 
-def read_inputs(spec: str, image_shape: tuple[int, int, int], on_error: str = "skip",
-                split: str = "test", image_column: str = "image") -> Inputs:
-    if on_error not in ON_ERROR:
-        raise ImgtrainError(f"--on-error must be skip or fail, got {on_error!r}")
+def list_inputs(spec: str, split: str = "test", image_column: str = "image") -> Inputs:
     path = Path(spec).expanduser()
     if (path / "manifest.json").is_file():
-        inputs = _from_dataset(path, split, image_shape)
-    elif path.suffix == ".parquet" or (path.is_dir() and any(path.rglob("*.parquet"))):
-        inputs = _from_parquet(path, image_column, image_shape)
-    else:
-        inputs = _from_image_files(spec, image_shape, on_error)
-    if len(inputs.images) == 0:
-        raise ImgtrainError(f"no images to predict in {spec}")
-    return inputs
+        return _dataset_inputs(path, split)
+    if path.suffix == ".parquet" or (path.is_dir() and any(path.rglob("*.parquet"))):
+        return _parquet_inputs(path, image_column)
+    paths = _image_paths(spec)
+    tasks = [{"kind": "files", "first": i, "paths": [str(p) for p in paths[i:i + TASK_FILES]]}
+             for i in range(0, len(paths), TASK_FILES)]
+    return Inputs(tasks, ("path",), len(paths))
 
 
-def _from_dataset(path: Path, split: str, image_shape) -> Inputs:
-    from imgtrain.data.format import load_manifest, read_split
+def _dataset_inputs(path: Path, split: str) -> Inputs:
+    from imgtrain.data import stream
+    from imgtrain.data.format import load_manifest
 
     manifest = load_manifest(path)
     if split not in manifest["splits"]:
         raise ImgtrainError(f"data set {path} has no split {split!r}; it has {', '.join(manifest['splits'])}")
-    ids, images, labels = read_split(path, split)
-    conformed, converted = conform(images, image_shape)
-    return Inputs({"id": ids, "label": labels}, conformed, converted)
+    tasks, first = [], 0
+    for f, g, rows in stream.blocks(path, manifest, split):
+        tasks.append({"kind": "dataset", "first": first, "data": str(path),
+                      "task": {"window": len(tasks), "start": 0, "blocks": [[f, g]]}})
+        first += rows
+    return Inputs(tasks, ("id", "label"), manifest["splits"][split]["num_samples"])
 
 
-def _from_parquet(path: Path, image_column: str, image_shape) -> Inputs:
-    import pyarrow as pa
+def _parquet_inputs(path: Path, image_column: str) -> Inputs:
+    import pyarrow.parquet as pq
 
-    from imgtrain.data.sources import (
-        images_from_column,
-        parquet_files,
-        read_parquet_columns,
-    )
+    from imgtrain.data.tables import parquet_files, read_parquet_columns
 
     files = parquet_files(path)
     if not files:
         raise ImgtrainError(f"no Parquet file at {path}")
     try:
-        table = read_parquet_columns(files, [image_column], ["id", "label"], "choose with --image-column")
-    except (pa.ArrowException, OSError) as e:
+        read_parquet_columns(files, [image_column], ["id", "label"], "choose with --image-column", skip=[image_column])
+    except OSError as e:
         raise ImgtrainError(f"cannot read Parquet data at {path}: {one_line(e, 200)}") from None
-    images = images_from_column(table.column(image_column), table.schema.field(image_column))
-    columns = {"id": np.arange(table.num_rows, dtype=np.int64)}
-    for name in ("id", "label"):
-        if name in table.column_names and name != image_column:
-            col = table.column(name)
-            if pa.types.is_integer(col.type) and col.null_count == 0:
-                columns[name] = col.to_numpy().astype(np.int64)
-    conformed, converted = conform(images, image_shape)
-    return Inputs(columns, conformed, converted)
+    tasks, first = [], 0
+    names = set()
+    for f in files:
+        meta = pq.ParquetFile(f)
+        names |= set(meta.schema_arrow.names)
+        for g in range(meta.num_row_groups):
+            tasks.append({"kind": "parquet", "first": first, "file": str(f), "group": g, "column": image_column})
+            first += meta.metadata.row_group(g).num_rows
+    return Inputs(tasks, tuple(c for c in ("id", "label") if c in names and c != image_column), first)
 
 
 def _image_paths(spec: str) -> list[Path]:
@@ -114,49 +119,107 @@ def _visible(base: Path, found) -> list[Path]:
     return sorted(p for p in found if p.is_file() and not any(part.startswith(".") for part in p.relative_to(base).parts))
 
 
-def _from_image_files(spec: str, image_shape, on_error: str) -> Inputs:
-    h, w, c = image_shape
-    paths = _image_paths(spec)
-    images = np.empty((len(paths), h, w, c), dtype=np.uint8)
-    kept, skipped, converted = [], [], 0
-    for p in paths:
-        reason = None
-        if p.suffix.lower() not in IMAGE_SUFFIXES:
-            reason = "not a .png/.jpg/.jpeg file"
-        else:
-            try:
-                with open_image(p) as im:
-                    images[len(kept)], changed = conform_image(im, image_shape)
-                converted += changed
-                kept.append(str(p))
-            except ImageRejected as e:  # another format, too many pixels
-                reason = f"cannot be used ({e})"
-            except Exception as e:  # unreadable, truncated, not really an image
-                reason = f"cannot be decoded ({type(e).__name__})"
-        if reason:
-            skipped.append((str(p), reason))
-    if skipped and on_error == "fail":
-        shown = "; ".join(f"{name}: {why}" for name, why in skipped[:3])
-        more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
-        raise ImgtrainError(f"{len(skipped)} input file(s) cannot be used: {shown}{more}; "
-                            "remove them or pass --on-error skip")
-    if not kept and skipped:
-        raise ImgtrainError(f"none of the {len(skipped)} file(s) in {spec} is a readable PNG/JPEG image "
-                            f"(first: {skipped[0][0]}: {skipped[0][1]})")
-    return Inputs({"path": np.asarray(kept, dtype=object)}, images[: len(kept)], converted, skipped)
+# ---------------------------------------------------------------- reading one task
 
 
-def conform(images: np.ndarray, image_shape) -> tuple[np.ndarray, int]:
-    """uint8 [N, H', W', C'] -> [N, H, W, C] with the same rule as image files."""
-    if images.shape[1:] == tuple(image_shape):
-        return images, 0
+def read_task(batch: dict, shape, preset: str) -> dict:
+    """Ray Data ``map_batches`` function (batch_size=1), or called directly: one task's rows as
+    {ROW_KEY, the carried columns, "image" uint8 [k, H, W, C], ERROR_KEY, CONVERTED_KEY}. A row
+    that cannot be used keeps its place with a black image and the reason in ERROR_KEY."""
+    task = json.loads(batch["task"][0])
+    if task["kind"] == "dataset":
+        return _read_dataset_task(task, shape, preset)
+    sources = _task_sources(task)
+    h, w, c = shape
+    out = {ROW_KEY: np.arange(task["first"], task["first"] + len(sources["items"]), dtype=np.int64),
+           "image": np.zeros((len(sources["items"]), h, w, c), np.uint8),
+           ERROR_KEY: np.full(len(sources["items"]), "", dtype=object),
+           CONVERTED_KEY: np.zeros(len(sources["items"]), bool)}
+    for k, item in enumerate(sources["items"]):
+        try:
+            out["image"][k], out[CONVERTED_KEY][k] = _convert(item, shape, preset)
+        except ImageRejected as e:
+            out[ERROR_KEY][k] = f"cannot be used ({e})"
+        except Exception as e:  # unreadable, truncated, not really an image
+            out[ERROR_KEY][k] = f"cannot be decoded ({type(e).__name__})"
+    out.update(sources["columns"])
+    out[ERROR_KEY] = out[ERROR_KEY].astype(str)
+    return out
+
+
+def _task_sources(task: dict) -> dict:
+    """{"items": one entry per row (bytes, a path, an array, or an ImageRejected), "columns"}."""
+    if task["kind"] == "files":
+        items = [Path(p) if Path(p).suffix.lower() in IMAGE_SUFFIXES else ImageRejected("not a .png/.jpg/.jpeg file")
+                 for p in task["paths"]]
+        return {"items": items, "columns": {"path": np.asarray(task["paths"], dtype=str)}}
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from imgtrain.data.tables import images_from_column
+
+    table = pq.ParquetFile(task["file"]).read_row_group(task["group"])
+    column = table.column(task["column"])
+    columns = {}
+    for name in ("id", "label"):
+        if name in table.column_names and name != task["column"]:
+            col = table.column(name)
+            if pa.types.is_integer(col.type) and col.null_count == 0:
+                columns[name] = col.to_numpy().astype(np.int64)
+    if pa.types.is_struct(column.type):  # Hugging Face's {bytes, path} images
+        column = pc.struct_field(column, "bytes")
+    if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+        items = [v if v is not None else ImageRejected("empty (null) image") for v in column.to_pylist()]
+    else:
+        items = list(images_from_column(column, table.schema.field(task["column"])))
+    if "id" not in columns:
+        columns["id"] = np.arange(task["first"], task["first"] + len(items), dtype=np.int64)
+    return {"items": items, "columns": columns}
+
+
+def _convert(item, shape, preset: str) -> tuple[np.ndarray, bool]:
+    if isinstance(item, ImageRejected):
+        raise item
+    if isinstance(item, np.ndarray):
+        return conform_array(item, shape, preset), item.shape != tuple(shape)
+    with open_image(item if isinstance(item, (bytes, bytearray)) else Path(item)) as im:
+        return conform_image(im, shape, preset)
+
+
+def _read_dataset_task(task: dict, shape, preset: str) -> dict:
+    """A row group of a prepared data set, through the streamed reader's evaluation transform."""
+    from imgtrain.data import format as fmt
+    from imgtrain.data import stream
+
+    manifest = fmt.load_manifest(task["data"])
+    reader = stream.Reader(task["data"], manifest["storage"], preset, tuple(shape), train=False, augment=False)
+    rows = stream.read_window({"task": [task["task"]]}, reader)
+    n = len(rows["id"])
+    converted = manifest["storage"] == "encoded" or list(manifest["image_shape"]) != list(shape)
+    return {ROW_KEY: np.arange(task["first"], task["first"] + n, dtype=np.int64), "id": rows["id"],
+            "label": rows["label"], "image": rows["image"], ERROR_KEY: np.full(n, "", dtype=str),
+            CONVERTED_KEY: np.full(n, converted and manifest["storage"] == "tensor")}
+
+
+def conform_array(pixels: np.ndarray, shape, preset: str = "digits") -> np.ndarray:
+    """uint8 [H', W', C'] -> the model's [H, W, C], with the same rule as image files."""
     from PIL import Image
 
-    out = np.empty((len(images), *image_shape), dtype=np.uint8)
-    for i, img in enumerate(images):
-        pil = Image.fromarray(img[..., 0] if img.shape[-1] == 1 else img)
-        out[i] = conform_image(pil, image_shape)[0]
-    return out, len(images)
+    if pixels.shape == tuple(shape):
+        return pixels
+    pil = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+    return conform_image(pil, shape, preset)[0]
+
+
+def conform(images: np.ndarray, image_shape, preset: str = "digits") -> tuple[np.ndarray, int]:
+    """uint8 [N, H', W', C'] -> [N, H, W, C]; how many were converted."""
+    if images.shape[1:] == tuple(image_shape):
+        return images, 0
+    return np.stack([conform_array(x, image_shape, preset) for x in images]), len(images)
+
+
+# ---------------------------------------------------------------- writing the predictions
 
 
 def check_output(out, overwrite: bool = False) -> Path:
@@ -169,20 +232,40 @@ def check_output(out, overwrite: bool = False) -> Path:
     return out
 
 
-def write_table(frame, out: Path) -> Path:
-    """Predictions -> Parquet or CSV (by extension, see ``check_output``), written whole or not at all."""
-    import os
+class TableWriter:
+    """Predictions appended batch by batch (Parquet or CSV by extension) to a temporary file
+    that replaces ``out`` only when ``commit`` is called: written whole, or not at all."""
 
-    kind = out.suffix.lower()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # two commands writing one --out never share it
-    try:
-        if kind == ".csv":
-            frame.to_csv(tmp, index=False)
-        else:
-            frame.to_parquet(tmp, index=False)
-        os.replace(tmp, out)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ImgtrainError(f"cannot write {out}: {e.strerror or e}") from None
-    return out
+    def __init__(self, out: Path):
+        self.out, self.rows = out, 0
+        self.tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        self.writer = None
+
+    def write(self, frame) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            if self.out.suffix.lower() == ".csv":
+                frame.to_csv(self.tmp, index=False, mode="a", header=self.rows == 0)
+            else:
+                table = pa.Table.from_pandas(frame, preserve_index=False)
+                if self.writer is None:
+                    self.out.parent.mkdir(parents=True, exist_ok=True)
+                    self.writer = pq.ParquetWriter(self.tmp, table.schema)
+                self.writer.write_table(table.cast(self.writer.schema))
+        except OSError as e:
+            self.abort()
+            raise ImgtrainError(f"cannot write {self.out}: {e.strerror or e}") from None
+        self.rows += len(frame)
+
+    def commit(self) -> Path:
+        if self.writer is not None:
+            self.writer.close()
+        os.replace(self.tmp, self.out)
+        return self.out
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.tmp.unlink(missing_ok=True)

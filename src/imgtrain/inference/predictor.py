@@ -21,6 +21,7 @@ import numpy as np
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
+from imgtrain.data.format import default_preset
 from imgtrain.errors import ImgtrainError, one_line
 
 DEFAULT_TOP_K = 3
@@ -39,6 +40,7 @@ class Preprocess:
     std: tuple[float, ...]
     classes: tuple[str, ...]
     channels_last: bool = False
+    preset: str = "digits"  # how images of another size are converted: its evaluation transform
 
     def __call__(self, images, device="cpu"):
         import torch
@@ -135,11 +137,20 @@ def load_checkpoint(
         image_shape=image_shape,
         mean=tuple(norm["mean"]), std=tuple(norm["std"]), classes=classes,
         channels_last=bool((meta.get("config") or {}).get("channels_last", False)),
+        preset=preprocess_preset(path),
     )
     model = model.to(device).eval()
     if preprocess.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return LoadedCheckpoint(model, preprocess, path, meta)
+
+
+def preprocess_preset(checkpoint_dir: Path) -> str:
+    """The evaluation transform a checkpoint's model was validated with."""
+    meta = ckpt.read_meta(checkpoint_dir)
+    config, data = meta.get("config") or {}, meta.get("data") or {}
+    preset = config.get("preset") if config.get("preset") not in (None, "auto") else data.get("preset")
+    return preset or default_preset(data.get("image_shape"))
 
 
 def load_model(run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs", device: str = "cpu"):

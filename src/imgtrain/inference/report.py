@@ -53,8 +53,9 @@ PLOTS = (
 def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path:
     """Write the plots, ``evaluation.json`` and ``report.html`` for ``run`` (a run name in
     ``storage`` or a run directory); return the page's path."""
-    from imgtrain.data.format import read_split
+    from imgtrain.data import stream
     from imgtrain.inference.batch import InferenceOptions, evaluate
+    from imgtrain.inference.predictor import preprocess_preset
 
     run_dir = runs.locate(run, storage)
     result = runs.load_run(str(run_dir.parent), run_dir.name)
@@ -63,11 +64,13 @@ def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path
             f"run {result.name!r} has no complete checkpoint yet ({result.path}); train it first"
         )
     ev = evaluate(str(result.path), checkpoint, storage, options=InferenceOptions(backend="local"))
-    ids, images, _ = read_split(ev.data, ev.split)
-    by_id = dict(zip(ids.tolist(), range(len(ids))))
-    preds = ev.predictions  # one row per image: id, label, pred_index, pred_class, confidence
-    # Matched by id, not position: the predictions' order is inference's business.
-    shown = images[[by_id[i] for i in preds["id"].tolist()]]  # [N, H, W, C], in predictions' order
+    preds = ev.predictions.reset_index(drop=True)  # one row per image: id, label, pred_index, confidence
+    n = GRID_SIDE**2
+    wrong = preds[preds["pred_index"] != preds["label"]]
+    worst = wrong.sort_values("confidence", ascending=False, kind="stable").iloc[:n]
+    # Only the images shown are fetched (as the model saw them), matched by id, not position.
+    pictures = stream.fetch_images(ev.data, ev.split, set(preds["id"].iloc[:n]) | set(worst["id"]),
+                                   preset=preprocess_preset(Path(ev.checkpoint)))
 
     out = result.path / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -75,18 +78,20 @@ def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path
     used_meta = ckpt.read_meta(used)
     png = {plot_id: out / file for plot_id, file, _ in PLOTS}
     _learning_curves(result.history, used_meta.get("epoch"), png["learning-curves"])
-    n = GRID_SIDE**2
-    _image_grid(shown[:n], preds.iloc[:n], ev.classes, png["predictions-grid"], with_confidence=False)
+    first = preds.iloc[:n]
+    _image_grid(_stack(pictures, first), first, ev.classes, png["predictions-grid"], with_confidence=False)
     _confusion_matrix(np.asarray(ev.confusion_matrix), ev.classes, png["confusion-matrix"])
-    wrong = preds[preds["pred_index"] != preds["label"]]
-    worst = wrong.sort_values("confidence", ascending=False, kind="stable").iloc[:n]
-    _image_grid(shown[worst.index.to_numpy()], worst, ev.classes, png["confident-errors"],
-                with_confidence=True)
+    _image_grid(_stack(pictures, worst), worst, ev.classes, png["confident-errors"], with_confidence=True)
     atomic_write_text(out / EVAL_FILE, json.dumps(ev.to_json(), indent=2))
 
     page = out / PAGE_FILE
     atomic_write_text(page, _page(result, ev, used, used_meta, out, num_wrong=len(wrong)))
     return page
+
+
+def _stack(pictures: dict, rows) -> np.ndarray:
+    """uint8 [N, H, W, C] of ``rows``' images, in their order."""
+    return np.stack([pictures[i] for i in rows["id"].tolist()]) if len(rows) else np.zeros((0, 1, 1, 1), np.uint8)
 
 
 # ---------------------------------------------------------------- plots

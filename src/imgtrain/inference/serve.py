@@ -119,7 +119,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def image_from_bytes(body: bytes, shape, max_pixels: int) -> np.ndarray:
+def image_from_bytes(body: bytes, shape, max_pixels: int, preset: str = "digits") -> np.ndarray:
     """PNG/JPEG bytes -> uint8 [1, H, W, C], converted like ``imgtrain predict`` converts files."""
     from imgtrain.data.images import (
         ImageRejected,
@@ -130,7 +130,7 @@ def image_from_bytes(body: bytes, shape, max_pixels: int) -> np.ndarray:
 
     try:
         with open_image(body, max_pixels) as im:
-            return conform_image(im, shape)[0][None]
+            return conform_image(im, shape, preset)[0][None]
     except ImageTooLarge as e:
         raise RequestError(413, f"the image is too large to decode: {e} (--max-image-pixels)") from None
     except ImageRejected as e:
@@ -212,7 +212,8 @@ class ModelServer:
         if is_json:
             images, batch = pixels_from_json(body, self.shape)
         else:
-            images, batch = image_from_bytes(body, self.shape, self.max_pixels), False
+            preset = self.predictor.loaded.preprocess.preset
+            images, batch = image_from_bytes(body, self.shape, self.max_pixels, preset), False
         if len(images) > self.limits.max_batch_images:
             raise RequestError(413, f"{len(images)} images in one request, over the limit of "
                                     f"{self.limits.max_batch_images} (--max-batch-images)")

@@ -73,13 +73,13 @@ def _refuse_if_running(run_dir: Path, force: bool) -> None:
 
 def plan_dataset(data_dir: str | Path) -> Removal:
     """A prepared data set: its manifest and the files the manifest lists, nothing else."""
-    from imgtrain.data.format import MANIFEST, SPLITS, load_manifest, split_files
+    from imgtrain.data.format import MANIFEST, load_manifest, split_files
 
     data_dir = Path(data_dir).absolute()
     if data_dir.is_symlink() or not data_dir.is_dir():
         raise ImgtrainError(f"{data_dir} is not a data set directory; nothing deleted")
     manifest = load_manifest(data_dir)  # refuses a folder imgtrain did not prepare
-    files = [data_dir / MANIFEST] + [p for s in SPLITS for p in split_files(data_dir, manifest, s) if p.is_file()]
+    files = [data_dir / MANIFEST] + [p for s in manifest["splits"] for p in split_files(data_dir, manifest, s) if p.is_file()]
     inside = data_dir.resolve()
     for path in files:  # a linked split folder would make us delete what lies elsewhere
         if inside not in path.resolve().parents:

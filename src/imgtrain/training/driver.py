@@ -17,6 +17,7 @@ from pathlib import Path
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.config import TrainConfig, changed_fields, steps_per_epoch, validate
+from imgtrain.data import stream
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops import ownership
@@ -122,6 +123,9 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
         )
     if cfg.backend == "ray" and cfg.address:  # an unreachable cluster: say so before making the run
         cluster_mod.check_joinable(cfg.address)
+    if cfg.data_on_device and not stream.in_memory(cfg, manifest):
+        raise ImgtrainError("--data-on-device holds a small data set in device memory; this one is streamed "
+                            "(encoded images, or too large): drop --data-on-device")
     if cfg.backend == "local" and cfg.use_gpu and not _cuda_available():
         raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
     return _Plan(cfg, manifest, stored, exists and overwrite, resume)

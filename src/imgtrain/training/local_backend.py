@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from imgtrain import checkpoint as ckpt
-from imgtrain.config import TrainConfig, steps_per_epoch
+from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import process
 from imgtrain.ops.cluster import threads_for
@@ -24,24 +24,27 @@ from imgtrain.training import faults, tracking
 
 def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> None:
     """Train in this process; records go to ``records``."""
-    from imgtrain.data.format import read_split
-    from imgtrain.data.order import ordered_batches, sort_by_id
-    from imgtrain.training.loop import (
-        Backend,
-        in_memory_batches,
-        run_loop,
-        single_process_collectives,
-    )
+    from imgtrain.data import stream
+    from imgtrain.training import ingest
+    from imgtrain.training.loop import Backend, run_loop, single_process_collectives
 
     device = torch.device("cuda" if cfg.use_gpu else "cpu")
-    rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
     records.display.note(f"run {cfg.name}: {run_dir}  (local backend, {device})")
     for stale in run_dir.glob(f".{ckpt.PREFIX}*.tmp"):  # a copy cut short by a killed driver
         shutil.rmtree(stale, ignore_errors=True)
+    in_memory = stream.in_memory(cfg, manifest)
+    if in_memory:
+        from imgtrain.data.format import read_split
+        from imgtrain.data.order import ordered_batches, sort_by_id
 
-    steps = max(1, steps_per_epoch(len(rows[0]), cfg.batch_size, cfg.limit_train_batches))
-    train_batches = ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world_size=1, rank=0, device=device,
-                                    on_device=cfg.data_on_device)
+        rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
+        train_batches = ordered_batches(rows, cfg.seed, cfg.batch_size, ingest.steps(cfg, manifest), world_size=1,
+                                        rank=0, device=device, on_device=cfg.data_on_device)
+        val_batches = ingest.in_memory_val_batches(cfg, manifest, 0, 1, device)
+    else:  # streamed: the same tasks as on Ray, in a DataLoader's worker processes (or here)
+        how = "torch" if cfg.ingest == "torch" else "local"
+        train_batches = ingest.streamed_train_batches(cfg, manifest, 0, 1, device, how)
+        val_batches = ingest.streamed_val_batches(cfg, manifest, 0, 1, device, how)
 
     fault = faults.parse(os.environ.get(faults.ENV_VAR))
 
@@ -68,7 +71,7 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
 
     backend = Backend(
         rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device), damaged=resume.damaged,
-        train_batches=train_batches, val_batches=in_memory_batches(cfg.data, "test", cfg.eval_batch_size, device),
+        train_batches=train_batches, val_batches=val_batches, augment_in_step=in_memory,
         **single_process_collectives(), restored_checkpoint=restored_checkpoint, report=report, send=records.send,
         run_dir=run_dir, fault=fault,
     )

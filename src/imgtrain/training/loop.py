@@ -47,7 +47,7 @@ class Backend:
     prepare_model: Callable[[nn.Module], nn.Module]  # DDP on Ray; the device alone locally
     # (epoch, first step) -> this rank's batches for the steps of the epoch from that one on
     train_batches: Callable[[int, int], Iterable[Batch]]
-    val_batches: Callable[[], Iterable[Batch]]  # the whole test split; evaluate() keeps rows by id
+    val_batches: Callable[[], Iterable[Batch]]  # this rank's rows of the validation split
     # Collectives every rank calls together (identities with one rank); CPU tensors in and out.
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]
     broadcast: Callable[[torch.Tensor], torch.Tensor]  # rank 0's tensor, on every rank
@@ -61,6 +61,7 @@ class Backend:
     progress: Progress = field(default_factory=Progress)
     run_dir: Path | None = None  # for the sample ledger and injected faults
     fault: faults.Fault | None = None
+    augment_in_step: bool = True  # False: the batches arrive augmented (a streamed data set)
 
 
 def single_process_collectives() -> dict:
@@ -214,7 +215,7 @@ def train_step(run: Run, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     loss (float64) and number of correct predictions, both still on the device."""
     cfg, backend, world = run.cfg, run.backend, run.backend.world_size
     x = to_model_input(batch["image"], run.manifest["normalize"]["mean"], run.manifest["normalize"]["std"])
-    if cfg.augment:  # x: [B, C, H, W] float32 in [-1, 1]
+    if cfg.augment and backend.augment_in_step:  # x: [B, C, H, W] float32, normalised
         draw = augment_draw(cfg.seed, run.step, cfg.batch_size, world, backend.rank)
         x = random_affine(x, draw, cfg.max_rotate_deg, cfg.max_shift, cfg.max_scale)
     y = batch["label"]
@@ -338,31 +339,15 @@ def restore(directory: str, model: nn.Module, optimizer, ema, device) -> Resumed
 # ---------------------------------------------------------------- validation
 
 
-def in_memory_batches(data_dir: str, split: str, batch_size: int, device) -> Callable[[], Iterable[Batch]]:
-    """``val_batches`` over a split read once into memory (validation keeps rows by id)."""
-    from imgtrain.data.format import read_split
-
-    ids, images, labels = map(torch.from_numpy, read_split(data_dir, split))
-
-    def batches():
-        for start in range(0, len(ids), batch_size):
-            sl = slice(start, start + batch_size)
-            yield {"id": ids[sl], "image": images[sl].to(device), "label": labels[sl].to(device)}
-
-    return batches
-
-
 def evaluate(
     model: nn.Module, backend: Backend, manifest: dict, label_smoothing: float = 0.0,
     memory_format: torch.memory_format = torch.contiguous_format,
 ):
-    """Loss and accuracy on the test split, each row counted once across all ranks.
-
-    Every rank reads the whole split and keeps rows with ``id % world == rank``: exact
-    coverage whatever order the rows arrive in. The plain (unwrapped) model is used, so
-    no rank waits on a DDP collective for a forward pass another rank does not make.
+    """Loss and accuracy on the validation split, each row counted once across all ranks: each
+    rank gets its own rows (``ingest.py``) and the sums are all-reduced. The plain (unwrapped)
+    model is used, so no rank waits on a DDP collective for a forward pass another rank does
+    not make.
     """
-    rank, world = backend.rank, backend.world_size
     mean, std = manifest["normalize"]["mean"], manifest["normalize"]["std"]
     criterion = nn.CrossEntropyLoss(reduction="sum", label_smoothing=label_smoothing)
     sums = torch.zeros(3, dtype=torch.float64)
@@ -370,11 +355,10 @@ def evaluate(
     model.eval()
     with torch.inference_mode():
         for batch in backend.val_batches():
-            mine = batch["id"] % world == rank
-            if not mine.any():
+            if not len(batch["label"]):
                 continue
-            x = to_model_input(batch["image"][mine], mean, std)
-            y = batch["label"][mine]
+            x = to_model_input(batch["image"], mean, std)
+            y = batch["label"]
             logits = model(x.contiguous(memory_format=memory_format))
             sums += torch.tensor(
                 [criterion(logits, y).item(), (logits.argmax(1) == y).sum().item(), len(y)],

@@ -33,7 +33,12 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
     logs = run_dir / runs.LOGS_DIR
     faults.parse(os.environ.get(faults.ENV_VAR))  # a malformed spec fails here, not on every worker
     records.display.pin_output()
-    with cluster_mod.ray_session(cfg.address, cluster_mod.required_cpus(cfg), logs, "driver.log", cfg.dashboard) as cluster:
+    from imgtrain.data import stream
+
+    # a local cluster started for a streamed data set: CPUs for every rank's pipeline too
+    pipelines = 0 if stream.in_memory(cfg, manifest) else cfg.workers * max(1, cfg.preprocess_cpus)
+    cpus = cluster_mod.required_cpus(cfg) + pipelines
+    with cluster_mod.ray_session(cfg.address, cpus, logs, "driver.log", cfg.dashboard) as cluster:
         link_dir(logs / "ray", cluster.session_logs)
         cluster_mod.check_resources(cfg)
         cluster_mod.require_shared_paths(run_dir, cfg.data)
@@ -99,7 +104,7 @@ def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, e
                 checkpoint_score_order="max",
             ),
         ),
-        datasets=_datasets(cfg),
+        datasets=_datasets(cfg, manifest),
         # Every worker gets the whole data set and takes its rows of each global batch
         # itself (ray_worker._ray_data_ingest): exact resumption at any world size.
         dataset_config=ray.train.DataConfig(datasets_to_split=[]),
@@ -121,9 +126,12 @@ def _start_timeout(elastic: bool):
     return process.environment(**({START_TIMEOUT_ENV: str(ELASTIC_START_TIMEOUT_S)} if elastic else {}))
 
 
-def _datasets(cfg: TrainConfig):
-    """Ray Data ingest: the train split, handed whole to every worker."""
-    if cfg.ingest != "ray-data":
+def _datasets(cfg: TrainConfig, manifest: dict):
+    """Ray Data ingest of a small data set: the train split, handed whole to every worker (a
+    streamed data set is read by each worker's own pipeline, ``ingest.py``)."""
+    from imgtrain.data import stream
+
+    if cfg.ingest != "ray-data" or not stream.in_memory(cfg, manifest):
         return None
     from imgtrain.data.dataset import ray_dataset
 

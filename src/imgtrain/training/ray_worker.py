@@ -13,19 +13,14 @@ from pathlib import Path
 import torch
 
 from imgtrain import checkpoint as ckpt
-from imgtrain.config import TrainConfig, steps_per_epoch
+from imgtrain.config import TrainConfig
+from imgtrain.data import stream
 from imgtrain.data.order import ordered_batches, sort_by_id
 from imgtrain.ops.cluster import threads_for
-from imgtrain.training import faults, health
+from imgtrain.training import faults, health, ingest
 from imgtrain.training.health import Progress
-from imgtrain.training.loop import (
-    Backend,
-    in_memory_batches,
-    run_loop,
-    single_process_collectives,
-)
-
-BATCH_DTYPES = {"id": torch.int64, "image": torch.uint8, "label": torch.int64}
+from imgtrain.training.ingest import BATCH_DTYPES
+from imgtrain.training.loop import Backend, run_loop, single_process_collectives
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -70,12 +65,16 @@ def train_loop_per_worker(config: dict) -> None:
         if monitor is not None:
             monitor.push.remote(record)  # fire and forget: never a barrier
 
-    ingest = _torch_ingest if cfg.ingest == "torch" else _ray_data_ingest
+    if stream.in_memory(cfg, manifest):
+        train_batches = (_torch_ingest if cfg.ingest == "torch" else _ray_data_ingest)(cfg, manifest, rank, world, device)
+        val_batches = ingest.in_memory_val_batches(cfg, manifest, rank, world, device)
+    else:
+        train_batches = ingest.streamed_train_batches(cfg, manifest, rank, world, device, cfg.ingest)
+        val_batches = ingest.streamed_val_batches(cfg, manifest, rank, world, device, cfg.ingest)
     backend = Backend(
         rank=rank, world_size=world, device=device,
-        prepare_model=ray.train.torch.prepare_model,
-        train_batches=ingest(cfg, manifest, rank, world, device),
-        val_batches=in_memory_batches(cfg.data, "test", cfg.eval_batch_size, device),
+        prepare_model=ray.train.torch.prepare_model, train_batches=train_batches, val_batches=val_batches,
+        augment_in_step=stream.in_memory(cfg, manifest),
         **(_collectives(world, device) if world > 1 else single_process_collectives()),
         restored_checkpoint=restored_checkpoint, report=report, send=send,
         damaged=resume.get("damaged") or [], progress=progress,
@@ -111,11 +110,6 @@ def _collectives(world: int, device) -> dict:
     return {"all_reduce_sum": all_reduce_sum, "broadcast": broadcast, "all_gather": all_gather}
 
 
-def _steps(cfg: TrainConfig, manifest: dict) -> int:
-    n_train = manifest["splits"]["train"]["num_samples"]
-    return max(1, steps_per_epoch(n_train, cfg.batch_size, cfg.limit_train_batches))
-
-
 def _ray_data_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, device):
     """Every worker gets the whole (unsplit) train Dataset from Ray Data once, then takes its
     rows of each global batch in the run's global order (``order.py``): unlike
@@ -128,7 +122,7 @@ def _ray_data_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, de
         for key in columns:
             columns[key].append(batch[key])
     rows = sort_by_id(*(torch.cat(columns[key]) for key in ("id", "image", "label")))
-    return ordered_batches(rows, cfg.seed, cfg.batch_size, _steps(cfg, manifest), world, rank, device,
+    return ordered_batches(rows, cfg.seed, cfg.batch_size, ingest.steps(cfg, manifest), world, rank, device,
                            on_device=cfg.data_on_device)
 
 
@@ -142,7 +136,7 @@ def _torch_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, devic
     from imgtrain.data.order import epoch_permutation, rank_rows
 
     rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
-    steps = _steps(cfg, manifest)
+    steps = ingest.steps(cfg, manifest)
     if cfg.data_on_device:  # no loader at all: batches are gathered in device memory
         return ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world, rank, device, on_device=True)
     train = TensorDataset(*rows)

@@ -1,0 +1,146 @@
+"""How training and validation batches reach the loop, for both backends.
+
+Two paths, the same global order and rank shares (``data/order.py``, ``data/stream.py``):
+
+* **in memory**: small data sets with tensor storage (the MNIST sample: 4 MB) are read whole
+  once per worker and batches are gathered from memory (or from the device with
+  ``--data-on-device``); augmentation runs on whole batches in the training step. Measured
+  faster for such data than any pipeline (no decode, no tasks).
+* **streamed**: everything else, photos above all. Each rank receives its share of every
+  global batch from a Ray Data pipeline (``--ingest ray-data``) or a torch DataLoader
+  (``--ingest torch``; without Ray: the same tasks in this process) that reads row groups,
+  decodes and augments on CPUs and prefetches; memory is bounded whatever the data set's size.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from imgtrain.config import TrainConfig, per_worker_batch_sizes, steps_per_epoch
+from imgtrain.data import format as fmt
+from imgtrain.data import stream
+
+BATCH_DTYPES = {"id": torch.int64, "image": torch.uint8, "label": torch.int64}
+
+
+def steps(cfg: TrainConfig, manifest: dict) -> int:
+    return max(1, steps_per_epoch(manifest["splits"]["train"]["num_samples"], cfg.batch_size, cfg.limit_train_batches))
+
+
+def preprocess_cpus(cfg: TrainConfig, world: int) -> int:
+    """CPUs each rank's pipeline decodes with: the setting, else the logical CPUs the training
+    workers leave free, shared among the ranks (at least one each)."""
+    if cfg.preprocess_cpus:
+        return cfg.preprocess_cpus
+    try:
+        import ray
+
+        total = ray.cluster_resources().get("CPU", 0.0)
+    except Exception:  # no Ray: this machine's cores
+        total = os.cpu_count() or 1
+    return max(1, int((total - world * cfg.cpus_per_worker) // max(world, 1)))
+
+
+# ---------------------------------------------------------------- training batches, streamed
+
+
+def streamed_train_batches(cfg: TrainConfig, manifest: dict, rank: int, world: int, device,
+                           how: str) -> Callable[[int, int], Iterable[dict]]:
+    """``train_batches(epoch, first_step)``: this rank's rows of each global batch from
+    ``first_step`` on, decoded and augmented upstream (``how``: ray-data, torch or local)."""
+    split_blocks = stream.blocks(cfg.data, manifest, "train")
+    share = per_worker_batch_sizes(cfg.batch_size, world)[rank]
+    total = steps(cfg, manifest)
+
+    def train_batches(epoch: int, first_step: int):
+        reader = stream.Reader.for_data(
+            cfg.data, manifest, preset=stream.preset(cfg, manifest), seed=cfg.seed, epoch=epoch,
+            global_batch=cfg.batch_size, positions_end=total * cfg.batch_size,
+            first_position=first_step * cfg.batch_size, world=world, rank=rank, train=True, augment=cfg.augment,
+            max_rotate_deg=cfg.max_rotate_deg, max_shift=cfg.max_shift, max_scale=cfg.max_scale)
+        tasks = stream.windows_from(stream.epoch_windows(split_blocks, cfg.seed, epoch), reader.first_position)
+        yield from _batches(tasks, reader, share, device, how, preprocess_cpus(cfg, world))
+
+    return train_batches
+
+
+def streamed_val_batches(cfg: TrainConfig, manifest: dict, rank: int, world: int, device,
+                         how: str) -> Callable[[], Iterable[dict]]:
+    """``val_batches()``: this rank's rows of the validation split (every world-th row group)."""
+    split = fmt.eval_split(manifest)
+    tasks = stream.eval_tasks(stream.blocks(cfg.data, manifest, split), world, rank)
+    reader = stream.Reader.for_data(cfg.data, manifest, preset=stream.preset(cfg, manifest),
+                                    train=False, augment=False)
+
+    def val_batches():
+        yield from _batches(tasks, reader, cfg.eval_batch_size, device, how, preprocess_cpus(cfg, world))
+
+    return val_batches
+
+
+def _batches(tasks: list, reader: stream.Reader, size: int, device, how: str, cpus: int):
+    if how == "ray-data":
+        yield from stream.ray_batches(tasks, reader, size, cpus, device, BATCH_DTYPES)
+        return
+    source = _loader(tasks, reader, cpus) if how == "torch" else stream.local_batches(tasks, reader, size)
+    pending, held = [], 0
+    for part in source:  # numpy dicts of any length -> torch batches of ``size`` rows
+        pending.append(part)
+        held += len(part["id"])
+        while held >= size:
+            batch, pending, held = stream._cut(pending, size)
+            yield _to_torch(batch, device)
+    if held:
+        yield _to_torch(stream._cut(pending, held)[0], device)
+
+
+def _to_torch(batch: dict, device) -> dict:
+    pin = torch.device(device).type == "cuda"
+    out = {}
+    for key, value in batch.items():
+        t = torch.from_numpy(np.ascontiguousarray(value))
+        out[key] = t if key == "id" else (t.pin_memory() if pin else t).to(device, non_blocking=True)
+    return out
+
+
+class _Windows(torch.utils.data.IterableDataset):
+    """A torch DataLoader's view of the tasks: worker k of n reads tasks k, k+n, ..., one item
+    per task; the DataLoader takes one item from each worker in turn, so the tasks come back in
+    their order."""
+
+    def __init__(self, tasks: list, reader: stream.Reader):
+        self.tasks, self.reader = tasks, reader
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        k, n = (info.id, info.num_workers) if info else (0, 1)
+        for task in self.tasks[k::n]:
+            yield stream.read_window({"task": [task]}, self.reader)
+
+
+def _loader(tasks: list, reader: stream.Reader, workers: int):
+    loader = torch.utils.data.DataLoader(_Windows(tasks, reader), batch_size=None, num_workers=min(workers, len(tasks)),
+                                         prefetch_factor=2 if workers else None, persistent_workers=False)
+    yield from loader
+
+
+# ---------------------------------------------------------------- validation batches, in memory
+
+
+def in_memory_val_batches(cfg: TrainConfig, manifest: dict, rank: int, world: int, device) -> Callable[[], Iterable[dict]]:
+    """``val_batches()`` over the validation split read once into memory; this rank keeps the
+    rows with ``id % world == rank``: each row once, whatever order they arrive in."""
+    ids, images, labels = map(torch.from_numpy, fmt.read_split(cfg.data, fmt.eval_split(manifest)))
+    mine = ids % world == rank
+    ids, images, labels = ids[mine], images[mine], labels[mine]
+
+    def val_batches():
+        for start in range(0, len(ids), cfg.eval_batch_size):
+            sl = slice(start, start + cfg.eval_batch_size)
+            yield {"id": ids[sl], "image": images[sl].to(device), "label": labels[sl].to(device)}
+
+    return val_batches
