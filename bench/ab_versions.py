@@ -16,6 +16,7 @@ worker on CUDA with bf16 and the data on the device, as ``train_throughput.py --
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -35,7 +36,7 @@ from common import (  # noqa: E402
 )
 from train_throughput import GPU_FLAGS, ROOT, _steps, settle, steady_rate  # noqa: E402
 
-from imgtrain.runs import read_metrics  # noqa: E402
+from imgtrain.runs import epoch_history, read_metrics  # noqa: E402
 
 
 def rate(run_dir: Path, every: int) -> float:
@@ -62,14 +63,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--data", type=Path, default=SAMPLE_DATA)
+    parser.add_argument("--other-data", type=Path, help="the other build's copy of the data set, prepared by it "
+                        "(where the data format changed between them); default: --data")
     parser.add_argument("--gpu", action="store_true", help="1 worker on CUDA, bf16, data on the device")
+    parser.add_argument("--own-ray", action="store_true", help="each run starts its own Ray, as `make demo` does "
+                        "(needed when the other build has no virtual environment: a shared cluster's workers "
+                        "would import this build)")
     opts = parser.parse_args()
     opts.data, other = opts.data.resolve(), opts.other.resolve()
     ensure_data(opts.data)
+    data = {"this": opts.data, "other": (opts.other_data or opts.data).resolve()}
+    if not (data["other"] / "manifest.json").is_file():
+        imgtrain, env = command(other)
+        subprocess.run([*imgtrain, "data", "prepare", "mnist-sample", str(data["other"])], cwd=other, env=env, check=True)
     builds = {"this": ROOT, "other": other}
     runs = {f"{b}@{every}": [] for every in opts.log_every_steps for b in builds}
+    accuracy = {b: [] for b in builds}  # the last epoch's validation accuracy of each run
     began = time.time()
-    with tempfile.TemporaryDirectory(prefix="imgtrain-ab-") as tmp, ray_head():
+    cluster = contextlib.nullcontext() if opts.own_ray else ray_head()
+    with tempfile.TemporaryDirectory(prefix="imgtrain-ab-") as tmp, cluster:
         for every in opts.log_every_steps:
             for k in range(opts.repeats):
                 order = list(builds.items()) if k % 2 == 0 else list(builds.items())[::-1]  # ABBA: no order bias
@@ -77,25 +89,30 @@ def main() -> None:
                     settle()
                     name = f"{build}-{every}-{k}"
                     imgtrain, env = command(checkout)
-                    args = ["--data", str(opts.data), "--name", name, "--storage", f"{tmp}/runs",
-                            "--epochs", str(opts.epochs), "--seed", "0", "--address", "auto",
+                    args = ["--data", str(data[build]), "--name", name, "--storage", f"{tmp}/runs",
+                            "--epochs", str(opts.epochs), "--seed", "0",
+                            *([] if opts.own_ray else ["--address", "auto"]),
                             "--log-every-steps", str(every), "--quiet",
                             *(["--workers", "1", *GPU_FLAGS] if opts.gpu else ["--workers", "2"])]
                     done = subprocess.run([*imgtrain, "train", *args], cwd=checkout, env=env, capture_output=True, text=True)
                     if done.returncode:
                         sys.exit(f"{name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
                     runs[f"{build}@{every}"].append(rate(Path(tmp) / "runs" / name, every))
-                    print(f"  {name}: {runs[f'{build}@{every}'][-1]:.0f} images/s", file=sys.stderr, flush=True)
+                    accuracy[build].append(epoch_history(Path(tmp) / "runs" / name)[-1]["val_accuracy"])
+                    print(f"  {name}: {runs[f'{build}@{every}'][-1]:.0f} images/s, accuracy {accuracy[build][-1]:.2%}",
+                          file=sys.stderr, flush=True)
     other_sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=other, capture_output=True, text=True).stdout
     results = {key: summarize(values) for key, values in runs.items()}
+    results |= {f"accuracy:{build}": summarize(values) for build, values in accuracy.items()}
     path = write_result("ab_versions", {"environment": environment(), "other": {"path": str(other), "git": other_sha.strip()},
-                                        "config": vars(opts) | {"data": str(opts.data), "other": str(other)},
+                                        "config": vars(opts) | {"data": str(opts.data), "other": str(other), "other_data": str(data["other"])},
                                         "results": results, "bench_seconds": time.time() - began})
     for every in opts.log_every_steps:
         this, that = runs[f"this@{every}"], runs[f"other@{every}"]
         pairs = ", ".join(f"{a / b:.2f}" for a, b in zip(this, that))
         print(f"--log-every-steps {every}: this {fmt(results[f'this@{every}'])}, other {fmt(results[f'other@{every}'])} "
               f"images/s; this/other per pair: {pairs}")
+    print(f"final accuracy: this {fmt(results['accuracy:this'], 4)}, other {fmt(results['accuracy:other'], 4)}")
     print(f"n = {opts.repeats} per build, median (min-max); results: {path}")
 
 

@@ -20,7 +20,7 @@ import ray.data
 
 from imgtrain.data.dataset import ray_dataset
 from imgtrain.data.format import load_manifest
-from imgtrain.training.ray_backend import BATCH_DTYPES
+from imgtrain.training.ingest import BATCH_DTYPES
 
 
 def rate(dataset, passes: int, batch_size: int) -> dict:

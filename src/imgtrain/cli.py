@@ -134,7 +134,7 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
         return
     acc = result.final_accuracy
     console.print(
-        f"finished {result.name}: test accuracy {acc:.2%}" if acc is not None else f"finished {result.name}",
+        f"finished {result.name}: {result.validation_split} accuracy {acc:.2%}" if acc is not None else f"finished {result.name}",
     )
     console.print(f"run directory: {result.path}")
     if result.best_checkpoint:

@@ -297,3 +297,10 @@ def per_worker_batch_sizes(global_batch: int, world_size: int) -> list[int]:
     """
     base, extra = divmod(global_batch, world_size)
     return [base + (1 if rank < extra else 0) for rank in range(world_size)]
+
+
+def rank_share(global_batch: int, world_size: int, rank: int) -> slice:
+    """This rank's part of a global batch: positions [start, start + size) within it."""
+    sizes = per_worker_batch_sizes(global_batch, world_size)
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])

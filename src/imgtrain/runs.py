@@ -203,6 +203,11 @@ class RunResult:
     def final_accuracy(self) -> float | None:
         return self.history[-1]["val_accuracy"] if self.history else None
 
+    @property
+    def validation_split(self) -> str:
+        """The split training validated on: val when the data set has one, else test."""
+        return self.history[-1].get("val_split", "test") if self.history else "test"
+
     def to_json(self) -> dict:
         keep = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_accuracy",
                 "lr", "epoch_time_s", "images_per_s", "world_size", "checkpoint")

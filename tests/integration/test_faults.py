@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +49,8 @@ def test_a_stuck_rank_is_named_and_killed_within_the_stall_timeout(ray_cluster, 
     log_files = logs_line.split("): ", 1)[1].split(", ")
     assert [Path(p).suffix for p in log_files] == [".out", ".err"] and all(Path(p).is_file() for p in log_files)
     assert "rank 0 waits in: File " in out
-    report = Path(message.split("stacks and logs: ")[1].split(" (rank 0:")[0])
+    report = Path(re.search(r"stacks and logs: (\S+hang-[0-9-]+\.txt)", message).group(1))
+    assert "OOM" not in message  # the rank the watchdog killed is not reported as a possible OOM kill
     assert report.parent == tmp_path / "stuck" / "logs"
     text = report.read_text()
     assert "(pid" in text and ": STUCK" in text and ": waiting" in text

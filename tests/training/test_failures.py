@@ -33,6 +33,14 @@ def test_an_imgtrain_error_on_a_worker_is_shown_as_it_is():
     assert _root_cause(RuntimeError("one\ntwo")) == "two"  # no worker failures: Ray's own last line
 
 
+def test_ranks_the_watchdog_killed_are_not_their_own_cause():
+    # Ray calls a SIGKILLed worker a possible OOM kill; after a stall the cause is what the others saw.
+    killed = Wrapped("ray", RuntimeError("The actor died unexpectedly... due to the kernel OOM killing."))
+    waiting = Wrapped("ray", RuntimeError("gloo: connection closed by peer"))
+    assert _root_cause(GroupFailed({0: waiting, 1: killed}), skip_ranks={1}) == "rank 0: RuntimeError: gloo: connection closed by peer"
+    assert _root_cause(GroupFailed({1: killed}), skip_ranks={1}) == ""
+
+
 def test_a_full_disk_is_found_however_deep_it_is_wrapped():
     full = OSError(errno.ENOSPC, "No space left on device")
     assert disk_full(GroupFailed({0: Wrapped("ray", Wrapped("upload failed", full))}))

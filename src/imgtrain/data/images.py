@@ -188,6 +188,13 @@ EVAL_CROP = 0.875  # evaluation: resize so the centre crop keeps 87.5 % of the s
 PHOTO_PARAMS = 5  # random numbers per image: crop area, ratio, x, y, flip
 
 
+def photo_draw(seed: int, global_step: int, global_batch: int) -> np.ndarray:
+    """Uniform [0, 1) numbers [global batch, PHOTO_PARAMS] for the crops and flips of a global
+    step, the whole global batch at once like ``order.augment_draw``. numpy, not torch: the
+    decoding tasks then never import torch (seconds and hundreds of MB in each task process)."""
+    return np.random.default_rng([seed, global_step, 0xC209]).random((global_batch, PHOTO_PARAMS))
+
+
 def random_resized_crop(im, draw: np.ndarray, shape: tuple[int, int]):
     """Crop a random region (``draw``: five uniform numbers in [0, 1): area, log-ratio, x, y,
     flip) and resize it to ``shape`` (H, W), flipped horizontally when draw[4] < 0.5. One

@@ -5,7 +5,9 @@ A listing holds what the splits are drawn from (labels, a source's own test spli
 each image is, cut into chunks the preparation pool processes. It holds no image: about a hundred
 bytes per image (its path or position), whatever the images weigh. ids are the position of each
 image in the listing: sorted relative path for folders, row order for tables (or a table's own
-unique integer ``id`` column).
+unique integer ``id`` column). Files are listed in a seeded random order, the order they are
+written in: a folder is sorted by class, and the streamed reader shuffles rows only within
+windows of row groups, so a window of a class-sorted data set would hold a few classes only.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class Listing:
 # ---------------------------------------------------------------- an image folder
 
 
-def list_image_folder(root) -> Listing:
+def list_image_folder(root, seed: int = 0) -> Listing:
     """Class-per-subfolder PNG/JPEG images; class names are the sorted subfolder names. With
     ``root/train/`` and ``root/test/`` (each holding class subfolders) those are the splits."""
     root = Path(root)
@@ -80,9 +82,19 @@ def list_image_folder(root) -> Listing:
     entries.sort()
     if presplit and not any(is_test for *_, is_test in entries):
         raise ImgtrainError(f"{root / 'test'} has no images; add some or remove the folder")
-    names = [rel for rel, _, _ in entries]
-    return Listing(classes, np.array([c for _, c, _ in entries], np.int64), _file_chunks(root, names),
-                   np.array([t for *_, t in entries], bool) if presplit else None)
+    labels = np.array([c for _, c, _ in entries], np.int64)
+    test = np.array([t for *_, t in entries], bool) if presplit else None
+    return _shuffled_files(classes, [rel for rel, _, _ in entries], labels, test, root, seed)
+
+
+def _shuffled_files(classes, names: list[str], labels: np.ndarray, fixed_test, base: Path, seed: int) -> Listing:
+    """A listing of files in a seeded random order; their ids stay their positions as given."""
+    order = np.random.default_rng([seed, 0x11572]).permutation(len(names))
+    names = [names[i] for i in order]
+    chunks = [Chunk(i, names[i:i + CHUNK_FILES], paths=[str(base / n) for n in names[i:i + CHUNK_FILES]])
+              for i in range(0, len(names), CHUNK_FILES)]
+    return Listing(classes, labels[order], chunks, None if fixed_test is None else fixed_test[order],
+                   order.astype(np.int64))
 
 
 def _class_dirs(root: Path) -> list[Path]:
@@ -97,15 +109,10 @@ def _image_files(class_dir: Path) -> list[Path]:
             and p.name.lower() not in _JUNK_FILES]
 
 
-def _file_chunks(root: Path, names: list[str]) -> list[Chunk]:
-    return [Chunk(i, names[i:i + CHUNK_FILES], paths=[str(root / n) for n in names[i:i + CHUNK_FILES]])
-            for i in range(0, len(names), CHUNK_FILES)]
-
-
 # ---------------------------------------------------------------- a table of image paths
 
 
-def list_file_table(path, path_column: str = "path", label_column: str = "label") -> Listing:
+def list_file_table(path, path_column: str = "path", label_column: str = "label", seed: int = 0) -> Listing:
     """A CSV or Parquet table of image paths (relative to the table's folder, or absolute) and
     labels; a ``split`` column of train/test, when present, is the test split."""
     path = Path(path)
@@ -132,11 +139,7 @@ def list_file_table(path, path_column: str = "path", label_column: str = "label"
     if not pa.types.is_string(paths.type) and not pa.types.is_large_string(paths.type) or paths.null_count:
         raise ImgtrainError(f"column {path_column!r} of {path} must hold a path in every row, got {paths.type}")
     labels, classes = tables.labels_from_column(table.column(label_column), label_column)
-    base = path.parent
-    names = paths.to_pylist()
-    chunks = [Chunk(i, names[i:i + CHUNK_FILES], paths=[str(base / n) for n in names[i:i + CHUNK_FILES]])
-              for i in range(0, len(names), CHUNK_FILES)]
-    return Listing(classes, labels, chunks, _fixed_test(table))
+    return _shuffled_files(classes, paths.to_pylist(), labels, _fixed_test(table), path.parent, seed)
 
 
 # ---------------------------------------------------------------- Parquet tables of images

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from imgtrain.config import per_worker_batch_sizes
+from imgtrain.config import rank_share
 
 AUGMENT_PARAMS = 4  # random numbers per image: rotation, scale, x and y shift
 
@@ -24,13 +24,6 @@ AUGMENT_PARAMS = 4  # random numbers per image: rotation, scale, x and y shift
 def epoch_permutation(num_rows: int, seed: int, epoch: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(num_rows, generator=generator)
-
-
-def rank_share(global_batch: int, world_size: int, rank: int) -> slice:
-    """This rank's part of a global batch: positions [start, start + size) within it."""
-    sizes = per_worker_batch_sizes(global_batch, world_size)
-    start = sum(sizes[:rank])
-    return slice(start, start + sizes[rank])
 
 
 def rank_rows(perm: torch.Tensor, step: int, global_batch: int, world_size: int, rank: int) -> torch.Tensor:
@@ -45,15 +38,6 @@ def augment_draw(seed: int, global_step: int, global_batch: int, world_size: int
     generator = torch.Generator().manual_seed(seed * 7_919 + global_step * 104_729 + 1)
     draw = torch.rand(global_batch, AUGMENT_PARAMS, generator=generator).mul_(2).sub_(1)
     return draw[rank_share(global_batch, world_size, rank)]
-
-
-def photo_draw(seed: int, global_step: int, global_batch: int):
-    """Uniform [0, 1) numbers [global batch, 5] for the photo recipe's crops and flips at this
-    step (``images.random_resized_crop``), the whole global batch at once like ``augment_draw``."""
-    from imgtrain.data.images import PHOTO_PARAMS
-
-    generator = torch.Generator().manual_seed(seed * 7_919 + global_step * 104_729 + 2)
-    return torch.rand(global_batch, PHOTO_PARAMS, generator=generator, dtype=torch.float64).numpy()
 
 
 def sort_by_id(ids: torch.Tensor, *columns: torch.Tensor) -> tuple[torch.Tensor, ...]:

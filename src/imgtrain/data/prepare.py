@@ -57,8 +57,8 @@ def prepare(source: str, out_dir, *, source_path=None, download: bool = False, i
     if source == "parquet" and not listing.holds_encoded_images(source_path, image_column):
         return _prepare_tensor_table(source_path, out_dir, image_column, label_column, test_fraction, val_fraction,
                                      seed, overwrite, name, where, options)
-    listed = (listing.list_image_folder(source_path) if source == "folder"
-              else listing.list_file_table(source_path, path_column, label_column) if source == "list"
+    listed = (listing.list_image_folder(source_path, seed) if source == "folder"
+              else listing.list_file_table(source_path, path_column, label_column, seed) if source == "list"
               else listing.list_parquet_images(source_path, image_column, label_column))
     fields = dict(name=name, source=where, options=options)
     return _prepare_encoded(listed, out_dir, fields, channels, size, test_fraction, val_fraction, seed, overwrite,

@@ -4,16 +4,20 @@ and augmented by Ray Data tasks on CPUs (on any node), never the whole split in 
 The order of an epoch is a pure function of (seed, epoch), whatever the world size:
 
 * the split's row groups (up to 1,024 rows each, listed in the manifest) in a seeded order,
-  cut into windows of WINDOW_BLOCKS row groups;
+  cut into windows of up to WINDOW_BLOCKS row groups (fewer for large images: ``window_blocks``);
 * the rows of each window in a seeded order. The epoch's sequence is the windows' rows one
   after the other; global step k trains on positions [k*B, (k+1)*B), cut between the ranks by
-  ``per_worker_batch_sizes`` (``order.rank_share``) as the in-memory path cuts its permutation.
+  ``per_worker_batch_sizes`` (``config.rank_share``) as the in-memory path cuts its permutation.
+
+A rank decodes only its own rows, in tasks of at most TASK_ROWS rows of one row group (so the
+CPUs share a window); ``in_sequence`` puts each window's decoded rows back in sequence order,
+holding one window's share at a time.
 
 A run resumed after step S starts at position S*B: it reads the one window that position falls
 in (dropping the rows before it) and then the following windows, never the part of the epoch
 already trained, and every rank finds its rows of every later global batch exactly where an
 uninterrupted run (of any world size) had them. The random numbers of the augmentation are
-drawn per global step for the whole global batch (``order.augment_draw``, ``photo_draw``), so a
+drawn per global step for the whole global batch (``order.augment_draw``, ``images.photo_draw``), so a
 sample gets the same crop at the same step whoever decodes it.
 
 Validation and evaluation read the split's row groups in file order, rank r taking every
@@ -25,16 +29,25 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
+from imgtrain.config import rank_share
 from imgtrain.data import format as fmt
 from imgtrain.data import images
+from imgtrain.data.writer import ROW_GROUP_ROWS
 
 IN_MEMORY_MAX_BYTES = 256 << 20  # decoded images of the training split; above this, stream
-WINDOW_BLOCKS = 16  # row groups whose rows are shuffled together (about 16k rows)
-PREFETCH_BYTES = 64 << 20  # decoded output a rank's pipeline may hold ahead of training
+WINDOW_BLOCKS = 16  # row groups whose rows are shuffled together (about 16k rows)...
+WINDOW_BYTES = 256 << 20  # ...fewer for large images: at most this much decoded per window
+# Rows one decoding task decodes: a window's decoding spreads over the CPUs. 1,024 measured
+# 1.2x faster than 256 through Ray Data (fewer tasks to schedule), bench/data_pipeline.py.
+TASK_ROWS = 1024
+# Decoded output a rank's pipeline may hold ahead of training (Ray's object store). 64 MB let
+# only about two tasks' outputs (28 MB each at 96x96) wait and throttled the decoding:
+# 0.91-1.04x torchvision's DataLoader, against 1.01-1.18x at 256 MB (bench/data_pipeline.py).
+PREFETCH_BYTES = 256 << 20
 
 
 def preset(cfg, manifest: dict) -> str:
@@ -87,13 +100,20 @@ def blocks(data_dir, manifest: dict, split: str) -> list[tuple[str, int, int]]:
     return [(str(f), g, rows) for f, g, rows in fmt.row_groups(Path(data_dir), manifest, split)]
 
 
-def epoch_windows(split_blocks: list, seed: int, epoch: int) -> list[dict]:
+def window_blocks(manifest: dict) -> int:
+    """Row groups per window: WINDOW_BLOCKS, fewer for large images (a rank holds its share of a
+    decoded window while putting it in order). A property of the data set, not of the run."""
+    h, w, c = manifest["image_shape"]
+    return int(np.clip(WINDOW_BYTES // (ROW_GROUP_ROWS * h * w * c), 1, WINDOW_BLOCKS))
+
+
+def epoch_windows(split_blocks: list, seed: int, epoch: int, per_window: int) -> list[dict]:
     """The epoch's windows in order: {"window", "start" (position of its first row), "blocks"}."""
     order = np.random.default_rng([seed, epoch, 0x5EED]).permutation(len(split_blocks))
     windows, start = [], 0
-    for w, first in enumerate(range(0, len(order), WINDOW_BLOCKS)):
-        chosen = [split_blocks[i] for i in order[first:first + WINDOW_BLOCKS]]
-        windows.append({"window": w, "start": start, "blocks": [[f, g] for f, g, _ in chosen]})
+    for w, first in enumerate(range(0, len(order), per_window)):
+        chosen = [list(split_blocks[i]) for i in order[first:first + per_window]]
+        windows.append({"window": w, "start": start, "blocks": chosen})
         start += sum(rows for _, _, rows in chosen)
     return windows
 
@@ -105,41 +125,70 @@ def windows_from(windows: list[dict], position: int) -> list[dict]:
     return windows[first:]
 
 
+def _window_positions(window: dict, reader: Reader) -> tuple[np.ndarray, np.ndarray]:
+    """(position of each row of the window, in block order; which of them this rank trains on).
+    The window's rows in a seeded order are its stretch of the epoch's sequence."""
+    n = sum(rows for _, _, rows in window["blocks"])
+    order = np.random.default_rng([reader.seed, reader.epoch, window["window"], 0xB10C]).permutation(n)
+    position = np.empty(n, np.int64)
+    position[order] = window["start"] + np.arange(n)
+    return position, _mine(position, reader)
+
+
+def train_tasks(windows: list[dict], reader: Reader) -> list[dict]:
+    """The decoding tasks of this rank's rows, window by window: at most TASK_ROWS rows of one
+    row group each, so that the CPUs share a window's decoding. A task names its window, block
+    and which of this rank's rows there it decodes, and finds those rows itself (a task's
+    description stays small at any scale)."""
+    tasks = []
+    for window in windows:
+        _, mine = _window_positions(window, reader)
+        offset = 0
+        for b, (_, _, rows) in enumerate(window["blocks"]):
+            count = int(mine[offset:offset + rows].sum())
+            tasks += [{**window, "block": b, "first": a, "count": min(TASK_ROWS, count - a)}
+                      for a in range(0, count, TASK_ROWS)]
+            offset += rows
+    return tasks
+
+
 def eval_tasks(split_blocks: list, world: int, rank: int) -> list[dict]:
-    """Rank ``rank``'s row groups for validation: every world-th one, in file order."""
-    return [{"window": i, "start": 0, "blocks": [[f, g]]} for i, (f, g, _) in enumerate(split_blocks)
-            if i % world == rank]
+    """Rank ``rank``'s rows for validation: every world-th row group, in file order, in parts."""
+    return [{"file": f, "group": g, "first": a, "count": min(TASK_ROWS, rows - a)}
+            for i, (f, g, rows) in enumerate(split_blocks) if i % world == rank for a in range(0, rows, TASK_ROWS)]
 
 
-# ---------------------------------------------------------------- one task: a window's rows
+# ---------------------------------------------------------------- one task: some rows of a row group
 
 
-def read_window(batch: dict, reader: Reader) -> dict:
-    """Ray Data ``map_batches`` function (batch_size=1): the rows of one window this rank
-    trains on (or evaluates), in sequence order, as {id int64 [k], image uint8 [k, H, W, C],
-    label int64 [k]}."""
-    import pyarrow as pa
-
-    task = json.loads(batch["task"][0]) if isinstance(batch["task"][0], str) else batch["task"][0]
-    table = pa.concat_tables(fmt.read_row_group(Path(f), g, reader.storage) for f, g in task["blocks"])
-    n = table.num_rows
-    if reader.train:
-        order = np.random.default_rng([reader.seed, reader.epoch, task["window"], 0xB10C]).permutation(n)
-        positions = task["start"] + np.arange(n)
-        keep = _mine(positions, reader)
-        rows, positions = order[keep], positions[keep]
+def read_task(task: dict, reader: Reader) -> dict:
+    """The rows of one task as {id int64 [k], image uint8 [k, H, W, C], label int64 [k]} and,
+    for training, "position" int64 [k] (where each row goes in the sequence)."""
+    if "window" in task:
+        position, mine = _window_positions(task, reader)
+        offset = sum(rows for _, _, rows in task["blocks"][:task["block"]])
+        f, g, size = task["blocks"][task["block"]]
+        local = np.flatnonzero(mine[offset:offset + size])[task["first"]:task["first"] + task["count"]]
+        positions = position[offset + local]
     else:
-        rows, positions = np.arange(n), None
-    ids = table.column("id").to_numpy()[rows]
-    labels = table.column("label").to_numpy()[rows]
-    return {"id": ids, "image": _pixels(table, rows, positions, reader), "label": labels}
+        f, g, positions = task["file"], task["group"], None
+        local = np.asarray(task["rows"], np.int64) if "rows" in task else np.arange(task["first"], task["first"] + task["count"])
+    table = fmt.read_row_group(Path(f), g, reader.storage)
+    out = {"id": table.column("id").to_numpy()[local], "image": _pixels(table, local, positions, reader),
+           "label": table.column("label").to_numpy()[local]}
+    if positions is not None:
+        out["position"] = positions
+    return out
+
+
+def read_task_batch(batch: dict, reader: Reader) -> dict:
+    """``read_task`` as a Ray Data ``map_batches`` function (batch_size=1, the task as JSON)."""
+    return read_task(json.loads(batch["task"][0]), reader)
 
 
 def _mine(positions: np.ndarray, reader: Reader) -> np.ndarray:
     """Which positions this rank trains on: inside the epoch's whole global batches, not before
     a resume point, and in this rank's share of their global batch."""
-    from imgtrain.data.order import rank_share
-
     share = rank_share(reader.global_batch, reader.world, reader.rank)
     offset = positions % reader.global_batch
     return ((positions >= reader.first_position) & (positions < reader.positions_end)
@@ -174,14 +223,15 @@ def _pixels(table, rows: np.ndarray, positions: np.ndarray | None, reader: Reade
 def _draws(positions: np.ndarray, reader: Reader) -> np.ndarray:
     """The augmentation's random numbers of each position: row (position % B) of its global
     step's draw, the same whoever reads it."""
-    from imgtrain.data.order import augment_draw, photo_draw
-
     steps, within = positions // reader.global_batch, positions % reader.global_batch
     out = None
     for step in np.unique(steps):
         if reader.preset == "photos":
-            draw = photo_draw(reader.seed, int(step), reader.global_batch)
+            draw = images.photo_draw(reader.seed, int(step), reader.global_batch)
         else:
+            # torch, imported here only: the digits' affine needs it anyway
+            from imgtrain.data.order import augment_draw
+
             draw = augment_draw(reader.seed, int(step), reader.global_batch, 1, 0).numpy()
         if out is None:
             out = np.empty((len(positions), draw.shape[1]), draw.dtype)
@@ -205,43 +255,96 @@ def _affine(pixels: np.ndarray, draws: np.ndarray, reader: Reader) -> np.ndarray
 # ---------------------------------------------------------------- running the tasks
 
 
-def ray_batches(tasks: list[dict], reader: Reader, batch_size: int, cpus: int, device, dtypes) -> Iterator[dict]:
-    """The tasks' rows through Ray Data (``cpus`` tasks at a time, order kept, a bounded amount
-    decoded ahead), as torch batches of ``batch_size`` rows on ``device``."""
+def ray_parts(tasks: list[dict], reader: Reader, cpus: int) -> Iterator[dict]:
+    """The tasks' outputs in task order, decoded by Ray Data (``cpus`` tasks at a time, a bounded
+    amount decoded ahead, on any node)."""
     import ray.data
     from ray.data import ExecutionResources, TaskPoolStrategy
 
     if not tasks:
         return
     ds = ray.data.from_items([{"task": json.dumps(t)} for t in tasks], override_num_blocks=len(tasks))
-    ds = ds.map_batches(read_window, fn_kwargs={"reader": reader}, batch_size=1, num_cpus=1,
+    ds = ds.map_batches(read_task_batch, fn_kwargs={"reader": reader}, batch_size=1, num_cpus=1,
                         compute=TaskPoolStrategy(size=max(1, cpus)))
     options = ds.context.execution_options  # this dataset's own context
-    options.preserve_order = True  # the sequence is the order: never the order tasks finish in
+    options.preserve_order = True  # windows are put in order one at a time: they must come in order
     options.resource_limits = ExecutionResources(object_store_memory=PREFETCH_BYTES)
     ds.context.enable_progress_bars = False
-    yield from ds.iter_torch_batches(batch_size=batch_size, dtypes=dtypes, device=device, prefetch_batches=2,
-                                     drop_last=False)
+    yield from ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)
 
 
-def local_batches(tasks: list[dict], reader: Reader, batch_size: int) -> Iterator[dict]:
-    """The same rows without Ray (``--backend local``, evaluate/predict locally): numpy batches."""
-    pending: list[dict] = []
-    held = 0
+def warm_decoders(count: int) -> None:
+    """Start ``count`` Ray worker processes with the decoding modules imported, and do not wait:
+    Ray keeps them and gives them the first epoch's tasks, which would otherwise wait for
+    fresh processes and their imports (seconds, while the model is built anyway)."""
+    import ray
+
+    task = ray.remote(num_cpus=1)(_import_decoding)
+    for _ in range(count):
+        task.remote()
+
+
+def _import_decoding() -> None:
+    import PIL.Image  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
+    import ray.data  # noqa: F401
+
+
+def local_parts(tasks: list[dict], reader: Reader, cpus: int = 1) -> Iterator[dict]:
+    """The same outputs without Ray (``--backend local``, evaluate/predict locally)."""
     for task in tasks:
-        part = read_window({"task": [task]}, reader)
-        if len(part["id"]):
-            pending.append(part)
-            held += len(part["id"])
-        while held >= batch_size:
-            batch, pending, held = _cut(pending, batch_size)
+        yield read_task(task, reader)
+
+
+def in_sequence(parts: Iterable[dict], windows: list[dict], reader: Reader) -> Iterator[dict]:
+    """Training parts (in task order) put back in sequence order: each window's rows of this
+    rank once all its parts are in, placed by position (one window's share held at a time).
+    A part may hold rows of two windows (should Ray Data merge blocks): they are split."""
+    def wanted_rows():
+        for window in windows:
+            position, mine = _window_positions(window, reader)
+            if mine.any():
+                yield window["start"] + len(position), np.sort(position[mine])
+
+    expected = wanted_rows()
+    end, wanted = next(expected, (0, None))
+    held, filled = None, 0
+    for part in parts:
+        while part is not None and len(part["id"]):
+            inside = part["position"] < end
+            if inside.all():  # the usual case: no copy
+                here, part = part, None
+            else:
+                here, part = ({k: v[inside] for k, v in part.items()}, {k: v[~inside] for k, v in part.items()})
+            at = np.searchsorted(wanted, here["position"])
+            if held is None:
+                held = {k: np.empty((len(wanted), *here[k].shape[1:]), here[k].dtype) for k in ("id", "image", "label")}
+            for key, value in held.items():
+                value[at] = here[key]
+            filled += len(at)
+            if filled == len(wanted):
+                yield held
+                held, filled = None, 0
+                end, wanted = next(expected, (0, None))
+
+
+def cut(parts: Iterable[dict], size: int) -> Iterator[dict]:
+    """Parts of any length as batches of ``size`` rows (the last one shorter)."""
+    pending, held = [], 0
+    for part in parts:
+        if not len(part["id"]):
+            continue
+        pending.append(part)
+        held += len(part["id"])
+        while held >= size:
+            batch, pending, held = _cut(pending, size)
             yield batch
     if held:
         yield _cut(pending, held)[0]
 
 
 def _cut(parts: list[dict], n: int) -> tuple[dict, list[dict], int]:
-    joined = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    joined = {k: np.concatenate([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
     head = {k: v[:n] for k, v in joined.items()}
     rest = {k: v[n:] for k, v in joined.items()}
     left = len(rest["id"])
@@ -250,7 +353,7 @@ def _cut(parts: list[dict], n: int) -> tuple[dict, list[dict], int]:
 
 def fetch_images(data_dir, split: str, ids: set, preset: str | None = None) -> dict:
     """{id: uint8 [H, W, C]} of a few rows of a split, as evaluation sees them: the id column
-    of each row group is read first, and only the row groups holding a wanted id are decoded."""
+    of each row group is read first, and only the wanted rows are decoded."""
     manifest = fmt.load_manifest(data_dir)
     reader = Reader.for_data(data_dir, manifest, preset=preset, train=False, augment=False)
     found = {}
@@ -259,8 +362,9 @@ def fetch_images(data_dir, split: str, ids: set, preset: str | None = None) -> d
             break
         import pyarrow.parquet as pq
 
-        present = set(pq.ParquetFile(f).read_row_group(g, columns=["id"]).column("id").to_pylist()) & ids
-        if present:
-            rows = read_window({"task": [json.dumps({"window": 0, "start": 0, "blocks": [[f, g]]})]}, reader)
-            found.update({int(i): img for i, img in zip(rows["id"], rows["image"]) if int(i) in present})
+        column = pq.ParquetFile(f).read_row_group(g, columns=["id"]).column("id").to_numpy()
+        wanted = np.flatnonzero(np.isin(column, list(ids)))
+        if len(wanted):
+            rows = read_task({"file": f, "group": g, "rows": wanted.tolist()}, reader)
+            found.update({int(i): img for i, img in zip(rows["id"], rows["image"])})
     return found

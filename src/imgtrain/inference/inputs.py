@@ -69,7 +69,7 @@ def _dataset_inputs(path: Path, split: str) -> Inputs:
     tasks, first = [], 0
     for f, g, rows in stream.blocks(path, manifest, split):
         tasks.append({"kind": "dataset", "first": first, "data": str(path),
-                      "task": {"window": len(tasks), "start": 0, "blocks": [[f, g]]}})
+                      "task": {"file": f, "group": g, "first": 0, "count": rows}})
         first += rows
     return Inputs(tasks, ("id", "label"), manifest["splits"][split]["num_samples"])
 
@@ -194,7 +194,7 @@ def _read_dataset_task(task: dict, shape, preset: str) -> dict:
 
     manifest = fmt.load_manifest(task["data"])
     reader = stream.Reader(task["data"], manifest["storage"], preset, tuple(shape), train=False, augment=False)
-    rows = stream.read_window({"task": [task["task"]]}, reader)
+    rows = stream.read_task(task["task"], reader)
     n = len(rows["id"])
     converted = manifest["storage"] == "encoded" or list(manifest["image_shape"]) != list(shape)
     return {ROW_KEY: np.arange(task["first"], task["first"] + n, dtype=np.int64), "id": rows["id"],

@@ -39,7 +39,7 @@ DPI = 100
 # (id, file, caption). The ids are a stable contract: tests and links use them.
 PLOTS = (
     ("learning-curves", "learning_curves.png",
-     "Loss and accuracy per epoch, as recorded during training (validation = the test split)."),
+     "Loss and accuracy per epoch, as recorded during training (validation = the {split} split)."),
     ("predictions-grid", "predictions_grid.png",
      "The first 16 test images (stored in seeded random order) with true and predicted class; "
      "mistakes in red."),
@@ -247,7 +247,7 @@ def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, nu
         ["data set", f"{data_name} ({ev.data})" if data_name else ev.data],
         ["epochs completed", f"{len(result.history)} of {result.config.get('epochs')}"],
         ["checkpoint used", f"{used.name} (epoch {used_meta.get('epoch', -1) + 1}, {used})"],
-        ["val accuracy recorded in training", _pct(ev.recorded_val_accuracy)],
+        [f"accuracy recorded in training ({result.validation_split} split)", _pct(ev.recorded_val_accuracy)],
         [f"accuracy re-evaluated now ({ev.split} split)", f"{_pct(ev.accuracy)} of {ev.num_samples:,} images"],
         ["misclassified", f"{num_wrong:,}"],
         ["generated", time.strftime("%Y-%m-%d %H:%M:%S %Z")],
@@ -278,6 +278,7 @@ def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, nu
     for plot_id, file, caption in PLOTS:
         if plot_id == "confident-errors" and num_wrong == 0:
             caption = "No test image is misclassified, so there are no confident errors to show."
+        caption = caption.format(split=result.validation_split)
         data = base64.b64encode((out / file).read_bytes()).decode("ascii")
         figures.append(
             f'<figure><img id="{_e(plot_id)}" src="data:image/png;base64,{data}" alt="{_e(caption)}">'

@@ -62,8 +62,10 @@ def streamed_train_batches(cfg: TrainConfig, manifest: dict, rank: int, world: i
             global_batch=cfg.batch_size, positions_end=total * cfg.batch_size,
             first_position=first_step * cfg.batch_size, world=world, rank=rank, train=True, augment=cfg.augment,
             max_rotate_deg=cfg.max_rotate_deg, max_shift=cfg.max_shift, max_scale=cfg.max_scale)
-        tasks = stream.windows_from(stream.epoch_windows(split_blocks, cfg.seed, epoch), reader.first_position)
-        yield from _batches(tasks, reader, share, device, how, preprocess_cpus(cfg, world))
+        windows = stream.epoch_windows(split_blocks, cfg.seed, epoch, stream.window_blocks(manifest))
+        windows = stream.windows_from(windows, reader.first_position)
+        yield from _batches(stream.train_tasks(windows, reader), reader, share, device, how,
+                            preprocess_cpus(cfg, world), windows)
 
     return train_batches
 
@@ -82,20 +84,15 @@ def streamed_val_batches(cfg: TrainConfig, manifest: dict, rank: int, world: int
     return val_batches
 
 
-def _batches(tasks: list, reader: stream.Reader, size: int, device, how: str, cpus: int):
-    if how == "ray-data":
-        yield from stream.ray_batches(tasks, reader, size, cpus, device, BATCH_DTYPES)
-        return
-    source = _loader(tasks, reader, cpus) if how == "torch" else stream.local_batches(tasks, reader, size)
-    pending, held = [], 0
-    for part in source:  # numpy dicts of any length -> torch batches of ``size`` rows
-        pending.append(part)
-        held += len(part["id"])
-        while held >= size:
-            batch, pending, held = stream._cut(pending, size)
-            yield _to_torch(batch, device)
-    if held:
-        yield _to_torch(stream._cut(pending, held)[0], device)
+def _batches(tasks: list, reader: stream.Reader, size: int, device, how: str, cpus: int, windows=None):
+    """Torch batches of ``size`` rows on ``device`` from the tasks' outputs; training outputs
+    (``windows`` given) are first put back in sequence order."""
+    run = {"ray-data": stream.ray_parts, "torch": _loader, "local": stream.local_parts}[how]
+    parts = run(tasks, reader, cpus)
+    if windows is not None:
+        parts = stream.in_sequence(parts, windows, reader)
+    for batch in stream.cut(parts, size):
+        yield _to_torch(batch, device)
 
 
 def _to_torch(batch: dict, device) -> dict:
@@ -107,7 +104,7 @@ def _to_torch(batch: dict, device) -> dict:
     return out
 
 
-class _Windows(torch.utils.data.IterableDataset):
+class _Tasks(torch.utils.data.IterableDataset):
     """A torch DataLoader's view of the tasks: worker k of n reads tasks k, k+n, ..., one item
     per task; the DataLoader takes one item from each worker in turn, so the tasks come back in
     their order."""
@@ -119,13 +116,20 @@ class _Windows(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         k, n = (info.id, info.num_workers) if info else (0, 1)
         for task in self.tasks[k::n]:
-            yield stream.read_window({"task": [task]}, self.reader)
+            yield stream.read_task(task, self.reader)
 
 
 def _loader(tasks: list, reader: stream.Reader, workers: int):
-    loader = torch.utils.data.DataLoader(_Windows(tasks, reader), batch_size=None, num_workers=min(workers, len(tasks)),
-                                         prefetch_factor=2 if workers else None, persistent_workers=False)
+    if not tasks:
+        return
+    workers = min(workers, len(tasks))
+    loader = torch.utils.data.DataLoader(_Tasks(tasks, reader), batch_size=None, num_workers=workers,
+                                         collate_fn=_unchanged, prefetch_factor=2 if workers else None)
     yield from loader
+
+
+def _unchanged(part: dict) -> dict:
+    return part  # numpy stays numpy: the parts are put in order and cut before becoming tensors
 
 
 # ---------------------------------------------------------------- validation batches, in memory

@@ -26,6 +26,7 @@ import torch.nn as nn
 from imgtrain import checkpoint as ckpt
 from imgtrain.config import TrainConfig, per_worker_batch_sizes
 from imgtrain.config import steps_per_epoch as epoch_steps
+from imgtrain.data.format import eval_split
 from imgtrain.data.order import augment_draw
 from imgtrain.errors import ImgtrainError
 from imgtrain.model import build_from_args, model_args, random_affine, to_model_input
@@ -272,6 +273,7 @@ def end_epoch(run: Run, epoch: int, sums: torch.Tensor, timing: EpochTiming, tra
     metrics = {
         "epoch": epoch, "step": run.step, "train_loss": train_loss, "train_accuracy": train_acc,
         "val_loss": val_loss, "val_accuracy": val_acc, "val_samples": val_n,
+        "val_split": eval_split(run.manifest),
         "train_samples": seen, "lr": run.scheduler.get_last_lr()[0], "world_size": backend.world_size,
         "epoch_time_s": train_s + time.perf_counter() - started,  # training + validation
         "images_per_s": seen / max(train_s, 1e-9),  # training only, validation excluded

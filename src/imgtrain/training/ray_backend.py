@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
@@ -20,6 +21,9 @@ from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops import process
 from imgtrain.ops.files import disk_full, link_dir
 from imgtrain.training import faults, tracking
+
+if TYPE_CHECKING:
+    from imgtrain.training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5
@@ -73,7 +77,7 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> No
         removed = ckpt.remove_incomplete(run_dir, keep=resume.damaged)
         if removed:
             records.display.note(f"removed incomplete checkpoint(s): {', '.join(removed)}")
-        raise ImgtrainError(_failure_message(e, watchdog.incident, run_dir, run_dir / runs.LOGS_DIR)) from None
+        raise ImgtrainError(_failure_message(e, watchdog, run_dir, run_dir / runs.LOGS_DIR)) from None
     finally:
         ray.kill(monitor)  # on a shared cluster it would outlive this run
 
@@ -138,10 +142,10 @@ def _datasets(cfg: TrainConfig, manifest: dict):
     return {"train": ray_dataset(cfg.data, "train")}
 
 
-def _failure_message(error: Exception, incident: str | None, run_dir: Path, logs: Path) -> str:
-    cause = _root_cause(error)
-    if incident:
-        cause = f"{incident} ({cause})"
+def _failure_message(error: Exception, watchdog: Watchdog, run_dir: Path, logs: Path) -> str:
+    cause = _root_cause(error, skip_ranks=watchdog.killed_ranks)
+    if watchdog.incident:
+        cause = f"{watchdog.incident} ({cause})" if cause else watchdog.incident
     elif disk_full(error):
         cause = (f"the disk holding {run_dir.parent} is full (No space left on device); "
                  "free space or choose another --storage")
@@ -151,9 +155,15 @@ def _failure_message(error: Exception, incident: str | None, run_dir: Path, logs
     return f"training failed: {cause}{saved}; logs: {logs}"
 
 
-def _root_cause(error: Exception) -> str:
+def _root_cause(error: Exception, skip_ranks: set[int] = frozenset()) -> str:
+    """The first failing rank's own words; ranks the watchdog killed are skipped (Ray would call
+    their death a possible OOM kill), so a stall reads as the stall plus what the others saw."""
     failures = getattr(error, "worker_failures", None) or {}
+    if failures and set(failures) <= set(skip_ranks):
+        return ""
     for rank, exc in sorted(failures.items()):
+        if rank in skip_ranks:
+            continue
         cause = exc
         while getattr(cause, "cause", None) is not None:  # RayTaskError wraps the user's exception
             cause = cause.cause

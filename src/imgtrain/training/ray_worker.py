@@ -69,6 +69,8 @@ def train_loop_per_worker(config: dict) -> None:
         train_batches = (_torch_ingest if cfg.ingest == "torch" else _ray_data_ingest)(cfg, manifest, rank, world, device)
         val_batches = ingest.in_memory_val_batches(cfg, manifest, rank, world, device)
     else:
+        if cfg.ingest == "ray-data":
+            stream.warm_decoders(ingest.preprocess_cpus(cfg, world))
         train_batches = ingest.streamed_train_batches(cfg, manifest, rank, world, device, cfg.ingest)
         val_batches = ingest.streamed_val_batches(cfg, manifest, rank, world, device, cfg.ingest)
     backend = Backend(

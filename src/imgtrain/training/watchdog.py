@@ -31,6 +31,7 @@ class Watchdog:
         self.beats: dict[int, dict] = {}  # rank -> latest heartbeat of the current worker group
         self.incident: str | None = None  # what was found stuck, for the final error
         self.acted = False  # killed ranks of the current worker group: wait for the next one
+        self.killed_ranks: set[int] = set()  # their deaths are ours, not a cause to report
         self.seen_pids: set[int] = set()
         self.gone_pids: set[int] = set()  # found dead already: Ray Train handles those itself
 
@@ -73,6 +74,7 @@ class Watchdog:
         if not killed:
             return
         self.acted = True  # the survivors fail next, as Ray Train restarts or ends the group
+        self.killed_ranks.update(b["rank"] for b in killed)
         waiting = sorted(b["rank"] for b in self.beats.values() if b not in killed and b["phase"] in COLLECTIVE_PHASES)
         described = "; ".join(_describe(b, now) for b in sorted(killed, key=lambda b: b["rank"]))
         many = len(killed) > 1
