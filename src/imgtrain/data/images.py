@@ -241,12 +241,11 @@ def decode_for_training(data: bytes, shape, preset: str, draw: np.ndarray | None
     resized to the model's size (their affine augmentation works on whole batches)."""
     h, w, c = shape
     with open_image(data) as im:
-        if im.format == "JPEG" and draw is None:  # decode at 1/2 .. 1/8 scale when the crop allows
-            side = int(max(h, w) / EVAL_CROP) + 1  # whatever the EXIF orientation turns out to be
-            im.draft("L" if c == 1 else "RGB", (side, side))
+        if draw is None:  # evaluation: the same transform as predict and serve
+            return conform_image(im, shape, preset)[0]
         im = to_mode(im, c)
         if preset == "photos":
-            im = random_resized_crop(im, draw, (h, w)) if draw is not None else center_crop(im, (h, w))
+            im = random_resized_crop(im, draw, (h, w))
         elif im.size != (w, h):
             im = im.resize((w, h), _bilinear())
         return np.asarray(im, dtype=np.uint8).reshape(h, w, c)
