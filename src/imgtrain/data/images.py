@@ -240,6 +240,13 @@ def decode_for_training(data: bytes, shape, preset: str, draw: np.ndarray | None
     crop and flip when ``draw`` is given (training), its centre crop otherwise; digits are
     resized to the model's size (their affine augmentation works on whole batches)."""
     h, w, c = shape
+    if draw is not None and preset == "photos":
+        pixels = _decode_plain_jpeg(data, c)
+        if pixels is not None:
+            from PIL import Image
+
+            im = Image.fromarray(pixels[..., 0] if c == 1 else pixels)
+            return np.asarray(random_resized_crop(im, draw, (h, w)), dtype=np.uint8).reshape(h, w, c)
     with open_image(data) as im:
         if draw is None:  # evaluation: the same transform as predict and serve
             return conform_image(im, shape, preset)[0]
@@ -249,3 +256,29 @@ def decode_for_training(data: bytes, shape, preset: str, draw: np.ndarray | None
         elif im.size != (w, h):
             im = im.resize((w, h), _bilinear())
         return np.asarray(im, dtype=np.uint8).reshape(h, w, c)
+
+
+_EXIF = b"Exif\x00\x00"
+
+
+def _decode_plain_jpeg(data: bytes, channels: int) -> np.ndarray | None:
+    """A JPEG without EXIF data, in YCbCr (or gray for a gray model), decoded by libjpeg-turbo
+    straight into uint8 [H, W, C] (simplejpeg); None for anything else, which Pillow decodes.
+    Why: Pillow parses JPEG headers in Python; on 96x96 photos this path decoded 1.5x as many
+    images per second, with the same pixels (the same libjpeg-turbo settings). EXIF may hold an
+    orientation, which Pillow applies; the header gives the pixel count before any decoding."""
+    import simplejpeg
+
+    if data[:2] != b"\xff\xd8" or _EXIF in data[:65536]:
+        return None
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None  # Pillow decodes it or says what is wrong
+    if height * width > MAX_DECODE_PIXELS:
+        raise ImageTooLarge(f"{width}x{height} pixels is over the limit of {MAX_DECODE_PIXELS:,} pixels")
+    if channels == 3 and colorspace in ("YCbCr", "Gray"):
+        return simplejpeg.decode_jpeg(data, colorspace="RGB")
+    if channels == 1 and colorspace == "Gray":
+        return simplejpeg.decode_jpeg(data, colorspace="GRAY")
+    return None  # a colour JPEG for a gray model: Pillow's RGB -> L weights, as everywhere else
