@@ -8,8 +8,8 @@ BIN    := $(VENV)/bin
 DATA   ?= data/mnist-sample
 RUNS   ?= runs
 NAME   ?= demo
-# Seeds 0, 1 and 2 end at 98.3%, 98.5% and 98.6% test accuracy (docs/NOTES.md): the demo uses 2.
-SEED   ?= 2
+# The default seed: no seed picking (seeds 0, 1, 2 ended at 98.3, 98.5 and 98.6 %: docs/NOTES.md).
+SEED   ?= 0
 
 .PHONY: demo test test-fast browser bench bench-quick install install-dev clean-venv
 

@@ -97,7 +97,7 @@ def _setting_option(s) -> inspect.Parameter:
         decls, shown = s.flag, "unset" if s.default is None else s.default
     kind = str if s.name == "workers" else s.type  # "N" or "MIN-MAX"
     shown = f" \\[default: {shown}]" if shown != "" else ""  # escaped: rich reads [...] as markup
-    option = typer.Option(None, decls, help=s.summary + shown,
+    option = typer.Option(None, decls, help=s.summary.replace("[", "\\[") + shown,  # 'imgtrain[timm]' too
                           metavar="N|MIN-MAX" if s.name == "workers" else None)
     return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kind])
 

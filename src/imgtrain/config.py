@@ -70,6 +70,26 @@ class TrainConfig:
     dashboard: bool = setting(False, "Start the Ray dashboard with a local cluster (about ten more processes; off to "
                               "start fast).", resumable=True)
 
+    model: str = setting("resnet18", "The architecture: a torchvision classification model (resnet18/34/50, "
+                         "mobilenet_v3_small/large, efficientnet_b0, convnext_tiny, vit_b_16, ...) or ``timm:NAME`` "
+                         "(``pip install 'imgtrain[timm]'``). The first layer takes the data set's channels and the "
+                         "classifier its classes. The default is the tutorial's ResNet-18.")
+    stem: str = setting("standard", "The model's first layers: ``standard``, or ``small`` for images under about "
+                        "64 px (a 3x3 stride-1 first convolution and no max-pool, as CIFAR ResNets have: more "
+                        "resolution kept, about 16x the compute of a ResNet's standard stem).",
+                        choices=("standard", "small"))
+    init_from: str | None = setting(None, "Start from these weights: a state-dict file (.pt/.pth/.safetensors, e.g. "
+                                    "torchvision's or timm's) or an imgtrain run or checkpoint folder. Tensors are "
+                                    "matched by name; the first convolution is adapted to the channels, the "
+                                    "classifier made new for another class count; a file for another "
+                                    "architecture is refused.")
+    pretrained: bool = setting(False, "Start from the model's published ImageNet weights (downloaded once into "
+                               "torch's hub cache; offline, fails at once: use --init-from with a file).")
+    freeze_backbone: int = setting(0, "Train only the classifier for the first N epochs (the other weights stay "
+                                   "as loaded; BatchNorm statistics still adapt).", range="[0, 100000]")
+    backbone_lr_scale: float = setting(1.0, "The learning rate of every layer but the classifier, as a fraction of "
+                                       "--lr (fine-tuning: 0.1 is usual).", range="(0, 1]")
+
     epochs: int = setting(12, "Passes over the training split.", range="[1, 100000]", resumable=True)
     batch_size: int = setting(128, "Global batch size, split across workers. When it does not divide, the first "
                               "``batch_size % workers`` ranks take one extra sample, so the global batch is exact. "
@@ -256,6 +276,10 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
         )
     if cfg.mlflow is not None and not cfg.mlflow.strip():
         issues.append("--mlflow needs a tracking URI, e.g. sqlite:///mlflow.db")
+    if cfg.init_from and cfg.pretrained:
+        issues.append("--init-from and --pretrained both give initial weights: pass one")
+    if cfg.freeze_backbone and cfg.freeze_backbone >= cfg.epochs:
+        issues.append(f"--freeze-backbone {cfg.freeze_backbone} would freeze all {cfg.epochs} epochs: use fewer")
     if not cfg.mlflow_experiment.strip():
         issues.append("--mlflow-experiment must not be empty")
     if issues:

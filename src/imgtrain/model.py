@@ -8,8 +8,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ARCHITECTURE = "resnet18"
-
 
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions with a shortcut: torchvision's ``BasicBlock``, attribute for attribute."""
@@ -35,7 +33,7 @@ class ResNet18(nn.Module):
     initialisation: the same seed gives the same weights, and state_dicts load both ways.
 
     Why not import it: ``import torchvision`` pulls in ``torch._dynamo`` (through
-    ``torchvision.ops``), 1.2 s of every training worker's, inference actor's and driver's
+    ``torchvision.ops``), 1.5 s of every training worker's, inference actor's and driver's
     start on this machine, for one model definition.
     """
 
@@ -87,26 +85,6 @@ def build_resnet18(in_channels: int = 1, num_classes: int = 10) -> nn.Module:
         in_channels, 64, kernel_size=(7, 7), stride=(2, 2), padding=(3, 3), bias=False
     )
     return model
-
-
-def model_args(manifest: dict) -> dict:
-    """What rebuilds the model, stored beside the weights in every checkpoint."""
-    return {
-        "architecture": ARCHITECTURE,
-        "in_channels": int(manifest["channels"]),
-        "num_classes": int(manifest["num_classes"]),
-    }
-
-
-def build_from_args(args: dict) -> nn.Module:
-    """The model ``args`` (from a checkpoint's meta.json: untrusted) describe."""
-    if args.get("architecture") != ARCHITECTURE:
-        raise ValueError(f"unknown architecture {args.get('architecture')!r}")
-    channels, classes = args.get("in_channels"), args.get("num_classes")
-    # a meta.json claiming 10^9 classes would otherwise allocate a 2-TB output layer
-    if channels not in (1, 3) or not isinstance(classes, int) or not 2 <= classes <= 100_000:
-        raise ValueError(f"in_channels {channels!r} / num_classes {classes!r} out of range")
-    return build_resnet18(channels, classes)
 
 
 def to_model_input(images: torch.Tensor, mean: list[float], std: list[float]) -> torch.Tensor:

@@ -140,7 +140,8 @@ def test_checkpoint_that_fails_its_checksum_is_named(trained, tmp_path):
 
 
 @pytest.mark.parametrize("model_args, message", [
-    ({"architecture": "vit_b_16", "in_channels": 1, "num_classes": 10}, "cannot build"),
+    ({"architecture": "no_such_net", "in_channels": 1, "num_classes": 10}, "cannot build"),
+    ({"architecture": "vit_b_16", "in_channels": 1, "num_classes": 10}, "another architecture or class count"),
     ({"architecture": "resnet18", "in_channels": 1, "num_classes": 5}, "another architecture or class count"),
 ])
 def test_checkpoint_of_another_model_is_refused(trained, tmp_path, model_args, message):

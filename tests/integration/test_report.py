@@ -6,9 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import re
-import shutil
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
@@ -22,6 +20,7 @@ import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.inference import report
+from tests.browser import chromium
 from tests.conftest import quiet_display, run_cli
 from tests.conftest import tiny_config as shared_tiny_config
 
@@ -148,16 +147,6 @@ def test_page_is_self_contained_and_complete(trained, page):
     assert doc.rows["config-table"] == len(result.config)
     assert "<h1>imgtrain report: rep</h1>" in text
     assert result.best_checkpoint.name in text
-
-
-def chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        if shutil.which(name):
-            return shutil.which(name)
-    why = "no chromium binary on this machine (`make browser` or apt-get install chromium)"
-    if os.environ.get("CI", "").lower() == "true":  # CI must check the page, never skip it
-        pytest.fail(why)
-    pytest.skip(why)
 
 
 def headless(page: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

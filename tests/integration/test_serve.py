@@ -1,5 +1,6 @@
 """``imgtrain serve`` for real: the CLI in its own process, with its own Ray cluster, over HTTP."""
 
+import base64
 import io
 import json
 import os
@@ -22,6 +23,7 @@ from imgtrain.data.format import read_split
 from imgtrain.inference.inputs import conform
 from imgtrain.inference.predictor import Predictor
 from imgtrain.training.progress import TrainingDisplay
+from tests.browser import BrowserPage
 from tests.conftest import assert_one_line_error, run_cli
 
 # Training a model, then starting Ray, Serve and a replica on 2 busy cores: minutes, not seconds.
@@ -259,6 +261,52 @@ def listening_addresses(port: int) -> set[str]:
 def test_listens_on_loopback_only(server):
     _, port, _, _ = server
     assert listening_addresses(port) == {"127.0.0.1"}
+
+
+def test_the_page_draws_a_digit_and_shows_the_servers_answer(server, digit, tmp_path):
+    """A person's view: open /, draw a 7 with the mouse, press Predict, read the top classes;
+    then choose an image file."""
+    _, port, _, _ = server
+    with NO_PROXY.open(f"http://127.0.0.1:{port}/", timeout=30) as r:
+        html = r.read().decode()
+        assert r.headers["Content-Type"].startswith("text/html")
+        assert "default-src 'none'" in r.headers["Content-Security-Policy"]
+    assert "http://" not in html and "https://" not in html  # no script, style or font from elsewhere
+    page = BrowserPage(f"http://127.0.0.1:{port}/", tmp_path / "profile")
+    try:
+        page.wait_for("document.body.dataset.ready === '1'")
+        assert "10 classes" in page.js("document.getElementById('about').textContent")
+        box = page.js("(() => { const r = document.getElementById('pad').getBoundingClientRect();"
+                      " return [r.left, r.top]; })()")
+        left, top = box
+        page.drag([(left + x, top + y) for x, y in [(70, 60), (140, 60), (210, 60), (180, 140), (150, 220)]])
+        page.js("document.getElementById('predict').click()")
+        page.wait_for("document.body.dataset.state === 'answered'")
+        shown = page.js("[...document.querySelectorAll('#result li')].map(li => [li.dataset.class, +li.dataset.prob])")
+        top_label = page.js("document.getElementById('top').textContent")
+        sent = page.js("document.getElementById('seen').src")
+        shot = page.screenshot(tmp_path / "page.png")
+        (tmp_path / "digit.png").write_bytes(png_bytes(digit[0]))
+        page.js("document.body.dataset.state = ''")
+        page.choose_file("#file", tmp_path / "digit.png")
+        page.wait_for("document.body.dataset.state === 'answered'")
+        from_file = page.js("document.getElementById('top').textContent")
+    finally:
+        page.close()
+    probs = digit[1].predict_proba(digit[0][None])[0]
+    assert from_file == digit[1].loaded.preprocess.classes[int(probs.argmax())]
+    # What the page sent, POSTed again by hand: the page shows the server's answer for it.
+    png = base64.b64decode(sent.split(",", 1)[1])
+    drawn = np.asarray(Image.open(io.BytesIO(png)).convert("L"))
+    assert drawn.shape == (28, 28) and drawn.max() > 200 and drawn[:4].max() < 50  # framed like MNIST digits
+    status, answer = request(port, "/predict", png, "image/png")
+    assert status == 200
+    expected = sorted(answer["probabilities"].items(), key=lambda kv: -kv[1])[:5]
+    assert [c for c, _ in shown] == [c for c, _ in expected] and top_label == answer["label"]
+    assert np.allclose([p for _, p in shown], [p for _, p in expected], atol=1e-6)
+    image = Image.open(shot)
+    colours = np.unique(np.asarray(image.convert("RGB")).reshape(-1, 3), axis=0)
+    assert image.size[0] >= 800 and len(colours) > 50  # a real rendered page, not a blank one
 
 
 def ray_processes(session_dir: Path) -> list[int]:

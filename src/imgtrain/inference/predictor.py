@@ -100,7 +100,7 @@ def load_checkpoint(
     """Verify the checkpoint's checksums, rebuild its model and load the weights (eval mode)."""
     import torch
 
-    from imgtrain.model import build_from_args
+    from imgtrain.zoo import build_from_args
 
     path = resolve_checkpoint(run_or_checkpoint, checkpoint, storage)  # verified
     meta = ckpt.read_meta(path)
@@ -108,11 +108,8 @@ def load_checkpoint(
     try:
         with torch.random.fork_rng(devices=[]):  # its random initial weights are overwritten: the caller's RNG is left alone
             model = build_from_args(args)
-    except (ValueError, KeyError, TypeError):
-        raise ImgtrainError(
-            f"checkpoint {path} holds a model imgtrain cannot build (model_args {args}); "
-            "only resnet18 checkpoints written by imgtrain are supported"
-        ) from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ImgtrainError(f"checkpoint {path} holds a model imgtrain cannot build (model_args {args}): {e}") from None
     state = ckpt.load_model_state(path)
     try:
         model.load_state_dict(state)

@@ -240,11 +240,20 @@ def _table(table_id: str, header: list[str] | None, rows: list[list], text_colum
     return f'<table id="{_e(table_id)}">{head}<tbody>{"".join(body)}</tbody></table>'
 
 
+def _model_line(args: dict, config: dict) -> str:
+    from imgtrain.zoo import describe
+
+    line = describe({"architecture": args.get("architecture", "resnet18"), **args}).removeprefix("model ")
+    start = config.get("init_from") or ("published weights" if config.get("pretrained") else None)
+    return line + (f", started from {start}" if start else "")
+
+
 def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, num_wrong: int) -> str:
     data_name = (used_meta.get("data") or {}).get("name", "")
     summary = [
         ["run", result.name], ["status", result.status], ["run directory", result.path],
         ["data set", f"{data_name} ({ev.data})" if data_name else ev.data],
+        ["model", _model_line(used_meta.get("model_args") or {}, result.config)],
         ["epochs completed", f"{len(result.history)} of {result.config.get('epochs')}"],
         ["checkpoint used", f"{used.name} (epoch {used_meta.get('epoch', -1) + 1}, {used})"],
         [f"accuracy recorded in training ({result.validation_split} split)", _pct(ev.recorded_val_accuracy)],

@@ -39,13 +39,14 @@ from pathlib import Path
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.inference.predictor import Predictor, resolve_checkpoint
+from imgtrain.inference.try_page import CONTENT_SECURITY_POLICY, PAGE
 from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops.files import link_dir
 
@@ -187,6 +188,12 @@ class ModelServer:
         self.checkpoint = f"{Path(checkpoint_dir).parent.name}/{Path(checkpoint_dir).name}"
         self.limits, self.max_pixels, self.openapi = limits, limits.image_pixels(self.shape), openapi
         self.predictor.predict_proba(np.zeros((1, *self.shape), np.uint8))  # warm up before "ready"
+
+    @http_app.get("/")
+    def page(self):
+        """A page to try the model in a browser (draw a digit or drop an image)."""
+        return HTMLResponse(PAGE, headers={"Content-Security-Policy": CONTENT_SECURITY_POLICY,
+                                           "X-Content-Type-Options": "nosniff"})
 
     @http_app.get("/healthz")
     def healthz(self):

@@ -128,7 +128,38 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
                             "(encoded images, or too large): drop --data-on-device")
     if cfg.backend == "local" and cfg.use_gpu and not _cuda_available():
         raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
+    if stored is None:
+        _check_model(cfg, manifest, display)
     return _Plan(cfg, manifest, stored, exists and overwrite, resume)
+
+
+def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
+    """Build the model once here, run one image through it and load its initial weights, so
+    that a wrong name, an image size it cannot take or a file that does not fit fails in
+    seconds, before Ray starts; downloads --pretrained weights once for every worker."""
+    import torch
+
+    from imgtrain import finetune, zoo
+
+    args = zoo.model_args(manifest, cfg.model, cfg.stem)
+    try:
+        zoo.check_name(cfg.model, cfg.stem)
+        with torch.random.fork_rng(devices=[]):
+            model = zoo.build_from_args(args).eval()
+    except ValueError as e:
+        raise ImgtrainError(f"--model {cfg.model}: {e}") from None
+    h, w, c = manifest["image_shape"]
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, c, h, w))
+    except RuntimeError as e:
+        raise ImgtrainError(f"--model {cfg.model} cannot take {h}x{w} images ({str(e).splitlines()[0][:160]}); "
+                            "prepare the data with a larger --size or choose another model") from None
+    if cfg.model != zoo.DEFAULT_MODEL or cfg.stem != "standard":
+        display.note(zoo.describe(args, suggest=True))
+    weights = finetune.initial_weights(cfg)  # --pretrained: downloaded here, or a one-line error
+    if weights:
+        display.note(finetune.initialise(model, weights, cfg.model).summary(weights))
 
 
 def _cuda_available() -> bool:

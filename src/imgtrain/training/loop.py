@@ -24,16 +24,18 @@ import torch
 import torch.nn as nn
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import finetune
 from imgtrain.config import TrainConfig, per_worker_batch_sizes
 from imgtrain.config import steps_per_epoch as epoch_steps
 from imgtrain.data.format import eval_split
 from imgtrain.data.order import augment_draw
 from imgtrain.errors import ImgtrainError
-from imgtrain.model import build_from_args, model_args, random_affine, to_model_input
+from imgtrain.model import random_affine, to_model_input
 from imgtrain.training import faults
 from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
 from imgtrain.training.health import Progress
-from imgtrain.training.recipe import one_cycle, optimizer_for, weight_average
+from imgtrain.training.recipe import freeze, one_cycle, optimizer_for, weight_average
+from imgtrain.zoo import build_from_args, model_args
 
 Batch = dict  # {"id": int64 [B], "image": uint8 [B, H, W, C], "label": int64 [B]} on the device
 
@@ -140,10 +142,13 @@ def setup(cfg: TrainConfig, manifest: dict, backend: Backend) -> tuple[Run, Resu
         raise ImgtrainError(f"--precision bf16: {torch.cuda.get_device_name(backend.device)} has no bfloat16; use fp32")
     torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts them)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    model = backend.prepare_model(build_from_args(model_args(manifest)).to(memory_format=memory_format))
-    optimizer = optimizer_for(model, cfg)
-    ema = weight_average(ckpt.unwrap(model), cfg.ema_decay)
     with backend.restored_checkpoint() as restore_dir:
+        net = build_from_args(model_args(manifest, cfg.model, cfg.stem))
+        if not restore_dir and (weights := finetune.initial_weights(cfg)):  # the driver has checked the file
+            finetune.initialise(net, weights, cfg.model)
+        model = backend.prepare_model(net.to(memory_format=memory_format))
+        optimizer = optimizer_for(model, cfg)
+        ema = weight_average(ckpt.unwrap(model), cfg.ema_decay)
         resumed = restore(restore_dir, model, optimizer, ema, backend.device) if restore_dir else Resumed()
     n_train = manifest["splits"]["train"]["num_samples"]
     steps_per_epoch = max(1, epoch_steps(n_train, cfg.batch_size, cfg.limit_train_batches))
@@ -231,6 +236,7 @@ def train_step(run: Run, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     backend.progress.enter("backward")
     loss.backward()
     backend.progress.enter("optimizer")
+    freeze(run.optimizer, run.step < cfg.freeze_backbone * run.steps_per_epoch)
     run.optimizer.step()
     run.scheduler.step()
     if run.ema is not None:
@@ -305,7 +311,7 @@ def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name:
                 train_state[ckpt.TRAIN_WEIGHTS_KEY] = _cpu(ckpt.unwrap(run.model).state_dict())
                 train_state[ckpt.EMA_STEPS_KEY] = int(run.ema.n_averaged.item())
             meta = {
-                "model_args": model_args(run.manifest), "config": run.cfg.to_dict(), "metrics": metrics,
+                "model_args": model_args(run.manifest, run.cfg.model, run.cfg.stem), "config": run.cfg.to_dict(), "metrics": metrics,
                 "data": run.manifest, "epoch": train_state[ckpt.EPOCH_KEY], "step": run.step,
                 "total_steps": run.total_steps, "created": time.time(), ckpt.HISTORY_KEY: run.history,
             }

@@ -1,0 +1,127 @@
+"""Each listed model on this machine: training images/s and the accuracy it reaches on a
+generated RGB photo folder (issue 18).
+
+The folder: 10 classes of coloured shapes (disc, square, triangle, cross, ring, diamond,
+horizontal and vertical bars, two dots, an L) at random positions, sizes and colours on noisy
+backgrounds, JPEGs of ``--size`` px; prepared once (`data prepare folder`, the photos preset:
+random resized crop and flip). Every model trains from scratch with the default recipe, one
+process (`--backend local`, all cores), for ``--epochs`` epochs; images/s is the last epoch's
+training rate, accuracy the final test-split accuracy. One run per model: a table of what to
+expect, not a comparison to a tenth.
+
+    python bench/models.py [--images 2000] [--size 64] [--epochs 4] [--models resnet18,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, write_result  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+from imgtrain.zoo import LISTED_MODELS  # noqa: E402
+
+SHAPES = ("disc", "square", "triangle", "cross", "ring", "diamond", "hbar", "vbar", "dots", "ell")
+
+
+def draw_shape(kind: str, size: int, rng: np.random.Generator):
+    """One RGB image: a shape of class ``kind`` on a noisy background."""
+    from PIL import Image, ImageDraw, ImageFilter
+
+    bg = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
+    im = Image.fromarray(bg).resize((size, size), Image.Resampling.BICUBIC)
+    noise = rng.normal(0, 18, (size, size, 3))
+    im = Image.fromarray(np.clip(np.asarray(im) + noise, 0, 255).astype(np.uint8))
+    d = ImageDraw.Draw(im)
+    colour = tuple(int(v) for v in rng.integers(0, 256, 3))
+    r = rng.uniform(0.18, 0.32) * size
+    cx, cy = rng.uniform(r + 2, size - r - 2, 2)
+    w = max(2, r / 3)
+    box = (cx - r, cy - r, cx + r, cy + r)
+    if kind == "disc":
+        d.ellipse(box, fill=colour)
+    elif kind == "square":
+        d.rectangle(box, fill=colour)
+    elif kind == "triangle":
+        d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=colour)
+    elif kind == "cross":
+        d.rectangle((cx - r, cy - w / 2, cx + r, cy + w / 2), fill=colour)
+        d.rectangle((cx - w / 2, cy - r, cx + w / 2, cy + r), fill=colour)
+    elif kind == "ring":
+        d.ellipse(box, outline=colour, width=int(w))
+    elif kind == "diamond":
+        d.polygon([(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)], fill=colour)
+    elif kind == "hbar":
+        d.rectangle((cx - r, cy - w, cx + r, cy + w), fill=colour)
+    elif kind == "vbar":
+        d.rectangle((cx - w, cy - r, cx + w, cy + r), fill=colour)
+    elif kind == "dots":
+        for dx in (-r / 2, r / 2):
+            d.ellipse((cx + dx - w, cy - w, cx + dx + w, cy + w), fill=colour)
+    else:  # ell
+        d.rectangle((cx - r, cy - r, cx - r + w, cy + r), fill=colour)
+        d.rectangle((cx - r, cy + r - w, cx + r, cy + r), fill=colour)
+    return im.filter(ImageFilter.GaussianBlur(0.6))
+
+
+def make_shapes(root: Path, count: int, size: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        kind = SHAPES[i % len(SHAPES)]
+        path = root / kind / f"{i:06d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        draw_shape(kind, size, rng).save(path, quality=90)
+
+
+def train(data: Path, storage: Path, model: str, epochs: int, batch: int) -> dict:
+    name = model.replace(":", "-")
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "imgtrain.cli", "train", "--data", str(data), "--storage",
+                           str(storage), "--name", name, "--model", model, "--backend", "local", "--epochs",
+                           str(epochs), "--batch-size", str(batch), "--quiet", "--json"],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}
+    metrics = [json.loads(line) for line in (storage / name / "metrics.jsonl").read_text().splitlines()]
+    epochs_done = [m for m in metrics if m.get("kind") == "epoch"]
+    return {"images_per_s": epochs_done[-1]["images_per_s"], "test_accuracy": epochs_done[-1]["val_accuracy"],
+            "wall_s": time.perf_counter() - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--models", default=",".join(LISTED_MODELS))
+    args = parser.parse_args()
+    result = {"environment": environment(), "inputs": vars(args), "models": {}}
+    with tempfile.TemporaryDirectory(prefix="imgtrain-models-") as tmp:
+        work = Path(tmp)
+        make_shapes(work / "shapes", args.images, args.size)
+        subprocess.run([sys.executable, "-m", "imgtrain.cli", "data", "prepare", "folder", str(work / "data"),
+                        "--source", str(work / "shapes")], check=True, capture_output=True)
+        for model in args.models.split(","):
+            result["models"][model] = found = train(work / "data", work / "runs", model, args.epochs, args.batch)
+            print(model, found, flush=True)
+    print(f"results: {write_result('models', result)}")
+    print("\n| model | images/s | test accuracy after {} epochs |\n|---|---|---|".format(args.epochs))
+    for model, found in result["models"].items():
+        if "error" in found:
+            print(f"| {model} | failed: {found['error']} | |")
+        else:
+            print(f"| {model} | {found['images_per_s']:.0f} | {found['test_accuracy']:.1%} |")
+
+
+if __name__ == "__main__":
+    main()

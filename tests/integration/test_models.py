@@ -1,0 +1,134 @@
+"""Another model end to end on a real Ray cluster (MobileNetV3-small: DDP, exact resume, every
+command downstream rebuilding it from the checkpoint alone), and fine-tuning from a file."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import imgtrain
+from imgtrain import checkpoint as ckpt
+from imgtrain import runs
+from imgtrain.config import TrainConfig
+from imgtrain.data.format import read_split
+from imgtrain.inference.batch import InferenceOptions, evaluate
+from imgtrain.inference.predictor import Predictor, load_model
+from imgtrain.training.faults import ENV_VAR as FAULT_ENV
+from tests.conftest import assert_one_line_error, quiet_display, run_cli
+
+pytestmark = pytest.mark.integration
+
+QUIET = quiet_display()
+MODEL = "mobilenet_v3_small"
+# 256 rows / batch 32 = 8 steps per epoch; a step checkpoint after global step 4.
+SETTINGS = dict(model=MODEL, workers=2, epochs=2, batch_size=32, eval_batch_size=50, log_every_steps=2,
+                checkpoint_every_steps=4, deterministic=True, max_failures=1, ledger=True)
+
+
+def config(data, storage, name, **overrides) -> TrainConfig:
+    return TrainConfig(data=str(data), storage=str(storage), name=name, **{**SETTINGS, **overrides})
+
+
+@pytest.fixture(scope="module")
+def mobilenet(ray_cluster, tiny_data, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("models")
+    result = imgtrain.train(config(tiny_data, storage, "mn"), display=QUIET)
+    assert result.status == "finished"
+    return result, storage
+
+
+def weights(checkpoint) -> dict:
+    return ckpt.load_model_state(checkpoint)
+
+
+def test_a_retried_mobilenet_run_ends_with_the_uninterrupted_runs_weights(mobilenet, tiny_data, tmp_path, monkeypatch):
+    reference, _ = mobilenet
+    monkeypatch.setenv(FAULT_ENV, "raise:1:6")  # rank 1 fails in epoch 0, after the step-4 checkpoint
+    result = imgtrain.train(config(tiny_data, tmp_path, "mn-retry"), display=QUIET)
+    assert result.status == "finished"
+    assert (result.path / ".faults" / "raise-1-6-1").is_file()
+    starts = [(r["step"], r["epoch_step"]) for r in runs.read_metrics(result.path) if r["kind"] == "start"]
+    assert starts == [(0, 0), (4, 4)]
+    a, b = weights(result.latest_checkpoint), weights(reference.latest_checkpoint)
+    assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-6
+    assert list(result.metrics["val_accuracy"]) == list(reference.metrics["val_accuracy"])
+
+
+def test_every_command_downstream_rebuilds_the_model_from_the_checkpoint(mobilenet, tmp_path):
+    result, storage = mobilenet
+    meta = ckpt.read_meta(result.best_checkpoint)
+    assert meta["model_args"] == {"architecture": MODEL, "in_channels": 1, "num_classes": 10, "stem": "standard",
+                                  "image_size": [28, 28]}
+    ev = evaluate("mn", storage=str(storage), options=InferenceOptions(backend="local"))
+    assert ev.accuracy == meta["metrics"]["val_accuracy"]  # what validation saw during training
+    model, preprocess = load_model("mn", storage=str(storage))
+    assert type(model).__name__ == "MobileNetV3"
+    _, images, labels = read_split(result.config["data"], "test")
+    with torch.inference_mode():
+        preds = model(preprocess(images)).argmax(1).numpy()
+    assert np.mean(preds == labels) == ev.accuracy
+    served = Predictor(result.best_checkpoint)({"image": images[:4]})  # what serve and predict run
+    assert list(served["pred_index"]) == list(preds[:4])
+    proc = run_cli("report", "mn", "--storage", str(storage))
+    assert proc.returncode == 0, proc.stderr
+    assert MODEL in (result.path / "report" / "report.html").read_text()
+
+
+def test_bf16_and_compile_train_a_mobilenet(tiny_data, tmp_path):
+    result = imgtrain.train(config(tiny_data, tmp_path, "mn-fast", backend="local", epochs=1, precision="bf16",
+                                   compile=True, limit_train_batches=3, checkpoint_every_steps=0, ledger=False,
+                                   deterministic=False), display=QUIET)
+    assert result.status == "finished"
+    assert np.isfinite(result.metrics["train_loss"]).all()
+    assert all(v.dtype == torch.float32 for v in weights(result.latest_checkpoint).values() if v.is_floating_point())
+
+
+def test_fine_tuning_from_a_run_freezes_the_backbone_then_trains_it(mobilenet, tiny_data, tmp_path):
+    source, storage = mobilenet
+    start = weights(source.best_checkpoint)
+    proc = run_cli("train", "--data", str(tiny_data), "--storage", str(tmp_path), "--name", "ft", "--model", MODEL,
+                   "--init-from", str(source.path), "--freeze-backbone", "1", "--backbone-lr-scale", "0.1",
+                   "--workers", "2", "--epochs", "2", "--batch-size", "32", "--ema-decay", "0", "--num-to-keep", "2")
+    assert proc.returncode == 0, proc.stderr
+    run_dir = tmp_path / "ft"
+    epoch0 = weights(run_dir / "checkpoint_epoch_0000")
+    epoch1 = weights(run_dir / "checkpoint_epoch_0001")
+    conv = "features.1.block.0.0.weight"  # a backbone convolution
+    assert torch.equal(epoch0[conv], start[conv])  # frozen in epoch 0
+    assert not torch.equal(epoch1[conv], start[conv])  # trained in epoch 1
+    assert not torch.equal(epoch0["classifier.3.weight"], start["classifier.3.weight"])  # the head trained
+    assert f"initial weights from {source.path}: " in proc.stdout and "tensors loaded" in proc.stdout
+    assert "model mobilenet_v3_small (torchvision; for 28x28 images --stem small keeps more resolution" in proc.stdout
+    assert json.loads((run_dir / runs.CONFIG_FILE).read_text())["init_from"] == str(source.path)
+
+
+def test_model_mistakes_fail_in_seconds_before_a_run_exists(mobilenet, tiny_data, tmp_path):
+    source, _ = mobilenet
+    base = ["train", "--data", str(tiny_data), "--storage", str(tmp_path), "--name", "bad"]
+    for extra, fragments in [
+        (["--model", "resnet19"], ["no torchvision model 'resnet19'", "resnet18"]),
+        (["--model", "vit_b_16"], ["multiple of 16", "--size 16"]),
+        (["--init-from", str(source.path)], ["does not fit resnet18", "another architecture"]),
+        (["--init-from", str(tmp_path / "nope.pt")], ["no such file"]),
+    ]:
+        started = time.monotonic()
+        proc = run_cli(*base, *extra, timeout=60)
+        assert_one_line_error(proc, *fragments)
+        assert time.monotonic() - started < 30
+        assert not (tmp_path / "bad").exists()
+
+
+def test_pretrained_weights_offline_fail_in_seconds(tiny_data, tmp_path, monkeypatch):
+    # No network: every HTTPS request goes to a proxy port nothing listens on.
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("https_proxy", "http://127.0.0.1:9")
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))  # nothing cached
+    started = time.monotonic()
+    proc = run_cli("train", "--data", str(tiny_data), "--storage", str(tmp_path), "--name", "pre", "--pretrained",
+                   "--model", MODEL, timeout=60)
+    assert_one_line_error(proc, f"could not download the weights of {MODEL}", "--init-from FILE")
+    assert time.monotonic() - started < 30
