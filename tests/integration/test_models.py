@@ -90,9 +90,11 @@ def test_bf16_and_compile_train_a_mobilenet(tiny_data, tmp_path):
 def test_fine_tuning_from_a_run_freezes_the_backbone_then_trains_it(mobilenet, tiny_data, tmp_path):
     source, storage = mobilenet
     start = weights(source.best_checkpoint)
+    relative = source.path.relative_to(source.path.parent.parent)  # as a user types it, from where they are
     proc = run_cli("train", "--data", str(tiny_data), "--storage", str(tmp_path), "--name", "ft", "--model", MODEL,
-                   "--init-from", str(source.path), "--freeze-backbone", "1", "--backbone-lr-scale", "0.1",
-                   "--workers", "2", "--epochs", "2", "--batch-size", "32", "--ema-decay", "0", "--num-to-keep", "2")
+                   "--init-from", str(relative), "--freeze-backbone", "1", "--backbone-lr-scale", "0.1",
+                   "--workers", "2", "--epochs", "2", "--batch-size", "32", "--ema-decay", "0", "--num-to-keep", "2",
+                   cwd=source.path.parent.parent)
     assert proc.returncode == 0, proc.stderr
     run_dir = tmp_path / "ft"
     epoch0 = weights(run_dir / "checkpoint_epoch_0000")

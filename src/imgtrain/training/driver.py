@@ -48,6 +48,8 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
     display = display or TrainingDisplay()
     if cfg.data:
         cfg = dataclasses.replace(cfg, data=str(Path(cfg.data).expanduser().resolve()))
+    if cfg.init_from:  # the workers do not run in this directory
+        cfg = dataclasses.replace(cfg, init_from=str(Path(cfg.init_from).expanduser().resolve()))
     run_dir = runs.run_path(cfg.storage, cfg.name)
     with contextlib.ExitStack() as held:  # the run's lock, held until training ends
         plan = _plan(cfg, run_dir, overwrite, display, held)
