@@ -59,8 +59,10 @@ def test_model_args_that_cannot_be_built_say_why(meta_args, message):
 
 
 def test_an_unknown_name_suggests_close_ones():
-    with pytest.raises(ValueError, match="resnet18, resnet34"):
+    with pytest.raises(ValueError, match="no torchvision model 'resnet19'; for example resnet18"):
         zoo.check_name("resnet19", "standard")
+    with pytest.raises(ValueError, match="mobilenet_v3_small"):
+        zoo.check_name("mobilenet_v3_smal", "standard")
 
 
 def test_torchvision_imagenet_weights_adapt_to_gray_digits(tmp_path):

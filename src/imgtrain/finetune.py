@@ -85,7 +85,8 @@ def adapt(model: nn.Module, state: dict[str, torch.Tensor], source: str, model_n
         elif key.startswith(head):
             head_new.append(key)
         elif key == conv_key and got is not None and _channels_only(got, want):
-            out[key] = got.sum(1, keepdim=True) if want.shape[1] == 1 else got.repeat(1, want.shape[1], 1, 1) / want.shape[1]
+            channels = want.shape[1]
+            out[key] = got.sum(1, keepdim=True) if channels == 1 else got.repeat(1, channels, 1, 1) / channels
             report.adapted.append(f"{key} ({got.shape[1]} -> {want.shape[1]} channels"
                                   f"{', summed' if want.shape[1] == 1 else ', spread'})")
         elif key == conv_key:  # the small-image stem: another kernel size, learnt afresh

@@ -58,7 +58,9 @@ def check_name(name: str, stem: str) -> None:
         if stem == "small":
             raise ValueError("--stem small is for torchvision models; timm models take the stem they define")
     elif name not in torchvision_names():
-        close = [n for n in torchvision_names() if n.split("_")[0] == name.split("_")[0]][:6] or list(LISTED_MODELS)
+        import difflib
+
+        close = difflib.get_close_matches(name, torchvision_names(), n=5, cutoff=0.6) or list(LISTED_MODELS)
         raise ValueError(f"no torchvision model {name!r}; for example {', '.join(close)}; or timm:NAME for timm's")
 
 
@@ -80,13 +82,15 @@ def _torchvision(name: str, channels: int, classes: int, stem: str, size: list[i
     if name.startswith("vit_"):
         patch = int(name.rsplit("_", 1)[1])
         if size[0] != size[1] or size[0] % patch:
+            side = -(-max(size) // patch) * patch  # the next multiple up
             raise ValueError(f"{name} needs square images whose side is a multiple of {patch} (these are "
-                             f"{size[0]}x{size[1]}): prepare the data with --size {max(patch, size[0] // patch * patch)}")
+                             f"{size[0]}x{size[1]}): prepare the data with --size {side}x{side}")
         kwargs["image_size"] = size[0]
     model = models.get_model(name, weights=None, **kwargs)
     path, conv = first_conv(model)
     if stem == "small":
-        _replace(model, path, nn.Conv2d(channels, conv.out_channels, 3, stride=1, padding=1, bias=conv.bias is not None))
+        small = nn.Conv2d(channels, conv.out_channels, 3, stride=1, padding=1, bias=conv.bias is not None)
+        _replace(model, path, small)
         if isinstance(getattr(model, "maxpool", None), nn.MaxPool2d):
             model.maxpool = nn.Identity()
     elif conv.in_channels != channels:

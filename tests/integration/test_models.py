@@ -113,7 +113,7 @@ def test_model_mistakes_fail_in_seconds_before_a_run_exists(mobilenet, tiny_data
     base = ["train", "--data", str(tiny_data), "--storage", str(tmp_path), "--name", "bad"]
     for extra, fragments in [
         (["--model", "resnet19"], ["no torchvision model 'resnet19'", "resnet18"]),
-        (["--model", "vit_b_16"], ["multiple of 16", "--size 16"]),
+        (["--model", "vit_b_16"], ["multiple of 16", "--size 32x32"]),
         (["--init-from", str(source.path)], ["does not fit resnet18", "another architecture"]),
         (["--init-from", str(tmp_path / "nope.pt")], ["no such file"]),
     ]:

@@ -138,10 +138,15 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
 def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
     """Build the model once here, run one image through it and load its initial weights, so
     that a wrong name, an image size it cannot take or a file that does not fit fails in
-    seconds, before Ray starts; downloads --pretrained weights once for every worker."""
+    seconds, before Ray starts; downloads --pretrained weights once for every worker. The
+    default model from scratch takes any image size: nothing to check, and no torch import."""
+    from imgtrain import zoo
+
+    if cfg.model == zoo.DEFAULT_MODEL and cfg.stem == "standard" and not (cfg.init_from or cfg.pretrained):
+        return
     import torch
 
-    from imgtrain import finetune, zoo
+    from imgtrain import finetune
 
     args = zoo.model_args(manifest, cfg.model, cfg.stem)
     try:

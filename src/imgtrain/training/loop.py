@@ -311,8 +311,8 @@ def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name:
                 train_state[ckpt.TRAIN_WEIGHTS_KEY] = _cpu(ckpt.unwrap(run.model).state_dict())
                 train_state[ckpt.EMA_STEPS_KEY] = int(run.ema.n_averaged.item())
             meta = {
-                "model_args": model_args(run.manifest, run.cfg.model, run.cfg.stem), "config": run.cfg.to_dict(), "metrics": metrics,
-                "data": run.manifest, "epoch": train_state[ckpt.EPOCH_KEY], "step": run.step,
+                "model_args": model_args(run.manifest, run.cfg.model, run.cfg.stem), "config": run.cfg.to_dict(),
+                "metrics": metrics, "data": run.manifest, "epoch": train_state[ckpt.EPOCH_KEY], "step": run.step,
                 "total_steps": run.total_steps, "created": time.time(), ckpt.HISTORY_KEY: run.history,
             }
             if in_epoch:
