@@ -349,9 +349,16 @@ def serve_cmd(
     max_image_pixels: int = typer.Option(0, help="Larger images are refused with 413 before decoding; "
                                          "0 = 64 x the model's input, at least 1 megapixel."),
     max_batch_images: int = typer.Option(64, help="Most images in one request."),
-    request_timeout: float = typer.Option(30.0, help="Seconds before an unanswered request gets 408/504."),
-    max_queued_requests: int = typer.Option(100, help="Requests waiting per replica before new ones get 503."),
-    replicas: int = typer.Option(1, help="Model replicas (Ray Serve deployment)."),
+    request_timeout: float = typer.Option(30.0, help="Seconds before an unanswered request gets 504 "
+                                          "with Retry-After."),
+    max_queued_requests: int = typer.Option(100, help="Requests waiting per replica (besides the batch being "
+                                            "computed) before new ones get 503 with Retry-After, at once."),
+    max_batch_size: int = typer.Option(32, help="Most images per forward pass, gathered from concurrent "
+                                       "requests."),
+    batch_wait_ms: float = typer.Option(0.0, help="Extra wait for a batch to fill. 0 (measured best): each "
+                                        "forward pass takes the requests that arrived during the last one."),
+    replicas: int = typer.Option(1, help="Model replicas (Ray Serve deployment); each takes an equal share "
+                                 "of the cores. On 2 cores, two served no more than one (BENCHMARKS.md)."),
     openapi: bool = typer.Option(False, "--openapi", help="Also serve the API schema at /openapi.json."),
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster; default: start one."),
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
@@ -361,7 +368,8 @@ def serve_cmd(
 
     limits = Limits(max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels,
                     max_batch_images=max_batch_images, request_timeout_s=request_timeout,
-                    max_queued_requests=max_queued_requests)
+                    max_queued_requests=max_queued_requests, max_batch_size=max_batch_size,
+                    batch_wait_ms=batch_wait_ms)
     run_server(run, checkpoint=checkpoint, storage=storage, host=host, port=port, limits=limits,
                replicas=replicas, address=address, openapi=openapi,
                announce=lambda line: console.print(line, soft_wrap=True))

@@ -59,3 +59,20 @@ def test_the_pixel_limit_holds_before_decoding(monkeypatch):
     monkeypatch.setattr(images, "MAX_DECODE_PIXELS", 1000)
     with pytest.raises(images.ImageTooLarge, match="40x40 pixels"):
         images.decode_for_training(data, (8, 8, 3), "photos", np.full(images.PHOTO_PARAMS, 0.5))
+
+
+def test_the_smallest_random_crop_keeps_crop_min_area_of_the_photo():
+    pixels = np.zeros((100, 100, 3), np.uint8)
+    pixels[:50, :50] = 255  # the top-left quarter white
+    smallest = np.array([0.0, 0.5, 0.0, 0.0, 0.9])  # the smallest area, square, top left, no flip
+    data = jpeg(pixels)
+    quarter = images.decode_for_training(data, (20, 20, 3), "photos", smallest, min_area=0.25)
+    whole = images.decode_for_training(data, (20, 20, 3), "photos", smallest, min_area=1.0)
+    assert quarter.mean() > 240  # exactly the white quarter
+    assert 50 < whole.mean() < 80  # the whole photo: a quarter of it white
+
+
+def test_the_streamed_reader_and_the_training_setting_share_one_default_crop_range():
+    from imgtrain.config import TrainConfig
+
+    assert TrainConfig().crop_min_area == images.CROP_MIN_AREA

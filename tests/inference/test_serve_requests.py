@@ -63,6 +63,9 @@ def test_the_default_image_cap_follows_the_model_input_and_limits_are_checked():
     assert Limits().image_pixels((28, 28, 1)) == 1 << 20  # at least a megapixel
     assert Limits().image_pixels((224, 224, 3)) == 64 * 224 * 224
     assert Limits(max_image_pixels=500).image_pixels((28, 28, 1)) == 500
-    problems = Limits(max_batch_images=0, request_timeout_s=float("nan")).problems()
+    problems = Limits(max_batch_images=0, request_timeout_s=float("nan"), max_batch_size=0).problems()
     assert problems == ["--max-batch-images must be a positive number, got 0",
-                        "--request-timeout must be a positive number, got nan"]
+                        "--request-timeout must be a positive number, got nan",
+                        "--max-batch-size must be a positive number, got 0"]
+    assert Limits(batch_wait_ms=0).problems() == []  # no waiting: batches of what is already queued
+    assert Limits(batch_wait_ms=-1).problems() == ["--batch-wait-ms must be 0 or a positive number, got -1"]

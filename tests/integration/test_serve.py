@@ -31,6 +31,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 MAX_BYTES = 100_000  # small, so that an oversized body fits in the socket buffers
 MAX_BATCH = 8
+# Small on purpose, so that a burst of requests fills them: a forward pass gathers up to FORWARD_BATCH
+# images and waits up to BATCH_WAIT_MS for them; past MAX_QUEUED + FORWARD_BATCH requests in the
+# replica, or as many waiting in Ray's proxy for it, new ones get 503.
+FORWARD_BATCH = 8
+BATCH_WAIT_MS = 50
+MAX_QUEUED = 16
 START_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 60
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 even with $http_proxy
@@ -74,7 +80,9 @@ def server(trained, tmp_path_factory):
     with open(stdout, "w") as out, open(stderr, "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "imgtrain.cli", "serve", "srv", "--storage", str(storage),
-             "--port", str(port), "--max-request-bytes", str(MAX_BYTES), "--max-batch-images", str(MAX_BATCH)],
+             "--port", str(port), "--max-request-bytes", str(MAX_BYTES), "--max-batch-images", str(MAX_BATCH),
+             "--max-batch-size", str(FORWARD_BATCH), "--batch-wait-ms", str(BATCH_WAIT_MS),
+             "--max-queued-requests", str(MAX_QUEUED)],
             stdout=out, stderr=err, env={**os.environ, "COLUMNS": "300"},
         )
     try:
@@ -156,6 +164,73 @@ def test_json_pixels_in_every_accepted_form(server, digit):
     assert status == 200 and len(answers) == 2
     for answer, p in zip(answers, predictor.predict_proba(batch)):
         assert_prediction(answer, p, classes)
+
+
+def burst(port: int, bodies: list[bytes]) -> list[tuple]:
+    """POST every body at once, one client thread each (connected first, then released together):
+    [(status, JSON answer or text, Retry-After header, seconds)] in the order of ``bodies``."""
+    import http.client
+    import threading
+
+    ready = threading.Barrier(len(bodies))
+    results = [None] * len(bodies)
+
+    def send(k: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.connect()
+        ready.wait()
+        started = time.monotonic()
+        conn.request("POST", "/predict", body=bodies[k], headers={"Content-Type": "image/png"})
+        r = conn.getresponse()
+        body = r.read()
+        # Answers are JSON; Ray's proxy refuses in plain text
+        answer = json.loads(body) if r.getheader("Content-Type", "").startswith("application/json") else body.decode()
+        results[k] = (r.status, answer, r.getheader("Retry-After"), time.monotonic() - started)
+        conn.close()
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, tiny_data, digit):
+    _, port, _, _ = server
+    _, predictor = digit
+    _, images, _ = read_split(tiny_data, "test")
+    images = images[:MAX_QUEUED]  # never more waiting than the server admits: every one is answered
+    before = request(port, "/healthz")[1]
+    results = burst(port, [png_bytes(im) for im in images])
+    after = request(port, "/healthz")[1]
+    singles = predictor.predict_proba(images)  # what each image gets alone
+    for (status, answer, _, _), probs in zip(results, singles):
+        assert status == 200, [r[:2] for r in results]
+        assert_prediction(answer, probs, predictor.loaded.preprocess.classes)
+    assert len({answer["index"] for _, answer, _, _ in results}) > 1  # not one answer copied to all
+    images_done = after["images_predicted"] - before["images_predicted"]
+    passes = after["forward_passes"] - before["forward_passes"]
+    assert images_done == len(images)
+    assert passes < len(images) / 2, f"{len(images)} concurrent images took {passes} forward passes"
+
+
+def test_requests_past_the_queue_limit_get_503_with_retry_after_at_once(server, tiny_data, digit):
+    _, port, _, _ = server
+    _, predictor = digit
+    _, images, _ = read_split(tiny_data, "test")
+    images = images[np.arange(64) % len(images)]
+    results = burst(port, [png_bytes(im) for im in images])
+    statuses = [status for status, *_ in results]
+    assert set(statuses) <= {200, 503}, statuses
+    assert statuses.count(200) >= MAX_QUEUED and statuses.count(503) > 0, statuses
+    rejected = [r for r in results if r[0] == 503]
+    assert all(retry_after == "1" for _, _, retry_after, _ in rejected)
+    slowest_answer = max(seconds for status, _, _, seconds in results if status == 200)
+    assert max(seconds for *_, seconds in rejected) < slowest_answer  # refused at once, not after waiting
+    singles = predictor.predict_proba(images).argmax(1)
+    assert all(answer["index"] == single for (status, answer, _, _), single in zip(results, singles)
+               if status == 200)
 
 
 def test_rgb_image_of_another_size_is_converted(server, digit):

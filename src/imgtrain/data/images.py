@@ -182,7 +182,7 @@ def _bilinear():
 
 # ---------------------------------------------------------------- the photo recipe's transforms
 
-CROP_SCALE = (0.08, 1.0)  # share of the image a random crop keeps (torchvision's and timm's default)
+CROP_MIN_AREA = 0.6  # the smallest share of the image a random crop keeps (--crop-min-area); the largest is 1
 CROP_RATIO = (3 / 4, 4 / 3)  # its aspect ratio
 EVAL_CROP = 0.875  # evaluation: resize so the centre crop keeps 87.5 % of the shorter side (224 of 256)
 PHOTO_PARAMS = 5  # random numbers per image: crop area, ratio, x, y, flip
@@ -195,15 +195,16 @@ def photo_draw(seed: int, global_step: int, global_batch: int) -> np.ndarray:
     return np.random.default_rng([seed, global_step, 0xC209]).random((global_batch, PHOTO_PARAMS))
 
 
-def random_resized_crop(im, draw: np.ndarray, shape: tuple[int, int]):
-    """Crop a random region (``draw``: five uniform numbers in [0, 1): area, log-ratio, x, y,
-    flip) and resize it to ``shape`` (H, W), flipped horizontally when draw[4] < 0.5. One
+def random_resized_crop(im, draw: np.ndarray, shape: tuple[int, int], min_area: float = CROP_MIN_AREA):
+    """Crop a random region (``draw``: five uniform numbers in [0, 1): area between ``min_area``
+    and 1, log-ratio, x, y, flip) and resize it to ``shape`` (H, W), flipped horizontally when
+    draw[4] < 0.5. One
     attempt, clamped to the image (torchvision retries ten times, which is not reproducible
     from a fixed number of draws)."""
     from PIL import Image
 
     w, h = im.size
-    area = w * h * (CROP_SCALE[0] + draw[0] * (CROP_SCALE[1] - CROP_SCALE[0]))
+    area = w * h * (min_area + draw[0] * (1.0 - min_area))
     lo, hi = np.log(CROP_RATIO[0]), np.log(CROP_RATIO[1])
     ratio = np.exp(lo + draw[1] * (hi - lo))
     cw = min(w, max(1.0, np.sqrt(area * ratio)))
@@ -225,17 +226,18 @@ def center_crop(im, shape: tuple[int, int]):
     return im.resize((tw, th), Image.Resampling.BILINEAR, box=(x0, y0, x0 + cw, y0 + ch))
 
 
-def transform_array(pixels: np.ndarray, shape, draw: np.ndarray | None) -> np.ndarray:
+def transform_array(pixels: np.ndarray, shape, draw: np.ndarray | None, min_area: float = CROP_MIN_AREA) -> np.ndarray:
     """The photo recipe on an image already decoded: uint8 [H', W', C] -> [H, W, C]."""
     from PIL import Image
 
     h, w, c = shape
     im = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
-    im = random_resized_crop(im, draw, (h, w)) if draw is not None else center_crop(im, (h, w))
+    im = random_resized_crop(im, draw, (h, w), min_area) if draw is not None else center_crop(im, (h, w))
     return np.asarray(im, dtype=np.uint8).reshape(h, w, c)
 
 
-def decode_for_training(data: bytes, shape, preset: str, draw: np.ndarray | None) -> np.ndarray:
+def decode_for_training(data: bytes, shape, preset: str, draw: np.ndarray | None,
+                        min_area: float = CROP_MIN_AREA) -> np.ndarray:
     """Stored PNG/JPEG bytes -> uint8 [H, W, C] for the model: the photo recipe's random resized
     crop and flip when ``draw`` is given (training), its centre crop otherwise; digits are
     resized to the model's size (their affine augmentation works on whole batches)."""
@@ -246,13 +248,13 @@ def decode_for_training(data: bytes, shape, preset: str, draw: np.ndarray | None
             from PIL import Image
 
             im = Image.fromarray(pixels[..., 0] if c == 1 else pixels)
-            return np.asarray(random_resized_crop(im, draw, (h, w)), dtype=np.uint8).reshape(h, w, c)
+            return np.asarray(random_resized_crop(im, draw, (h, w), min_area), dtype=np.uint8).reshape(h, w, c)
     with open_image(data) as im:
         if draw is None:  # evaluation: the same transform as predict and serve
             return conform_image(im, shape, preset)[0]
         im = to_mode(im, c)
         if preset == "photos":
-            im = random_resized_crop(im, draw, (h, w))
+            im = random_resized_crop(im, draw, (h, w), min_area)
         elif im.size != (w, h):
             im = im.resize((w, h), _bilinear())
         return np.asarray(im, dtype=np.uint8).reshape(h, w, c)

@@ -84,6 +84,7 @@ class Reader:
     max_rotate_deg: float = 10.0  # the digits' affine
     max_shift: float = 0.1
     max_scale: float = 0.1
+    crop_min_area: float = images.CROP_MIN_AREA  # the photos' random resized crop
 
     @staticmethod
     def for_data(data_dir, manifest: dict, **fields) -> "Reader":
@@ -204,7 +205,8 @@ def _pixels(table, rows: np.ndarray, positions: np.ndarray | None, reader: Reade
 
         pixels = tensor_column_to_numpy(table.column("image"), table.schema.field("image"))[rows]
         if reader.preset == "photos":  # photos kept as tensors: the same crops as encoded ones
-            pixels = np.stack([images.transform_array(p, reader.shape, None if draws is None else draws[k])
+            pixels = np.stack([images.transform_array(p, reader.shape, None if draws is None else draws[k],
+                                                         reader.crop_min_area)
                                for k, p in enumerate(pixels)]) if len(pixels) else pixels.reshape(0, h, w, c)
     else:
         import pyarrow as pa
@@ -214,7 +216,7 @@ def _pixels(table, rows: np.ndarray, positions: np.ndarray | None, reader: Reade
         photo_draws = draws if reader.preset == "photos" else None
         for k, data in enumerate(encoded):
             draw = photo_draws[k] if photo_draws is not None else None
-            pixels[k] = images.decode_for_training(data, reader.shape, reader.preset, draw)
+            pixels[k] = images.decode_for_training(data, reader.shape, reader.preset, draw, reader.crop_min_area)
     if draws is not None and reader.preset == "digits":
         pixels = _affine(pixels, draws, reader)
     return pixels

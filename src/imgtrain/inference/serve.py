@@ -4,17 +4,27 @@
                     one image as [H][W], [H][W][C] or a flat list of H*W*C values, ``{"pixels": ...}``,
                     or a list of images / ``{"images": [...]}`` for a batch
                     -> {"label", "index", "confidence", "probabilities": {class: prob}} (a list for a batch)
-    GET  /healthz   -> {"status": "ok", "checkpoint" (its name), "classes", "image_shape"}
+    GET  /healthz   -> {"status": "ok", "checkpoint" (its name), "classes", "image_shape",
+                        "forward_passes", "images_predicted" (this replica's, since it started)}
     GET  /openapi.json  only with ``--openapi`` (no /docs or /redoc: they load outside scripts)
 
 Image files of another size or colour mode are converted as ``imgtrain predict`` does
 (``imgtrain.inference.inputs``); JSON pixels must already have the model's shape. Bad input gets a 4xx
 with ``{"error": "..."}``, never a 500: bodies over ``--max-request-bytes`` (413), images over
 ``--max-image-pixels`` (413, checked from the header before decoding), more than
-``--max-batch-images`` images in one request (413), JSON nested too deep (400). Requests
-time out after ``--request-timeout`` seconds, and each replica queues at most
-``--max-queued-requests`` (503 past that). There is no authentication or TLS: bind to
-127.0.0.1 (the default), or put a reverse proxy that provides them in front.
+``--max-batch-images`` images in one request (413), JSON nested too deep (400). There is no
+authentication or TLS: bind to 127.0.0.1 (the default), or put a reverse proxy that provides
+them in front.
+
+Under load (BENCHMARKS.md, issue 23): concurrent single-image requests are decoded in a thread
+pool and run through the model together (``imgtrain.inference.batcher``): while one forward pass
+runs, the requests arriving meanwhile gather into the next, up to ``--max-batch-size`` images
+(``--batch-wait-ms`` adds a wait for a batch to fill; 0 measured best). One forward pass at a
+time per replica, with the replica's share of the cores as torch threads. Past
+``--max-queued-requests`` waiting requests per replica, new ones get 503 at once with
+``Retry-After`` (from the replica, or as plain text from Ray's proxy when a flood outruns it); a
+request not answered within ``--request-timeout`` seconds gets 504 with ``Retry-After`` (408
+from Ray's proxy if it never reached a replica).
 
 The driver finds and verifies the checkpoint, refuses a busy port before starting Ray, waits
 for the app with a deadline, then blocks until SIGINT or SIGTERM and shuts Serve and Ray down.
@@ -34,6 +44,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +56,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError, one_line
+from imgtrain.inference.batcher import Batcher
 from imgtrain.inference.predictor import Predictor, resolve_checkpoint
 from imgtrain.inference.try_page import CONTENT_SECURITY_POLICY, PAGE
 from imgtrain.ops import cluster as cluster_mod
@@ -53,6 +65,9 @@ from imgtrain.ops.files import link_dir
 APP_NAME = "imgtrain"
 REPLICA_CPUS = 0.5  # logical: a replica mostly waits for requests; torch threads are set below
 STARTUP_TIMEOUT_S = 180.0  # Ray + Serve + model load: ~45 s on 2 busy cores; past this, stuck
+RETRY_AFTER_S = 1  # what a refused client is told to wait: a batch takes milliseconds, the queue drains in about a second
+RETRY_AFTER = {"Retry-After": str(RETRY_AFTER_S)}
+PROXY_GRACE_S = 5.0  # Ray's proxy gives up this long after the replica's own timeout: a backstop only
 
 
 @dataclass(frozen=True)
@@ -67,14 +82,20 @@ class Limits:
     max_batch_images: int = 64
     """Images per request (JSON batches)."""
     request_timeout_s: float = 30.0
-    """A request not answered by then gets 408/504 instead of waiting on."""
+    """A request not answered by then gets 504 (408 from Ray's proxy) instead of waiting on."""
     max_queued_requests: int = 100
-    """Requests waiting per replica before new ones get 503."""
+    """Requests waiting per replica, besides the batch being computed, before new ones get 503."""
+    max_batch_size: int = 32
+    """Most images in one forward pass, gathered from concurrent requests."""
+    batch_wait_ms: float = 0.0
+    """Extra wait for a batch to fill; 0: each forward pass takes what arrived during the last one."""
 
     def problems(self) -> list[str]:
-        return [f"--{name.replace('_', '-').removesuffix('-s')} must be a positive number, got {value}"
+        may_be_zero = ("max_image_pixels", "batch_wait_ms")
+        return [f"--{name.replace('_', '-').removesuffix('-s')} must be "
+                f"{'0 or ' if name in may_be_zero else ''}a positive number, got {value}"
                 for name, value in dataclasses.asdict(self).items()
-                if not (0 < value < math.inf or name == "max_image_pixels" and value == 0)]
+                if not (0 < value < math.inf or name in may_be_zero and value == 0)]
 
     def image_pixels(self, shape) -> int:
         return self.max_image_pixels or max(64 * shape[0] * shape[1], 1 << 20)
@@ -86,14 +107,14 @@ http_app = FastAPI(title="imgtrain", docs_url=None, redoc_url=None, openapi_url=
 
 
 class RequestError(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.headers = status, headers
 
 
 @http_app.exception_handler(RequestError)
 async def _request_error(request: Request, e: RequestError):
-    return JSONResponse({"error": str(e)}, status_code=e.status)
+    return JSONResponse({"error": str(e)}, status_code=e.status, headers=e.headers)
 
 
 @http_app.exception_handler(StarletteHTTPException)  # 404 / 405 in the same {"error"} shape
@@ -178,7 +199,8 @@ def pixels_from_json(body: bytes, shape) -> tuple[np.ndarray, bool]:
 @serve.deployment(ray_actor_options={"num_cpus": REPLICA_CPUS})
 @serve.ingress(http_app)
 class ModelServer:
-    """One replica: the checkpoint's model in eval mode on the CPU."""
+    """One replica: the checkpoint's model in eval mode on the CPU, fed batches gathered from
+    concurrent requests."""
 
     def __init__(self, checkpoint_dir: str, limits: Limits, threads: int, openapi: bool = False):
         self.predictor = Predictor(checkpoint_dir, threads=threads)  # verifies the sha256s again
@@ -187,7 +209,15 @@ class ModelServer:
         # A name, not the server's file system layout: /healthz answers anyone who can connect.
         self.checkpoint = f"{Path(checkpoint_dir).parent.name}/{Path(checkpoint_dir).name}"
         self.limits, self.max_pixels, self.openapi = limits, limits.image_pixels(self.shape), openapi
+        # Decoding and the forward pass are CPU work: off the event loop, so /healthz still answers.
+        # One model thread: one forward pass at a time, each with all of the replica's torch threads
+        # (concurrent passes would split the same cores and each take longer).
+        self.decoders = ThreadPoolExecutor(max(2, threads), thread_name_prefix="decode")
+        self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
+        self.batcher = Batcher(self._run_model, limits.max_batch_size, limits.batch_wait_ms / 1000)
         self.predictor.predict_proba(np.zeros((1, *self.shape), np.uint8))  # warm up before "ready"
+        self.forward_passes = self.images_predicted = 0  # their ratio: how well requests are batched
+        self.in_replica = 0  # /predict requests here, being read, decoded, batched or answered
 
     @http_app.get("/")
     def page(self):
@@ -198,7 +228,8 @@ class ModelServer:
     @http_app.get("/healthz")
     def healthz(self):
         return {"status": "ok", "checkpoint": self.checkpoint, "classes": self.classes,
-                "image_shape": list(self.shape)}
+                "image_shape": list(self.shape), "forward_passes": self.forward_passes,
+                "images_predicted": self.images_predicted}
 
     @http_app.get("/openapi.json")
     def openapi_schema(self):
@@ -210,12 +241,45 @@ class ModelServer:
 
     @http_app.post("/predict")
     async def predict(self, request: Request):
-        body = await read_body(request, self.limits.max_request_bytes)
-        is_json = request.headers.get("content-type", "").split(";")[0].strip().endswith("json")
-        # Decoding and the forward pass are CPU work: off the event loop, so /healthz still answers.
-        return await asyncio.to_thread(self._predict, body, is_json)
+        if self.in_replica >= self.limits.max_queued_requests + self.limits.max_batch_size:
+            raise RequestError(503, f"the server is busy: {self.in_replica} requests are waiting "
+                                    "(--max-queued-requests); retry later", RETRY_AFTER)
+        self.in_replica += 1
+        try:
+            body = await read_body(request, self.limits.max_request_bytes)
+            is_json = request.headers.get("content-type", "").split(";")[0].strip().endswith("json")
+            timeout = self.limits.request_timeout_s
+            try:
+                return await asyncio.wait_for(self._answer(body, is_json), timeout)
+            except asyncio.TimeoutError:
+                raise RequestError(504, f"no answer within {timeout:g} s (--request-timeout): the server is "
+                                        "overloaded; retry later", RETRY_AFTER) from None
+        finally:
+            self.in_replica -= 1
 
-    def _predict(self, body: bytes, is_json: bool):
+    async def _answer(self, body: bytes, is_json: bool):
+        loop = asyncio.get_running_loop()
+        images, batch = await loop.run_in_executor(self.decoders, self._decode, body, is_json)
+        if batch:  # a request's own batch runs as it is, between the gathered ones
+            probs = await self._run_model(images)
+        else:
+            probs = (await self.batcher(images[0]))[None]
+        answers = [
+            {"label": self.classes[int(p.argmax())], "index": int(p.argmax()), "confidence": float(p.max()),
+             "probabilities": {c: float(v) for c, v in zip(self.classes, p)}}
+            for p in probs
+        ]
+        return answers if batch else answers[0]
+
+    async def _run_model(self, images: np.ndarray) -> np.ndarray:
+        return await asyncio.get_running_loop().run_in_executor(self.model_thread, self._predict_proba, images)
+
+    def _predict_proba(self, images: np.ndarray) -> np.ndarray:
+        """In the model thread only."""
+        self.forward_passes, self.images_predicted = self.forward_passes + 1, self.images_predicted + len(images)
+        return self.predictor.predict_proba(images)
+
+    def _decode(self, body: bytes, is_json: bool) -> tuple[np.ndarray, bool]:
         if is_json:
             images, batch = pixels_from_json(body, self.shape)
         else:
@@ -224,13 +288,7 @@ class ModelServer:
         if len(images) > self.limits.max_batch_images:
             raise RequestError(413, f"{len(images)} images in one request, over the limit of "
                                     f"{self.limits.max_batch_images} (--max-batch-images)")
-        probs = self.predictor.predict_proba(images)  # [B, K]
-        answers = [
-            {"label": self.classes[int(p.argmax())], "index": int(p.argmax()), "confidence": float(p.max()),
-             "probabilities": {c: float(v) for c, v in zip(self.classes, p)}}
-            for p in probs
-        ]
-        return answers if batch else answers[0]
+        return images, batch
 
 
 # ---------------------------------------------------------------- the driver
@@ -285,10 +343,22 @@ def _check_request(run, checkpoint, storage, host, port, limits, replicas) -> tu
 
 
 def _deploy(path: Path, host: str, port: int, limits: Limits, replicas: int, openapi: bool) -> None:
-    serve.start(http_options={"host": host, "port": port, "request_timeout_s": limits.request_timeout_s})
+    from ray.serve.config import BackpressureConfig
+
+    serve.start(http_options={"host": host, "port": port,
+                              "request_timeout_s": limits.request_timeout_s + PROXY_GRACE_S})
     _check_http_config(host, port)
-    app = ModelServer.options(num_replicas=replicas, max_queued_requests=limits.max_queued_requests).bind(
-        str(path), limits, cluster_mod.threads_for(replicas), openapi)
+    # The replica refuses requests past its own queue (ModelServer.predict), so Ray's router must let
+    # them reach it: a replica at Serve's max_ongoing_requests makes the router retry with backoffs of
+    # up to 0.5 s, which at 256 clients left the replica idle and the answers 15 s late (BENCHMARKS.md).
+    # Serve's own queue in the proxy (503 with the same Retry-After) is a backstop for floods past that.
+    per_replica = limits.max_queued_requests + limits.max_batch_size
+    app = ModelServer.options(
+        num_replicas=replicas,
+        max_ongoing_requests=2 * per_replica,
+        max_queued_requests=per_replica * replicas,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=RETRY_AFTER_S),
+    ).bind(str(path), limits, cluster_mod.threads_for(replicas), openapi)
     serve.run_many([serve.RunTarget(app, name=APP_NAME)], wait_for_applications_running=False)
 
 
