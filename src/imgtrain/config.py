@@ -61,7 +61,7 @@ class TrainConfig:
     cpus_per_worker: float = setting(1.0, "Logical CPUs each worker reserves in Ray. Threads are set separately "
                                      "(threads_per_worker).", range="(0, 1024]", resumable=True)
     threads_per_worker: int = setting(0, "torch intra-op threads per worker; 0 = this node's cores divided by "
-                                      "workers on it.", range="[0, 1024]", resumable=True)
+                                      "workers on it, or 2 for a worker on a GPU (its host work is small).", range="[0, 1024]", resumable=True)
     address: str | None = setting(None, "Ray cluster to join (``HOST:6379``, ``auto``, ``ray://host:10001``); unset "
                                   "starts a local cluster.", resumable=True)
     preprocess_cpus: int = setting(0, "CPUs each worker's data pipeline decodes and augments with (streamed data "
@@ -119,6 +119,11 @@ class TrainConfig:
     ema_decay: float = setting(0.98, "Per-step decay of an exponential moving average of the weights, which is "
                                "what gets evaluated and saved as model.pt; 0 turns it off. Smooths the "
                                "epoch-to-epoch jitter.", range="[0, 1)")
+    bn_momentum: float = setting(0.1, "Momentum of every BatchNorm layer's running statistics (as timm's "
+                                 "--bn-momentum), PyTorch's default. torchvision's MobileNet-V3 and EfficientNet "
+                                 "define 0.01, for 600-epoch ImageNet runs: in a run of a few hundred steps their "
+                                 "statistics lag so far behind the weights that evaluation predicted one class for "
+                                 "every image (docs/NOTES.md). 0 keeps each model's own.", range="[0, 1]")
     seed: int = setting(0, "Seeds model init, shuffling and augmentation.", range="[0, 4294967295]")
 
     channels_last: bool = setting(True, "NHWC memory layout for convolutions: measured 5-10% faster on CPU here, "

@@ -40,6 +40,13 @@ def augment_draw(seed: int, global_step: int, global_batch: int, world_size: int
     return draw[rank_share(global_batch, world_size, rank)]
 
 
+def epoch_augment_draws(seed: int, first_global_step: int, steps: int, global_batch: int, world_size: int,
+                        rank: int) -> torch.Tensor:
+    """``augment_draw`` of ``steps`` consecutive global steps: [steps, local batch, AUGMENT_PARAMS]."""
+    return torch.stack([augment_draw(seed, first_global_step + k, global_batch, world_size, rank)
+                        for k in range(steps)])
+
+
 def sort_by_id(ids: torch.Tensor, *columns: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The canonical row order both ingests share: ascending id (ids are unique per data set),
     whatever order the files or Ray Data blocks delivered the rows in."""
@@ -67,9 +74,10 @@ def ordered_batches(rows: tuple[torch.Tensor, ...], seed: int, global_batch: int
 
     def train_batches(epoch: int, first_step: int):
         perm = epoch_permutation(len(ids), seed, epoch)
+        perm_there = perm.to(images.device)  # once per epoch, not one index copy per step
         for step in range(first_step, steps):
             index = rank_rows(perm, step, global_batch, world_size, rank)
-            on = index.to(images.device)
-            yield {"id": ids[index], "image": to_device(images[on]), "label": to_device(labels[on])}
+            there = rank_rows(perm_there, step, global_batch, world_size, rank)
+            yield {"id": ids[index], "image": to_device(images[there]), "label": to_device(labels[there])}
 
     return train_batches

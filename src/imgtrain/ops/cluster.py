@@ -30,11 +30,19 @@ class Cluster:
     session_logs: Path | None
 
 
-def threads_for(sharing: int, given: int = 0) -> int:
+GPU_PROCESS_THREADS = 2
+
+
+def threads_for(sharing: int, given: int = 0, gpu: bool = False) -> int:
     """torch threads for one of ``sharing`` processes on this machine's cores; ``given`` (a
     user's setting) wins. More threads than cores made OpenMP spin against the other processes
-    (a grid_sample went from 1.6 to 34 ms, docs/NOTES.md)."""
-    return given or max(1, (os.cpu_count() or 1) // max(1, sharing))
+    (a grid_sample went from 1.6 to 34 ms, docs/NOTES.md). A process training on a GPU does
+    only small host work between kernels, and each CPU op then waits for every sleeping
+    intra-op thread to wake (sin/cos of 128 numbers every 15 ms: 24 ms with 2 threads against
+    0.1 ms with 1, issue 19): it gets ``GPU_PROCESS_THREADS``."""
+    if given:
+        return given
+    return GPU_PROCESS_THREADS if gpu else max(1, (os.cpu_count() or 1) // max(1, sharing))
 
 
 def require_gpus(needed: int, what: str, hint: str) -> None:

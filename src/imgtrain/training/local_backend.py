@@ -76,7 +76,7 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
         run_dir=run_dir, fault=fault,
     )
     with process_settings_restored():
-        torch.set_num_threads(threads_for(1, cfg.threads_per_worker))
+        torch.set_num_threads(threads_for(1, cfg.threads_per_worker, cfg.use_gpu))
         run_loop(TrainConfig(**tracking.public_config(cfg)), manifest, backend)  # meta.json stores it
 
 

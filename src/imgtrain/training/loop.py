@@ -28,13 +28,20 @@ from imgtrain import finetune
 from imgtrain.config import TrainConfig, per_worker_batch_sizes
 from imgtrain.config import steps_per_epoch as epoch_steps
 from imgtrain.data.format import eval_split
-from imgtrain.data.order import augment_draw
+from imgtrain.data.order import epoch_augment_draws
 from imgtrain.errors import ImgtrainError
-from imgtrain.model import random_affine, to_model_input
+from imgtrain.model import affine_matrices, apply_affine, to_model_input
 from imgtrain.training import faults
 from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
 from imgtrain.training.health import Progress
-from imgtrain.training.recipe import freeze, one_cycle, optimizer_for, weight_average
+from imgtrain.training.recipe import (
+    WeightAverage,
+    freeze,
+    one_cycle,
+    optimizer_for,
+    set_batchnorm_momentum,
+    weight_average,
+)
 from imgtrain.zoo import build_from_args, model_args
 
 Batch = dict  # {"id": int64 [B], "image": uint8 [B, H, W, C], "label": int64 [B]} on the device
@@ -97,7 +104,7 @@ class Run:
     forward: Callable  # the model, or its compiled graph
     optimizer: torch.optim.Optimizer
     scheduler: object
-    ema: object | None  # AveragedModel, or None without --ema-decay
+    ema: WeightAverage | None  # None without --ema-decay
     criterion: nn.Module
     autocast: object
     memory_format: torch.memory_format
@@ -146,6 +153,7 @@ def setup(cfg: TrainConfig, manifest: dict, backend: Backend) -> tuple[Run, Resu
         net = build_from_args(model_args(manifest, cfg.model, cfg.stem))
         if not restore_dir and (weights := finetune.initial_weights(cfg)):  # the driver has checked the file
             finetune.initialise(net, weights, cfg.model)
+        set_batchnorm_momentum(net, cfg.bn_momentum)
         model = backend.prepare_model(net.to(memory_format=memory_format))
         optimizer = optimizer_for(model, cfg)
         ema = weight_average(ckpt.unwrap(model), cfg.ema_decay)
@@ -180,6 +188,7 @@ def train_epoch(run: Run, epoch: int, partial: Resumed | None) -> tuple[torch.Te
     run.model.train()
     window, timing = StepWindow(), EpochTiming()
     batches = iter(backend.train_batches(epoch, first_step))
+    affines = epoch_affines(run, run.step - first_step) if cfg.augment and backend.augment_in_step else None
     for i in range(first_step, run.steps_per_epoch):
         t0 = time.perf_counter()
         backend.progress.enter("data", run.step)
@@ -192,7 +201,7 @@ def train_epoch(run: Run, epoch: int, partial: Resumed | None) -> tuple[torch.Te
         faults.maybe_fire(backend.fault, backend.rank, run.step, backend.run_dir, "step")
         if run.ledger is not None:
             run.ledger.write(epoch, i, run.step, batch["id"])
-        loss, correct = train_step(run, batch)
+        loss, correct = train_step(run, batch, None if affines is None else affines[i])
         sums[0] += loss
         sums[1] += correct
         sums[2] += len(batch["label"])
@@ -216,14 +225,27 @@ def train_epoch(run: Run, epoch: int, partial: Resumed | None) -> tuple[torch.Te
     return sums, timing, elapsed_before + time.perf_counter() - started
 
 
-def train_step(run: Run, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step on this rank's share of the global batch; returns this rank's summed
-    loss (float64) and number of correct predictions, both still on the device."""
+def epoch_affines(run: Run, epoch_start_step: int) -> torch.Tensor:
+    """The digits augmentation's matrices of every step of the epoch [steps, local batch, 2, 3],
+    on the device: drawn, turned into matrices and copied there once, at the epoch's start.
+    Per step, the CPU's sin/cos woke every intra-op thread (24 ms when they slept, issue 19) and
+    the copy made the host wait for the GPU. Always the whole epoch, also when resuming inside
+    it: every step's numbers come from the same computation, so a resumed run stays bit-exact."""
+    cfg, backend = run.cfg, run.backend
+    draws = epoch_augment_draws(cfg.seed, epoch_start_step, run.steps_per_epoch, cfg.batch_size,
+                                backend.world_size, backend.rank)
+    theta = affine_matrices(draws.flatten(0, 1), cfg.max_rotate_deg, cfg.max_shift, cfg.max_scale)
+    return theta.view(run.steps_per_epoch, -1, 2, 3).to(backend.device)
+
+
+def train_step(run: Run, batch: Batch, affine: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on this rank's share of the global batch (``affine``: its augmentation's
+    matrices); returns this rank's summed loss (float64) and number of correct predictions, both
+    still on the device."""
     cfg, backend, world = run.cfg, run.backend, run.backend.world_size
     x = to_model_input(batch["image"], run.manifest["normalize"]["mean"], run.manifest["normalize"]["std"])
-    if cfg.augment and backend.augment_in_step:  # x: [B, C, H, W] float32, normalised
-        draw = augment_draw(cfg.seed, run.step, cfg.batch_size, world, backend.rank)
-        x = random_affine(x, draw, cfg.max_rotate_deg, cfg.max_shift, cfg.max_scale)
+    if affine is not None:  # x: [B, C, H, W] float32, normalised
+        x = apply_affine(x, affine)
     y = batch["label"]
     backend.progress.enter("forward")
     with run.autocast:
@@ -240,7 +262,7 @@ def train_step(run: Run, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     run.optimizer.step()
     run.scheduler.step()
     if run.ema is not None:
-        run.ema.update_parameters(ckpt.unwrap(run.model))
+        run.ema.update()
     run.step += 1
     with torch.no_grad():
         summed = loss.detach().double() * cfg.batch_size / world  # this rank's summed loss
@@ -309,7 +331,7 @@ def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name:
                 train_state[ckpt.EPOCH_PROGRESS_KEY] = epoch_progress
             if run.ema is not None:
                 train_state[ckpt.TRAIN_WEIGHTS_KEY] = _cpu(ckpt.unwrap(run.model).state_dict())
-                train_state[ckpt.EMA_STEPS_KEY] = int(run.ema.n_averaged.item())
+                train_state[ckpt.EMA_STEPS_KEY] = run.ema.steps
             meta = {
                 "model_args": model_args(run.manifest, run.cfg.model, run.cfg.stem), "config": run.cfg.to_dict(),
                 "metrics": metrics, "data": run.manifest, "epoch": train_state[ckpt.EPOCH_KEY], "step": run.step,
@@ -329,7 +351,7 @@ def restore(directory: str, model: nn.Module, optimizer, ema, device) -> Resumed
     saved = ckpt.load_model_state(directory, device)
     if ema is not None and ckpt.TRAIN_WEIGHTS_KEY in state:
         ema.module.load_state_dict(saved)
-        ema.n_averaged.fill_(state[ckpt.EMA_STEPS_KEY])
+        ema.steps = int(state[ckpt.EMA_STEPS_KEY])
         saved = state[ckpt.TRAIN_WEIGHTS_KEY]
     ckpt.unwrap(model).load_state_dict(saved)
     optimizer.load_state_dict(state[ckpt.OPTIMIZER_KEY])

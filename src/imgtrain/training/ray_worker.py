@@ -34,7 +34,7 @@ def train_loop_per_worker(config: dict) -> None:
     monitor = config.get("monitor")
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(threads_for(ctx.get_local_world_size(), cfg.threads_per_worker))  # its own process
+    torch.set_num_threads(threads_for(ctx.get_local_world_size(), cfg.threads_per_worker, cfg.use_gpu))
     device = ray.train.torch.get_device()
     progress = Progress()
     stop_heartbeat = health.start_heartbeat(monitor, rank, world, progress)

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
+
 import torch
 import torch.nn as nn
 
@@ -38,26 +41,56 @@ def freeze(optimizer, frozen: bool) -> None:
         optimizer.param_groups[1]["lr"] = 0.0
 
 
-def weight_average(model: nn.Module, decay: float):
-    """Moving average of weights and BatchNorm statistics, or None when decay is 0.
+def set_batchnorm_momentum(model: nn.Module, momentum: float) -> None:
+    """Give every BatchNorm layer the run's momentum (0: keep the model's own). Running
+    statistics are only used in evaluation, so a saved model loads the same either way."""
+    if momentum:
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.momentum = momentum
+
+
+def weight_average(model: nn.Module, decay: float) -> WeightAverage | None:
+    """Moving average of ``model``'s weights and BatchNorm statistics, or None when decay is 0."""
+    return WeightAverage(model, decay) if decay else None
+
+
+class WeightAverage:
+    """Exponential moving average of weights and buffers, updated after every optimizer step.
 
     The decay warms up as (1 + n) / (10 + n) until it reaches ``decay``, so that a short run
-    is not dominated by the random initial weights.
+    is not dominated by the random initial weights. The same arithmetic as torch's
+    ``AveragedModel(use_buffers=True)`` with a lerp, without its step count kept as a tensor:
+    on a GPU that count costs two blocking host-device copies and a read back per step
+    (issue 19). ``steps`` is a plain integer; the tensor lists are built once (the optimizer
+    and ``load_state_dict`` update tensors in place).
     """
-    if not decay:
-        return None
-    from torch.optim.swa_utils import AveragedModel
+
+    def __init__(self, model: nn.Module, decay: float):
+        self.module = copy.deepcopy(model)
+        self.decay = decay
+        self.steps = 0
+        pairs = list(zip(self._tensors(self.module), self._tensors(model), strict=True))
+        self._float = ([a for a, _ in pairs if a.is_floating_point()], [c for a, c in pairs if a.is_floating_point()])
+        # BatchNorm's step counters: copied, not averaged
+        self._other = ([a for a, _ in pairs if not a.is_floating_point()],
+                       [c for a, c in pairs if not a.is_floating_point()])
+
+    @staticmethod
+    def _tensors(model: nn.Module) -> list[torch.Tensor]:
+        return [t.detach() for t in itertools.chain(model.parameters(), model.buffers())]
 
     @torch.no_grad()
-    def update(averaged: list, current: list, num_averaged) -> None:
-        if not torch.is_floating_point(averaged[0]):  # BatchNorm's step counters: just copy
-            torch._foreach_copy_(averaged, current)
-            return
-        n = float(num_averaged)
-        d = min(decay, (1.0 + n) / (10.0 + n))
-        torch._foreach_lerp_(averaged, current, 1.0 - d)
-
-    return AveragedModel(model, multi_avg_fn=update, use_buffers=True)
+    def update(self) -> None:
+        """Fold the model's current weights in (the first call copies them)."""
+        if self._other[0]:
+            torch._foreach_copy_(*self._other)
+        if self.steps == 0:
+            torch._foreach_copy_(*self._float)
+        else:
+            n = float(self.steps)
+            torch._foreach_lerp_(*self._float, 1.0 - min(self.decay, (1.0 + n) / (10.0 + n)))
+        self.steps += 1
 
 
 def one_cycle(optimizer, cfg: TrainConfig, remaining: int, saved: dict | None):
