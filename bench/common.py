@@ -27,11 +27,12 @@ def ensure_data(data: Path) -> None:
 
 
 @contextlib.contextmanager
-def ray_head():
-    """A Ray cluster started here (``ray start --head``, 4 logical CPUs) for ``--address auto``,
-    as on a cluster where Ray outlives the driver; ready once a first task has run; stopped on exit."""
+def ray_head(cpus: int = 4):
+    """A Ray cluster started here (``ray start --head``, 4 logical CPUs unless told) for ``--address
+    auto``, as on a cluster where Ray outlives the driver; ready once a first task has run; stopped
+    on exit. GPUs are detected."""
     ray = str(Path(sys.executable).parent / "ray")
-    subprocess.run([ray, "start", "--head", f"--port={PORT}", "--num-cpus=4", "--include-dashboard=false"],
+    subprocess.run([ray, "start", "--head", f"--port={PORT}", f"--num-cpus={cpus}", "--include-dashboard=false"],
                    check=True, capture_output=True)
     try:
         script = "import ray; ray.init(address='auto', log_to_driver=False); ray.get(ray.remote(lambda: 1).remote())"

@@ -13,6 +13,7 @@ repeated (n runs each, after one cold run of each that is reported apart), ratio
 one run of this script. Training figures: a real two-epoch run on the N photos.
 
     python bench/data_pipeline.py [--images 3000] [--size 96] [--repeats 3] [--workers-k 2]
+    python bench/data_pipeline.py --gpu --images 12000   # a lent GPU: the training figures only, one GPU worker
 """
 
 from __future__ import annotations
@@ -138,14 +139,16 @@ def memory(work: Path, images: int, size: int) -> dict:
     return rows
 
 
-def training(work: Path, images: int) -> dict:
-    """A real run on the prepared photos (2 workers, two epochs, ResNet-18 at the photos' size):
-    images/s and the share of step time spent waiting for data (the worse rank's) per epoch.
-    The first epoch includes starting the decoding processes; the second is the steady state."""
+def training(work: Path, images: int, gpu: bool = False) -> dict:
+    """A real run on the prepared photos (two epochs, ResNet-18 at the photos' size; 2 CPU
+    workers, or one GPU worker in bf16 with every other CPU decoding): images/s and the share of
+    step time spent waiting for data (the worse rank's) per epoch. The first epoch includes
+    starting the decoding processes; the second is the steady state."""
     data = work / f"data-{images}"
-    with ray_head():
-        run_measured(["train", "--data", str(data), "--name", "speed", "--storage", str(work / "runs"), "--workers",
-                      "2", "--epochs", "2", "--address", "auto", "--quiet"], work)
+    device = ["--gpu", "--workers", "1", "--precision", "bf16"] if gpu else ["--workers", "2"]
+    with ray_head(os.cpu_count() if gpu else 4):
+        run_measured(["train", "--data", str(data), "--name", "speed", "--storage", str(work / "runs"), *device,
+                      "--epochs", "2", "--address", "auto", "--quiet"], work)
     from imgtrain import runs
 
     epochs = [{"images_per_s": e["images_per_s"], "data_wait_fraction": e["data_wait_fraction"]}
@@ -227,10 +230,19 @@ def main() -> None:
     parser.add_argument("--workers-k", type=int, default=2, help="CPUs for decoding, both sides")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--gpu", action="store_true", help="only the training figures, on one GPU worker")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="imgtrain-bench-") as tmp:
         work = Path(tmp)
         result = {"environment": environment(), "inputs": vars(args)}
+        if args.gpu:
+            make_folder(work / f"jpeg-{args.images}", args.images, args.size)
+            subprocess.run([sys.executable, "-m", "imgtrain.cli", "data", "prepare", "folder",
+                            str(work / f"data-{args.images}"), "--source", str(work / f"jpeg-{args.images}")],
+                           check=True, capture_output=True, cwd=work)
+            result["training"] = training(work, args.images, gpu=True)
+            print(f"results: {write_result('data-pipeline-gpu', result)}")
+            return
         if not args.skip_memory:
             result["memory"] = memory(work, args.images, args.size)
             result["training"] = training(work, args.images)

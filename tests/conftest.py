@@ -62,6 +62,25 @@ def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subpro
     )
 
 
+def peak_rss_of(args: list[str]) -> int:
+    """Peak anonymous resident memory (bytes) of the real CLI, sampled from /proc every 20 ms
+    while it runs. Anonymous only: the resident pages of torch's shared libraries (counted in
+    VmHWM) varied by 80 MB between runs of the same command, more than the data under test."""
+    proc = subprocess.Popen([sys.executable, "-m", "imgtrain.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    peak = 0
+    while proc.poll() is None:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            peak = max(peak, int(next(line for line in status.splitlines() if line.startswith("RssAnon:")).split()[1]) * 1024)
+        except (OSError, StopIteration):
+            pass
+        time.sleep(0.02)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, err
+    return peak
+
+
 def quiet_display():
     """A progress display that prints nothing (tests read the run's files instead)."""
     from imgtrain.training.progress import TrainingDisplay

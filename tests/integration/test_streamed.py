@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from imgtrain import runs
 from imgtrain.config import TrainConfig
 from imgtrain.data.prepare import prepare
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
-from tests.conftest import quiet_display, run_cli
+from tests.conftest import peak_rss_of, quiet_display, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -148,22 +147,3 @@ def test_predict_streams_a_large_folder_in_bounded_memory(photos, tmp_path):
     import pandas as pd
 
     assert len(pd.read_parquet(tmp_path / "p6000.parquet")) == 6000
-
-
-def peak_rss_of(args: list[str]) -> int:
-    """Peak anonymous resident memory (bytes) of the real CLI, sampled from /proc every 20 ms
-    while it runs. Anonymous only: the resident pages of torch's shared libraries (counted in
-    VmHWM) varied by 80 MB between runs of the same command, more than the data under test."""
-    proc = subprocess.Popen([sys.executable, "-m", "imgtrain.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    peak = 0
-    while proc.poll() is None:
-        try:
-            status = Path(f"/proc/{proc.pid}/status").read_text()
-            peak = max(peak, int(next(line for line in status.splitlines() if line.startswith("RssAnon:")).split()[1]) * 1024)
-        except (OSError, StopIteration):
-            pass
-        time.sleep(0.02)
-    out, err = proc.communicate()
-    assert proc.returncode == 0, err
-    return peak

@@ -1,6 +1,6 @@
-"""The small sources held in memory (MNIST: the embedded sample, the IDX files), and the rules
-every source follows. Larger sources (image folders, tables) are listed and streamed
-(``listing.py``, ``prepare.py``).
+"""The MNIST sources (the embedded sample, held in memory; the IDX files, mapped from disk and
+written out a row group at a time), and the rules every source follows. Other sources (image
+folders, tables) are listed and streamed (``listing.py``, ``prepare.py``).
 
 A loader returns a :class:`RawDataset`: class names plus train and test (and optionally val)
 :class:`Split` s holding ``images`` uint8 [N, H, W, C], ``labels`` int64 [N] and ``ids`` int64
@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import gzip
 import math
+import os
+import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +33,8 @@ from imgtrain.errors import ImgtrainError, one_line
 class Split:
     """One split of a data set, rows already in their final (seeded, shuffled) order."""
 
-    images: np.ndarray
-    """uint8 [N, H, W, C], channels last, values 0..255."""
+    images: np.ndarray | DiskRows
+    """uint8 [N, H, W, C], channels last, values 0..255 (``DiskRows``: still on disk)."""
     labels: np.ndarray
     """int64 [N], class indices into ``RawDataset.classes``."""
     ids: np.ndarray
@@ -188,44 +190,119 @@ _IDX_INTEGER_TYPES = (0x08, 0x09, 0x0B, 0x0C)
 
 
 def read_idx(path: Union[str, Path], integers: bool = False) -> np.ndarray:
-    """Parse one IDX file (optionally gzip-compressed) into a numpy array of its stored shape.
+    """One IDX file (optionally gzip-compressed) read into a numpy array of its stored shape, in
+    the machine's byte order (labels; images are read row by row with ``IdxRows``).
+    ``integers``: refuse float element types (labels must be whole class ids)."""
+    with IdxFile(path, integers) as idx:
+        return idx.read_all()
 
-    The header is read first; exactly the bytes it declares are then read (a gzip stream is
-    decompressed only that far), so a small file cannot claim gigabytes. ``integers``: refuse
-    float element types (labels must be whole class ids).
+
+class IdxFile:
+    """An IDX file checked and opened for reading rows, never held whole in memory. A .gz file
+    is first decompressed, a megabyte at a time, into an unnamed temporary file.
+
+    The header is read first and the file must hold exactly the bytes it declares (a gzip
+    stream is decompressed only that far), so a small file cannot claim gigabytes.
     """
-    path = Path(path)
-    try:
-        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
-            magic = f.read(4)
-            if len(magic) < 4 or magic[0] != 0 or magic[1] != 0 or magic[2] not in _IDX_DTYPES:
-                raise ImgtrainError(
-                    f"{path} is not an IDX file (bad magic number {magic.hex() or 'none'}); download it again"
-                )
-            dtype, ndim = _IDX_DTYPES[magic[2]], magic[3]
-            if integers and magic[2] not in _IDX_INTEGER_TYPES:
-                raise ImgtrainError(f"{path} holds {dtype} values; labels must be integers; download it again")
-            head = f.read(4 * ndim)
-            if len(head) < 4 * ndim:
-                raise ImgtrainError(f"{path} is truncated (header cut short); download it again")
-            dims = tuple(int(d) for d in np.frombuffer(head, dtype=">u4"))
-            size = math.prod(dims) * dtype.itemsize
-            on_disk = path.stat().st_size
-            if size > (on_disk * _GZIP_MAX_RATIO if path.suffix == ".gz" else on_disk):
-                raise ImgtrainError(
-                    f"{path} declares {list(dims)} values ({size:,} bytes), more than the file can hold "
-                    "(truncated or corrupt); download it again"
-                )
-            payload = f.read(size)
-            extra = f.read(1)
-    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-        raise ImgtrainError(f"cannot read IDX file {path}: {e}; download it again") from None
-    if len(payload) != size or extra:
-        raise ImgtrainError(
-            f"{path} does not hold the {size:,} bytes its header {list(dims)} declares "
-            "(truncated or corrupt); download it again"
-        )
-    return np.frombuffer(payload, dtype=dtype).reshape(dims).astype(dtype.newbyteorder("="))
+
+    def __init__(self, path: Union[str, Path], integers: bool = False):
+        self.path = path = Path(path)
+        try:
+            with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
+                self.dtype, self.shape = _idx_header(f, path, integers)
+                size = math.prod(self.shape) * self.dtype.itemsize
+                on_disk = path.stat().st_size
+                if size > (on_disk * _GZIP_MAX_RATIO if path.suffix == ".gz" else on_disk):
+                    raise ImgtrainError(
+                        f"{path} declares {list(self.shape)} values ({size:,} bytes), more than the file can "
+                        "hold (truncated or corrupt); download it again"
+                    )
+                if path.suffix == ".gz":
+                    self.file, self.offset = _decompressed_copy(f, size), 0
+                else:
+                    self.offset = f.tell()
+                    self.file = open(path, "rb") if on_disk - self.offset == size else None
+        except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+            raise ImgtrainError(f"cannot read IDX file {path}: {e}; download it again") from None
+        if self.file is None:
+            raise ImgtrainError(f"{path} does not hold the {size:,} bytes its header {list(self.shape)} declares "
+                                "(truncated or corrupt); download it again")
+        self.row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
+
+    def __enter__(self) -> "IdxFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+    def read_all(self) -> np.ndarray:
+        data = os.pread(self.file.fileno(), math.prod(self.shape) * self.dtype.itemsize, self.offset)
+        return np.frombuffer(data, self.dtype).reshape(self.shape).astype(self.dtype.newbyteorder("="))
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        """Rows ``index`` [n] -> [n, *row shape], in that order, each read on its own (a random
+        order has no runs worth merging; about a microsecond per row)."""
+        fd, size, out = self.file.fileno(), self.row_bytes, bytearray(len(index) * self.row_bytes)
+        for k, i in enumerate(index):
+            out[k * size:(k + 1) * size] = os.pread(fd, size, self.offset + int(i) * size)
+        rows = np.frombuffer(out, self.dtype).reshape(len(index), *self.shape[1:])
+        return rows.astype(self.dtype.newbyteorder("="))
+
+
+def _idx_header(f, path: Path, integers: bool) -> tuple[np.dtype, tuple[int, ...]]:
+    magic = f.read(4)
+    if len(magic) < 4 or magic[0] != 0 or magic[1] != 0 or magic[2] not in _IDX_DTYPES:
+        raise ImgtrainError(f"{path} is not an IDX file (bad magic number {magic.hex() or 'none'}); download it again")
+    dtype, ndim = _IDX_DTYPES[magic[2]], magic[3]
+    if integers and magic[2] not in _IDX_INTEGER_TYPES:
+        raise ImgtrainError(f"{path} holds {dtype} values; labels must be integers; download it again")
+    head = f.read(4 * ndim)
+    if len(head) < 4 * ndim:
+        raise ImgtrainError(f"{path} is truncated (header cut short); download it again")
+    return dtype, tuple(int(d) for d in np.frombuffer(head, dtype=">u4"))
+
+
+def _decompressed_copy(f, size: int):
+    """The next ``size`` bytes of the stream ``f`` in an unnamed temporary file (deleted when it
+    is closed), or None when the stream holds fewer or more bytes."""
+    out = tempfile.TemporaryFile(prefix="imgtrain-idx-")
+    left = size
+    while left:
+        block = f.read(min(left, 1 << 20))
+        if not block:
+            out.close()
+            return None
+        out.write(block)
+        left -= len(block)
+    if f.read(1):
+        out.close()
+        return None
+    out.flush()
+    return out
+
+
+class DiskRows:
+    """Rows ``index`` of an IDX image file, read only when a slice of them is asked for: an IDX
+    source is written out a row group at a time, never held whole. uint8 [N, H, W, 1]."""
+
+    def __init__(self, source: IdxFile, index: np.ndarray):
+        self.source, self.index = source, np.asarray(index, dtype=np.int64)
+        self.dtype, self.ndim = np.dtype(np.uint8), 4
+        self.shape = (len(self.index), *source.shape[1:], 1)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        return self.source.rows(self.index[rows])[..., None]
+
+    def take(self, index: np.ndarray) -> "DiskRows":
+        return DiskRows(self.source, self.index[index])
+
+
+def take_images(images, index: np.ndarray):
+    """Rows ``index`` of an in-memory array (a copy) or of ``DiskRows`` (still on disk)."""
+    return images.take(index) if isinstance(images, DiskRows) else images[index]
 
 
 def _find_idx(source_dir: Path, name: str) -> Path | None:
@@ -257,29 +334,29 @@ def load_mnist_idx(source_dir: Union[str, Path], download: bool = False, seed: i
             f"the four files {', '.join(MNIST_FILES.values())} (optionally .gz) in {source_dir} "
             f"or {source_dir / 'MNIST' / 'raw'}, or pass --download when online"
         )
-    arrays = {key: read_idx(path, integers=key.endswith("labels")) for key, path in found.items()}
-    if arrays["train_images"].dtype != np.uint8 or arrays["test_images"].dtype != np.uint8:
+    # Labels are read (a byte per image); images stay on disk until written, a row group at a time.
+    labels = {split: read_idx(found[f"{split}_labels"], integers=True) for split in ("train", "test")}
+    images = {split: IdxFile(found[f"{split}_images"]) for split in ("train", "test")}
+    if images["train"].dtype != np.uint8 or images["test"].dtype != np.uint8:
         raise ImgtrainError(f"MNIST image files in {source_dir} do not hold uint8 pixels; download them again")
     for split in ("train", "test"):
-        images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
-        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+        shape = images[split].shape
+        if len(shape) != 3 or labels[split].ndim != 1 or shape[0] != len(labels[split]):
             raise ImgtrainError(
-                f"{found[f'{split}_images']} holds shape {list(images.shape)} but "
-                f"{found[f'{split}_labels']} holds {list(labels.shape)}; expected [N, H, W] "
+                f"{found[f'{split}_images']} holds shape {list(shape)} but "
+                f"{found[f'{split}_labels']} holds {list(labels[split].shape)}; expected [N, H, W] "
                 "images and N labels; download the files again"
             )
-    labels_all = np.concatenate([arrays["train_labels"], arrays["test_labels"]])
-    if labels_all.min() < 0 or arrays["train_images"].shape[1:] != arrays["test_images"].shape[1:]:
+    labels_all = np.concatenate([labels["train"], labels["test"]]).astype(np.int64)
+    if labels_all.min() < 0 or images["train"].shape[1:] != images["test"].shape[1:]:
         raise ImgtrainError(f"MNIST files in {source_dir} are inconsistent; download them again")
     check_class_count(int(labels_all.max()) + 1, f"the labels in {source_dir}")
-    n_train = len(arrays["train_labels"])
+    n_train = len(labels["train"])
     rng = np.random.default_rng(seed)
     splits = {}
     for split, offset in (("train", 0), ("test", n_train)):
-        images = arrays[f"{split}_images"][..., None]  # [N, 28, 28] -> [N, 28, 28, 1]
-        labels = arrays[f"{split}_labels"].astype(np.int64)
-        ids = offset + np.arange(len(labels), dtype=np.int64)
-        splits[split] = _take(images, labels, ids, rng.permutation(len(labels)))
+        order = rng.permutation(len(labels[split]))  # shuffled within the split
+        splits[split] = Split(DiskRows(images[split], order), labels[split][order].astype(np.int64), offset + order)
     classes = [str(i) for i in range(int(labels_all.max()) + 1)]
     return RawDataset(classes=classes, train=splits["train"], test=splits["test"])
 
