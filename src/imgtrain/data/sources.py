@@ -1,4 +1,4 @@
-"""The MNIST sources (the embedded sample, held in memory; the IDX files, mapped from disk and
+"""The MNIST sources (the embedded sample, held in memory; the IDX files, read from disk and
 written out a row group at a time), and the rules every source follows. Other sources (image
 folders, tables) are listed and streamed (``listing.py``, ``prepare.py``).
 
@@ -191,7 +191,7 @@ _IDX_INTEGER_TYPES = (0x08, 0x09, 0x0B, 0x0C)
 
 def read_idx(path: Union[str, Path], integers: bool = False) -> np.ndarray:
     """One IDX file (optionally gzip-compressed) read into a numpy array of its stored shape, in
-    the machine's byte order (labels; images are read row by row with ``IdxRows``).
+    the machine's byte order (labels; images are read row by row: ``IdxFile``, ``DiskRows``).
     ``integers``: refuse float element types (labels must be whole class ids)."""
     with IdxFile(path, integers) as idx:
         return idx.read_all()
