@@ -112,9 +112,6 @@ class TrainConfig:
     max_rotate_deg: float = setting(10.0, "Largest random rotation, degrees.", range="[0, 180]")
     max_shift: float = setting(0.1, "Largest random shift, as a fraction of the image size.", range="[0, 1]")
     max_scale: float = setting(0.1, "Largest random zoom in or out, as a fraction.", range="[0, 1)")
-    elastic: float = setting(0.0, "Digits: the largest elastic distortion, as a fraction of the image size: a smooth "
-                             "random warp of each image (Simard et al. 2003), on top of the affine. 0 = none.",
-                             range="[0, 0.5]")
     crop_min_area: float = setting(0.6, "Photos: the smallest share of the image a random crop keeps (the largest "
                                    "is all of it). ImageNet recipes use 0.08, for long training on a million images; "
                                    "from scratch on a few thousand, 0.08 and 0.35 lost 45 and 18 points against 0.6 "

@@ -9,9 +9,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-AFFINE_PARAMS = 4  # random numbers per image of the affine: rotation, scale, x and y shift
-ELASTIC_KNOTS = 4  # the elastic distortion's control points per side: a smooth, digit-sized warp
-
 
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions with a shortcut: torchvision's ``BasicBlock``, attribute for attribute."""
@@ -110,9 +107,9 @@ def _normalisation(mean: tuple, std: tuple, device: torch.device) -> tuple[torch
 
 
 def affine_matrices(r: torch.Tensor, max_rotate_deg: float, max_shift: float, max_scale: float) -> torch.Tensor:
-    """Uniform numbers in [-1, 1] per image [N, >= 4] (``order.augment_draw``: drawn on the
-    CPU, so runs are reproducible on any device; the first four are the affine's) -> affine
-    matrices [N, 2, 3]: a random rotation, zoom and shift."""
+    """Four uniform numbers in [-1, 1] per image [N, 4] (``order.augment_draw``: drawn on the
+    CPU, so runs are reproducible on any device) -> affine matrices [N, 2, 3]: a random
+    rotation, zoom and shift."""
     angle = r[:, 0] * math.radians(max_rotate_deg)
     scale = 1.0 + r[:, 1] * max_scale
     shift = r[:, 2:] * (2 * max_shift)  # grid coordinates span [-1, 1], i.e. 2 units
@@ -120,35 +117,21 @@ def affine_matrices(r: torch.Tensor, max_rotate_deg: float, max_shift: float, ma
     return torch.stack([torch.stack([cos, -sin, shift[:, 0]], 1), torch.stack([sin, cos, shift[:, 1]], 1)], 1)
 
 
-def elastic_knots(r: torch.Tensor, max_elastic: float) -> torch.Tensor:
-    """The elastic distortion's knots from the draws' extra numbers [N, 4 + 2 * K * K]: random
-    displacements [N, 2, K, K] of a K x K grid of control points, in grid units (2 span the image)."""
-    return r[:, AFFINE_PARAMS:].reshape(-1, 2, ELASTIC_KNOTS, ELASTIC_KNOTS) * (2 * max_elastic)
-
-
-def apply_affine(x: torch.Tensor, theta: torch.Tensor, fill: float = -1.0,
-                 knots: torch.Tensor | None = None) -> torch.Tensor:
-    """Transform a whole batch [B, C, H, W] by its matrices [B, 2, 3] (same device and dtype),
-    then, with ``knots`` [B, 2, K, K], by a smooth random displacement: an elastic distortion
-    (Simard et al. 2003, the classic augmentation for handwriting), interpolated bicubically
-    from the knots to every pixel.
+def apply_affine(x: torch.Tensor, theta: torch.Tensor, fill: float = -1.0) -> torch.Tensor:
+    """Transform a whole batch [B, C, H, W] by its matrices [B, 2, 3] (same device and dtype).
 
     One affine_grid + grid_sample call for the batch is far cheaper than per-image PIL
     transforms (the slow path the tutorial uses). ``fill`` is the background value after
     normalisation (-1 = black for mean = std = 0.5).
     """
     grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-    if knots is not None:  # [B, 2, K, K] -> [B, H, W, 2], added to where each pixel samples from
-        grid = grid + F.interpolate(knots, size=x.shape[-2:], mode="bicubic", align_corners=True).permute(0, 2, 3, 1)
     # grid_sample pads with zeros; shift so that padding lands on the background value.
     out = F.grid_sample(x - fill, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
     return out + fill
 
 
 def random_affine(x: torch.Tensor, r: torch.Tensor, max_rotate_deg: float, max_shift: float, max_scale: float,
-                  fill: float = -1.0, max_elastic: float = 0.0) -> torch.Tensor:
-    """``apply_affine`` with the matrices (and the elastic knots, when ``max_elastic``) of the
-    draws ``r`` [B, 4] (with the elastic distortion's numbers: [B, 4 + 2 * K * K])."""
+                  fill: float = -1.0) -> torch.Tensor:
+    """``apply_affine`` with the matrices of the draws ``r`` [B, 4]."""
     theta = affine_matrices(r, max_rotate_deg, max_shift, max_scale).to(device=x.device, dtype=x.dtype)
-    knots = elastic_knots(r, max_elastic).to(device=x.device, dtype=x.dtype) if max_elastic else None
-    return apply_affine(x, theta, fill, knots)
+    return apply_affine(x, theta, fill)

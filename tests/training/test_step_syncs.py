@@ -43,7 +43,7 @@ def training_run(data, device: torch.device, **settings):
         send=lambda record: None, **loop.single_process_collectives(),
     )
     run, _ = loop.setup(cfg, manifest, backend)
-    return run, iter(backend.train_batches(0, 0)), loop.epoch_augment(run, 0)
+    return run, iter(backend.train_batches(0, 0)), loop.epoch_affines(run, 0)
 
 
 class _nothing_to_restore:

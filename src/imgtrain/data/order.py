@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from imgtrain.config import rank_share
-from imgtrain.model import AFFINE_PARAMS, ELASTIC_KNOTS
+
+AUGMENT_PARAMS = 4  # random numbers per image: rotation, scale, x and y shift
 
 
 def epoch_permutation(num_rows: int, seed: int, epoch: int) -> torch.Tensor:
@@ -32,23 +33,17 @@ def rank_rows(perm: torch.Tensor, step: int, global_batch: int, world_size: int,
     return perm[base + share.start : base + share.stop]
 
 
-def augment_draw(seed: int, global_step: int, global_batch: int, world_size: int, rank: int,
-                 elastic: bool = False) -> torch.Tensor:
-    """Uniform [-1, 1) numbers for this rank's rows at this step: [local batch, 4] for the affine,
-    [local batch, 4 + 2 * K * K] with the elastic distortion's knots. The elastic numbers come
-    from a generator of their own, so the affine's are the same with or without them."""
+def augment_draw(seed: int, global_step: int, global_batch: int, world_size: int, rank: int) -> torch.Tensor:
+    """Uniform [-1, 1) numbers [local batch, AUGMENT_PARAMS] for this rank's rows at this step."""
     generator = torch.Generator().manual_seed(seed * 7_919 + global_step * 104_729 + 1)
-    draw = torch.rand(global_batch, AFFINE_PARAMS, generator=generator)
-    if elastic:
-        generator = torch.Generator().manual_seed(seed * 7_919 + global_step * 104_729 + 2)
-        draw = torch.cat([draw, torch.rand(global_batch, 2 * ELASTIC_KNOTS**2, generator=generator)], 1)
-    return draw.mul_(2).sub_(1)[rank_share(global_batch, world_size, rank)]
+    draw = torch.rand(global_batch, AUGMENT_PARAMS, generator=generator).mul_(2).sub_(1)
+    return draw[rank_share(global_batch, world_size, rank)]
 
 
 def epoch_augment_draws(seed: int, first_global_step: int, steps: int, global_batch: int, world_size: int,
-                        rank: int, elastic: bool = False) -> torch.Tensor:
-    """``augment_draw`` of ``steps`` consecutive global steps: [steps, local batch, params]."""
-    return torch.stack([augment_draw(seed, first_global_step + k, global_batch, world_size, rank, elastic)
+                        rank: int) -> torch.Tensor:
+    """``augment_draw`` of ``steps`` consecutive global steps: [steps, local batch, AUGMENT_PARAMS]."""
+    return torch.stack([augment_draw(seed, first_global_step + k, global_batch, world_size, rank)
                         for k in range(steps)])
 
 

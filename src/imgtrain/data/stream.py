@@ -84,7 +84,6 @@ class Reader:
     max_rotate_deg: float = 10.0  # the digits' affine
     max_shift: float = 0.1
     max_scale: float = 0.1
-    elastic: float = 0.0
     crop_min_area: float = images.CROP_MIN_AREA  # the photos' random resized crop
 
     @staticmethod
@@ -235,7 +234,7 @@ def _draws(positions: np.ndarray, reader: Reader) -> np.ndarray:
             # torch, imported here only: the digits' affine needs it anyway
             from imgtrain.data.order import augment_draw
 
-            draw = augment_draw(reader.seed, int(step), reader.global_batch, 1, 0, reader.elastic > 0).numpy()
+            draw = augment_draw(reader.seed, int(step), reader.global_batch, 1, 0).numpy()
         if out is None:
             out = np.empty((len(positions), draw.shape[1]), draw.dtype)
         mask = steps == step
@@ -250,8 +249,7 @@ def _affine(pixels: np.ndarray, draws: np.ndarray, reader: Reader) -> np.ndarray
     from imgtrain.model import random_affine
 
     x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float().div_(127.5).sub_(1)  # [-1, 1], background -1
-    x = random_affine(x, torch.from_numpy(draws), reader.max_rotate_deg, reader.max_shift, reader.max_scale,
-                      max_elastic=reader.elastic)
+    x = random_affine(x, torch.from_numpy(draws), reader.max_rotate_deg, reader.max_shift, reader.max_scale)
     out = x.add_(1).mul_(127.5).round_().clamp_(0, 255).to(torch.uint8)
     return out.permute(0, 2, 3, 1).contiguous().numpy()
 

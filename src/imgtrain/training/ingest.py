@@ -61,7 +61,7 @@ def streamed_train_batches(cfg: TrainConfig, manifest: dict, rank: int, world: i
             cfg.data, manifest, preset=stream.preset(cfg, manifest), seed=cfg.seed, epoch=epoch,
             global_batch=cfg.batch_size, positions_end=total * cfg.batch_size,
             first_position=first_step * cfg.batch_size, world=world, rank=rank, train=True, augment=cfg.augment,
-            max_rotate_deg=cfg.max_rotate_deg, max_shift=cfg.max_shift, max_scale=cfg.max_scale, elastic=cfg.elastic,
+            max_rotate_deg=cfg.max_rotate_deg, max_shift=cfg.max_shift, max_scale=cfg.max_scale,
             crop_min_area=cfg.crop_min_area)
         windows = stream.epoch_windows(split_blocks, cfg.seed, epoch, stream.window_blocks(manifest))
         windows = stream.windows_from(windows, reader.first_position)

@@ -30,7 +30,7 @@ from imgtrain.config import steps_per_epoch as epoch_steps
 from imgtrain.data.format import eval_split
 from imgtrain.data.order import epoch_augment_draws
 from imgtrain.errors import ImgtrainError
-from imgtrain.model import affine_matrices, apply_affine, elastic_knots, to_model_input
+from imgtrain.model import affine_matrices, apply_affine, to_model_input
 from imgtrain.training import faults
 from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
 from imgtrain.training.health import Progress
@@ -188,7 +188,7 @@ def train_epoch(run: Run, epoch: int, partial: Resumed | None) -> tuple[torch.Te
     run.model.train()
     window, timing = StepWindow(), EpochTiming()
     batches = iter(backend.train_batches(epoch, first_step))
-    augment = epoch_augment(run, run.step - first_step) if cfg.augment and backend.augment_in_step else None
+    affines = epoch_affines(run, run.step - first_step) if cfg.augment and backend.augment_in_step else None
     for i in range(first_step, run.steps_per_epoch):
         t0 = time.perf_counter()
         backend.progress.enter("data", run.step)
@@ -201,7 +201,7 @@ def train_epoch(run: Run, epoch: int, partial: Resumed | None) -> tuple[torch.Te
         faults.maybe_fire(backend.fault, backend.rank, run.step, backend.run_dir, "step")
         if run.ledger is not None:
             run.ledger.write(epoch, i, run.step, batch["id"])
-        loss, correct = train_step(run, batch, None if augment is None else augment[i])
+        loss, correct = train_step(run, batch, None if affines is None else affines[i])
         sums[0] += loss
         sums[1] += correct
         sums[2] += len(batch["label"])
@@ -225,33 +225,27 @@ def train_epoch(run: Run, epoch: int, partial: Resumed | None) -> tuple[torch.Te
     return sums, timing, elapsed_before + time.perf_counter() - started
 
 
-def epoch_augment(run: Run, epoch_start_step: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """The digits augmentation of every step of the epoch, on the device: per step its affine
-    matrices [local batch, 2, 3] and, with ``--elastic``, its elastic knots [local batch, 2, K, K].
-    Drawn, computed and copied there once, at the epoch's start: per step, the CPU's sin/cos
-    woke every intra-op thread (24 ms when they slept, issue 19) and the copy made the host wait
-    for the GPU. Always the whole epoch, also when resuming inside it: every step's numbers
-    come from the same computation, so a resumed run stays bit-exact."""
+def epoch_affines(run: Run, epoch_start_step: int) -> torch.Tensor:
+    """The digits augmentation's matrices of every step of the epoch [steps, local batch, 2, 3],
+    on the device: drawn, turned into matrices and copied there once, at the epoch's start.
+    Per step, the CPU's sin/cos woke every intra-op thread (24 ms when they slept, issue 19) and
+    the copy made the host wait for the GPU. Always the whole epoch, also when resuming inside
+    it: every step's numbers come from the same computation, so a resumed run stays bit-exact."""
     cfg, backend = run.cfg, run.backend
     draws = epoch_augment_draws(cfg.seed, epoch_start_step, run.steps_per_epoch, cfg.batch_size,
-                                backend.world_size, backend.rank, elastic=cfg.elastic > 0).flatten(0, 1)
-    steps = run.steps_per_epoch
-    theta = affine_matrices(draws, cfg.max_rotate_deg, cfg.max_shift, cfg.max_scale)
-    theta = theta.view(steps, -1, 2, 3).to(backend.device).unbind(0)
-    if not cfg.elastic:
-        return [(t, None) for t in theta]
-    knots = elastic_knots(draws, cfg.elastic)
-    return list(zip(theta, knots.view(steps, -1, *knots.shape[1:]).to(backend.device).unbind(0)))
+                                backend.world_size, backend.rank)
+    theta = affine_matrices(draws.flatten(0, 1), cfg.max_rotate_deg, cfg.max_shift, cfg.max_scale)
+    return theta.view(run.steps_per_epoch, -1, 2, 3).to(backend.device)
 
 
-def train_step(run: Run, batch: Batch, augment: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step on this rank's share of the global batch (``augment``: its
-    augmentation's affine matrices and elastic knots or None); returns this rank's summed loss
-    (float64) and number of correct predictions, both still on the device."""
+def train_step(run: Run, batch: Batch, affine: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on this rank's share of the global batch (``affine``: its augmentation's
+    matrices); returns this rank's summed loss (float64) and number of correct predictions, both
+    still on the device."""
     cfg, backend, world = run.cfg, run.backend, run.backend.world_size
     x = to_model_input(batch["image"], run.manifest["normalize"]["mean"], run.manifest["normalize"]["std"])
-    if augment is not None:  # x: [B, C, H, W] float32, normalised
-        x = apply_affine(x, augment[0], knots=augment[1])
+    if affine is not None:  # x: [B, C, H, W] float32, normalised
+        x = apply_affine(x, affine)
     y = batch["label"]
     backend.progress.enter("forward")
     with run.autocast:
