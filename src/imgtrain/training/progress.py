@@ -223,8 +223,8 @@ class TrainingDisplay:
         self.rank_wait.clear()  # ranks of an earlier worker group no longer report
         if r["step"] > 0:
             self.note(f"resuming at epoch {r['start_epoch'] + 1}, step {r['step']}")
-        if self.progress is not None:  # a worker group restarted: from its checkpoint's step
-            self.progress.update(self.task, total=r["total_steps"], completed=r["step"])
+        if self.progress is not None:  # a worker group restarted: from its checkpoint's step, no ETA yet
+            self.progress.update(self.task, total=r["total_steps"], completed=r["step"], status=self.figures)
 
     def _begin_training(self) -> None:
         """The first step record: the start-up line gives way to the bar."""
