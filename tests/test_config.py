@@ -57,6 +57,19 @@ def test_resumable_fields_do_not_count_as_a_different_experiment():
     assert changed_fields(old, TrainConfig(name="a", lr=0.1).to_dict()) == ["lr"]
 
 
+def test_the_versions_a_config_json_records_are_not_settings():
+    from imgtrain.config import resolve
+    from imgtrain.runs import versions
+
+    now = TrainConfig(name="a", epochs=5)
+    by_another_version = {**now.to_dict(), "imgtrain_version": "0.0.1", "torch_version": "2.0.0", "ray_version": None}
+    older = now.to_dict()  # written before versions were recorded
+    assert set(versions()) == {"imgtrain_version", "torch_version", "ray_version"} and all(versions().values())
+    for stored in (by_another_version, older):
+        assert changed_fields(stored, now.to_dict()) == []  # the run resumes
+        assert resolve({}, stored) == now
+
+
 def test_resolve_layers_defaults_stored_config_and_given_options():
     from imgtrain.config import resolve
 

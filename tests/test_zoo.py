@@ -27,6 +27,12 @@ def test_each_listed_model_takes_the_data_sets_channels_and_classes(name):
         assert model(torch.zeros(2, 1, 32, 32)).shape == (2, 7)
 
 
+def test_the_default_model_is_the_configs():  # the driver reads it there, without importing torch
+    from imgtrain.config import TrainConfig
+
+    assert TrainConfig.model == zoo.DEFAULT_MODEL
+
+
 def test_the_default_is_the_tutorials_resnet18_with_torchvisions_names():
     model = zoo.build_from_args({"architecture": "resnet18", "in_channels": 1, "num_classes": 10})
     assert isinstance(model, ResNet18)  # no torchvision import for the default

@@ -18,7 +18,16 @@ from imgtrain.inference.batch import EvalResult, InferenceOptions, evaluate, pre
 from imgtrain.inference.predictor import Predictor, load_model
 from imgtrain.runs import RunResult, list_runs, load_run
 
-__version__ = "0.1.0"
+def _installed_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("imgtrain")
+    except importlib.metadata.PackageNotFoundError:  # imported from a source tree, not installed
+        return "unknown"
+
+
+__version__ = _installed_version()
 
 
 def train(cfg: TrainConfig, display=None, overwrite: bool = False) -> RunResult:

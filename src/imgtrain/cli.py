@@ -34,6 +34,20 @@ err_console = Console(stderr=True, markup=False, highlight=False)
 STORAGE_HELP = "Where runs live (local or shared path)."
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from imgtrain import __version__
+
+        console.print(f"imgtrain {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                          help="Print imgtrain's version and exit.")):
+    """Train image classifiers with data-parallel PyTorch on Ray."""
+
+
 @data_app.command("prepare")
 def data_prepare(
     source: str = typer.Argument(..., help="mnist-sample | mnist | folder | parquet | list"),

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from imgtrain.config import Setting, parse_workers, settings
 from imgtrain.errors import ImgtrainError
+from imgtrain.runs import VERSION_KEYS
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
@@ -51,6 +52,8 @@ def check_values(raw: dict) -> tuple[dict, list[str]]:
     spelled = {alias: s for s in known.values() for alias in s.flag_names}
     values, problems = {}, []
     for key, value in raw.items():
+        if key in VERSION_KEYS:  # a run's config.json records what wrote it: not a setting
+            continue
         name = key.replace("-", "_")
         found = known.get(name) or spelled.get(name)
         if found is None:

@@ -1,7 +1,7 @@
 """The run directory ``{storage}/{name}/``: config, metrics history, status, checkpoints.
 
 Ray Train owns its checkpoint folders and snapshot files there; imgtrain adds
-  config.json     the resolved TrainConfig
+  config.json     the resolved TrainConfig, and the versions of imgtrain, torch and Ray that wrote it
   metrics.jsonl   one JSON object per line: "start", "step" and "epoch" records. Our own
                   history, complete even after Ray deletes old checkpoints
   status.json     running / finished / failed / interrupted, with pid, host and error
@@ -44,6 +44,22 @@ def run_path(storage: str, name: str) -> Path:
 
 
 # ---------------------------------------------------------------- config and status
+
+# Recorded beside the settings in config.json and in every checkpoint's meta.json: what wrote
+# them. Never settings: a run made by another version (or before versions were recorded) resumes.
+VERSION_KEYS = ("imgtrain_version", "torch_version", "ray_version")
+
+
+def versions() -> dict:
+    import importlib.metadata
+
+    def version(package: str) -> str | None:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {key: version(key.removesuffix("_version")) for key in VERSION_KEYS}
 
 
 def write_config(run_dir: Path, config: dict) -> None:

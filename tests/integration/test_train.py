@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -38,8 +39,12 @@ def test_two_workers_train_and_write_the_run_directory(ray_cluster, tiny_data, t
         assert (run_dir / name).is_file(), name
     kinds = [r["kind"] for r in runs.read_metrics(run_dir)]
     assert kinds.count("epoch") == 2 and "step" in kinds and kinds[0] == "start"
+    assert "phase" not in kinds  # start-up phases are for the screen
     assert result.latest_checkpoint.name == "checkpoint_epoch_0001"
     meta = ckpt.verify(result.latest_checkpoint)
+    # what wrote the run, beside its settings
+    assert {k: meta[k] for k in runs.VERSION_KEYS} == runs.versions() and runs.versions()["imgtrain_version"]
+    assert {k: runs.read_config(run_dir)[k] for k in runs.VERSION_KEYS} == runs.versions()
     assert meta["metrics"]["val_accuracy"] == df["val_accuracy"].iloc[1]
     assert meta["model_args"] == {"architecture": "resnet18", "in_channels": 1, "num_classes": 10}
 
@@ -78,6 +83,8 @@ def test_local_backend_runs_the_same_loop(tiny_data, tmp_path):
 def test_same_name_resumes_from_the_latest_checkpoint(ray_cluster, tiny_data, tmp_path):
     first = imgtrain.train(tiny_config(tiny_data, tmp_path, "res", epochs=1), display=QUIET)
     assert len(first.history) == 1
+    stored = runs.read_config(first.path)  # as an imgtrain that recorded no versions wrote it
+    runs.write_config(first.path, {k: v for k, v in stored.items() if k not in runs.VERSION_KEYS})
     second = imgtrain.train(tiny_config(tiny_data, tmp_path, "res", epochs=3), display=QUIET)
     assert [r["epoch"] for r in second.history] == [0, 1, 2]
     assert second.history[0] == first.history[0]  # epoch 0 was not trained again
@@ -100,6 +107,11 @@ def test_cli_train_prints_progress_and_runs_show_json(ray_cluster, tiny_data, tm
     assert "epoch   1/2" in out and "epoch   2/2" in out and "test accuracy" in out
     assert "Traceback" not in out + proc.stderr
     assert "WARNING" not in out + proc.stderr  # Ray's own noise goes to logs/
+    # off a terminal, one line per start-up phase with its duration, in order
+    phases = re.findall(r"^(checking the data set|starting Ray|joining the Ray cluster at \S+|checking resources and storage|starting 2 workers|"
+                        r"loading data|building the model|first \d+ steps?): \d+\.\d s$", out, re.M)
+    assert phases == ["checking the data set", f"joining the Ray cluster at {ray_cluster}", "checking resources and storage", "starting 2 workers",
+                      "loading data", "building the model", "first 8 steps"], out
 
     shown = run_cli("runs", "show", "cli", "--json", "--storage", str(storage))
     data = json.loads(shown.stdout)

@@ -6,6 +6,8 @@ import time
 import ray
 import torch
 
+import imgtrain
+
 from tests.conftest import run_cli
 
 
@@ -15,10 +17,20 @@ def test_doctor_reports_versions_and_storage_and_a_clear_verdict(tmp_path):
     checks = {c["name"]: c for c in report["checks"]}
     assert f"torch {torch.__version__}" in checks["versions"]["detail"]
     assert f"ray {ray.__version__}" in checks["versions"]["detail"]
+    assert report["version"] == imgtrain.__version__ and checks["versions"]["detail"].startswith(
+        f"imgtrain {imgtrain.__version__}, Python")
     assert checks["CUDA"]["status"] in ("ok", "info")
     assert checks["storage"]["status"] == "ok" and "writable" in checks["storage"]["detail"]
     assert not (tmp_path / "runs").exists()  # checked, and nothing left behind
     assert done.returncode == (0 if report["ready"] else 1)
+
+
+def test_version_is_an_option_of_the_command():
+    import importlib.metadata
+
+    done = run_cli("--version")
+    assert done.returncode == 0 and done.stdout == f"imgtrain {importlib.metadata.version('imgtrain')}\n", done
+    assert imgtrain.__version__ == importlib.metadata.version("imgtrain")
 
 
 def test_doctor_fails_in_seconds_on_bad_storage_and_an_unreachable_cluster(tmp_path):

@@ -73,3 +73,107 @@ def test_without_a_terminal_epochs_print_as_lines_and_progress_now_and_then(monk
 
 def test_durations():
     assert format_duration(59.6) == "1:00" and format_duration(3725) == "1:02:05"
+
+
+def screen(output: str, columns: int = 140, lines: int = 30) -> list[str]:
+    """What a terminal shows after ``output``: its lines, trailing blanks dropped."""
+    import pyte
+
+    term = pyte.Screen(columns, lines)
+    pyte.Stream(term).feed(output.replace("\n", "\r\n"))  # the terminal's own newline mapping
+    return [line.rstrip() for line in term.display if line.strip()]
+
+
+def terminal_display() -> tuple[TrainingDisplay, io.StringIO]:
+    out = io.StringIO()
+    return TrainingDisplay(Console(file=out, force_terminal=True, width=140, color_system=None)), out
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_start_up_is_one_updating_line_replaced_by_the_bar_at_the_first_step():
+    display, out = terminal_display()
+    display.phase("starting Ray")
+    display.note("run r: /runs/r  (logs: /runs/r/logs)")
+    display.phase("starting 2 workers")
+    shown = screen(out.getvalue())
+    assert shown[0] == "run r: /runs/r  (logs: /runs/r/logs)"
+    assert re.fullmatch(r". starting 2 workers  0 s  \(start-up 0:00\)", shown[1]), shown
+    assert len(shown) == 2  # one line, updated: "starting Ray" is gone
+    display.update({"kind": "phase", "phase": "loading data", "time": 0.0})
+    display.update(start(total=20, epochs=2))
+    display.update(step(2, 1.0))
+    shown = screen(out.getvalue())
+    display.close()
+    assert shown[0].startswith("run r:") and shown[1].startswith("train ") and "2/20 steps" in shown[1]
+    assert len(shown) == 2 and not any("loading data" in line for line in shown)
+
+
+def test_off_a_terminal_each_start_up_phase_prints_one_line_with_its_duration(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("imgtrain.training.progress.time.monotonic", clock)
+    out = io.StringIO()
+    display = TrainingDisplay(Console(file=out, force_terminal=False, width=200))
+    display.phase("starting Ray")
+    clock.now += 3.14
+    display.phase("starting 2 workers")
+    clock.now += 40
+    display.update({"kind": "phase", "phase": "loading data", "time": 0.0})
+    clock.now += 2
+    display.update({"kind": "phase", "phase": "first 10 steps", "time": 0.0})
+    display.update(start())
+    clock.now += 5
+    display.update(step(10, 5.0))
+    display.update({"kind": "phase", "phase": "loading data", "time": 0.0})  # a restarted worker group
+    display.close()
+    assert out.getvalue().splitlines() == [
+        "starting Ray: 3.1 s", "starting 2 workers: 40.0 s", "loading data: 2.0 s", "first 10 steps: 5.0 s",
+        "step 10/40  epoch 1/4  loss 0.5000  acc 90.0%  250 img/s  data wait 2%",  # 30 s since the last line
+    ]
+
+
+def epoch_record(e, s, val, train_loss=0.4, images_per_s=250.0, wait=0.05):
+    return dict(epoch(e, s, 0.0), val_accuracy=val, train_loss=train_loss, images_per_s=images_per_s,
+                data_wait_fraction=wait)
+
+
+def test_after_the_last_validation_the_bar_shows_that_epochs_figures_and_no_eta():
+    display, out = terminal_display()
+    display.update(start(total=20, epochs=2))
+    for s in range(2, 11, 2):
+        display.update(step(s, s * 0.5))
+    display.update(epoch_record(0, 10, 0.84))
+    bar = screen(out.getvalue())[-1]
+    assert "10/20 steps" in bar and "epoch 1/2  loss 0.4000  acc 90.0%  val_acc 84.00%  250 img/s  data wait 5%" in bar
+    assert re.search(r"eta \d+:\d\d$", bar)  # one epoch left
+    for s in range(12, 21, 2):
+        display.update(step(s, 10 + s * 0.5, images_per_s=300.0))
+    assert "val_acc 84.00%" in screen(out.getvalue())[-1] and "eta" in screen(out.getvalue())[-1]
+    display.update(epoch_record(1, 20, 0.953, train_loss=0.2, images_per_s=280.0, wait=0.0))
+    display.close()
+    shown = screen(out.getvalue())
+    assert shown[-2].startswith("epoch   2/2  train_loss 0.2000") and "val_acc 95.30%" in shown[-2]
+    assert "20/20 steps" in shown[-1]
+    assert shown[-1].endswith("epoch 2/2  loss 0.2000  acc 90.0%  val_acc 95.30%  280 img/s  data wait 0%"), shown[-1]
+
+
+def test_a_run_that_stops_says_where_and_keeps_no_eta():
+    display, out = terminal_display()
+    display.phase("starting 2 workers")
+    display.close("failed")
+    assert re.fullmatch(r"starting 2 workers: 0\.\d s \(failed\)", screen(out.getvalue())[-1])
+
+    display, out = terminal_display()
+    display.update(start(total=20, epochs=2))
+    display.update(step(2, 1.0))
+    display.update(step(4, 2.0))
+    assert "eta" in screen(out.getvalue())[-1]
+    display.close("interrupted")
+    bar = screen(out.getvalue())[-1]
+    assert "4/20 steps" in bar and bar.endswith("data wait 2%  interrupted") and "eta" not in bar

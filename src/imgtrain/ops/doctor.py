@@ -46,7 +46,8 @@ class Diagnosis:
         return "ready to train" if not failed else f"not ready: {len(failed)} problem(s) ({', '.join(failed)})"
 
     def to_json(self) -> dict:
-        return {"ready": self.ready, "verdict": self.verdict, "checks": [asdict(c) for c in self.checks]}
+        return {"version": _version("imgtrain"), "ready": self.ready, "verdict": self.verdict,
+                "checks": [asdict(c) for c in self.checks]}
 
 
 def diagnose(storage: str = "./runs", address: str | None = None, data: str | None = None) -> Diagnosis:
@@ -83,9 +84,9 @@ def _versions() -> Check:
     import torch
 
     build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
-    versions = ", ".join(f"{p} {_version(p) or 'missing'}" for p in ("imgtrain", "torchvision", "ray"))
-    return Check(OK, "versions", f"Python {platform.python_version()} ({sys.executable}), "
-                 f"torch {torch.__version__} ({build}), {versions}")
+    versions = ", ".join(f"{p} {_version(p) or 'missing'}" for p in ("torchvision", "ray"))
+    return Check(OK, "versions", f"imgtrain {_version('imgtrain')}, Python {platform.python_version()} "
+                 f"({sys.executable}), torch {torch.__version__} ({build}), {versions}")
 
 
 def _extras() -> Check:

@@ -46,6 +46,17 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
     validate(cfg)
     tracking.require(cfg)  # a tracker asked for but not installed: before anything else
     display = display or TrainingDisplay()
+    display.pin_output()  # Ray redirects stdout to the run's logs: the display keeps the terminal
+    try:
+        return _train(cfg, display, overwrite)
+    except BaseException as e:  # a start-up that fails says in which phase
+        display.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
+        raise
+    finally:
+        display.close()
+
+
+def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool) -> runs.RunResult:
     if cfg.data:
         cfg = dataclasses.replace(cfg, data=str(Path(cfg.data).expanduser().resolve()))
     if cfg.init_from:  # the workers do not run in this directory
@@ -110,6 +121,7 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
                 "choose another --name, rerun with the original settings to resume it, or pass --overwrite "
                 "to delete it and start afresh"
             )
+        display.phase("checking the checkpoints")
         resume = _find_resume_point(run_dir, display)
         meta = ckpt.read_meta(resume.checkpoint) if resume.checkpoint else {}
         if meta.get("epoch", -1) + 1 >= cfg.epochs:
@@ -117,6 +129,7 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
             return _Plan(cfg, meta.get("data") or {}, stored, False, resume, complete=True)
     if not cfg.data:
         raise ImgtrainError("--data is required for a new run (a directory made by `imgtrain data prepare`)")
+    display.phase("checking the data set")
     manifest = verify_dataset(cfg.data)
     n_train = manifest["splits"]["train"]["num_samples"]
     if steps_per_epoch(n_train, cfg.batch_size) == 0:
@@ -139,12 +152,14 @@ def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
     """Build the model once here, run one image through it and load its initial weights, so
     that a wrong name, an image size it cannot take or a file that does not fit fails in
     seconds, before Ray starts; downloads --pretrained weights once for every worker. The
-    default model from scratch takes any image size: nothing to check, and no torch import."""
-    from imgtrain import zoo
-
-    if cfg.model == zoo.DEFAULT_MODEL and cfg.stem == "standard" and not (cfg.init_from or cfg.pretrained):
+    default model from scratch takes any image size: nothing to check, and no torch import
+    (zoo imports it: seconds before anything else shows, so the default is TrainConfig's)."""
+    if cfg.model == TrainConfig.model and cfg.stem == "standard" and not (cfg.init_from or cfg.pretrained):
         return
+    display.phase("checking the model")
     import torch
+
+    from imgtrain import zoo
 
     from imgtrain import finetune
 
@@ -187,8 +202,10 @@ def _find_resume_point(run_dir: Path, display) -> Resume:
 
 def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacement | None) -> runs.RunResult:
     cfg, manifest = plan.cfg, plan.manifest
-    runs.write_config(run_dir, tracking.public_config(cfg))
+    runs.write_config(run_dir, {**tracking.public_config(cfg), **runs.versions()})
     runs.write_status(run_dir, "running", started=time.time())
+    if cfg.mlflow or cfg.tensorboard:
+        display.phase("opening the trackers")
     try:
         trackers = tracking.open_trackers(cfg, run_dir, manifest, display.note)
     except ImgtrainError as e:  # a tracking URI that does not work: fail before any training
@@ -202,12 +219,17 @@ def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacemen
         display.note(f"resuming run {cfg.name!r} {_resume_point(plan.resume.checkpoint)} ({run_dir})")
     try:
         if not plan.complete:
-            from imgtrain.training import local_backend, ray_backend
-
-            backend = local_backend if cfg.backend == "local" else ray_backend
+            # only the backend in use: local_backend imports torch (seconds), which a Ray driver
+            # would import before Ray starts, with nothing on the screen
+            if cfg.backend == "local":
+                display.phase("importing PyTorch")
+                from imgtrain.training import local_backend as backend
+            else:
+                from imgtrain.training import ray_backend as backend
             backend.fit(cfg, manifest, run_dir, records, plan.resume)
     except BaseException as e:  # a truthful status behind, whatever the failure
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        display.close(status)
         error = str(e) if isinstance(e, ImgtrainError) else f"{type(e).__name__}: {e}"
         _record_status(run_dir, status, **({} if status == "interrupted" else {"error": error}))
         records.finish(status)
@@ -234,6 +256,9 @@ class Records:
         self.on_checkpoint = on_checkpoint
 
     def send(self, record: dict) -> None:
+        if record.get("kind") == "phase":  # start-up progress: for the screen, not the run's history
+            self.display.update(record)
+            return
         if record.get("checkpoint") and self.on_checkpoint:
             self.on_checkpoint()
             self.on_checkpoint = None

@@ -26,10 +26,11 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
     """Train in this process; records go to ``records``."""
     from imgtrain.data import stream
     from imgtrain.training import ingest
-    from imgtrain.training.loop import Backend, run_loop, single_process_collectives
+    from imgtrain.training.loop import Backend, phase_record, run_loop, single_process_collectives
 
     device = torch.device("cuda" if cfg.use_gpu else "cpu")
     records.display.note(f"run {cfg.name}: {run_dir}  (local backend, {device})")
+    records.send(phase_record("loading data"))  # as a Ray worker's rank 0 does
     for stale in run_dir.glob(f".{ckpt.PREFIX}*.tmp"):  # a copy cut short by a killed driver
         shutil.rmtree(stale, ignore_errors=True)
     in_memory = stream.in_memory(cfg, manifest)

@@ -31,6 +31,7 @@ from imgtrain.data.format import eval_split
 from imgtrain.data.order import epoch_augment_draws
 from imgtrain.errors import ImgtrainError
 from imgtrain.model import affine_matrices, apply_affine, to_model_input
+from imgtrain.runs import versions
 from imgtrain.training import faults
 from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
 from imgtrain.training.health import Progress
@@ -120,7 +121,14 @@ class Run:
         return self.ema.module if self.ema is not None else ckpt.unwrap(self.model)
 
 
+def phase_record(name: str) -> dict:
+    """What a rank's start-up waits for now, for the driver's display (rank 0 sends them)."""
+    return {"kind": "phase", "phase": name, "time": time.time()}
+
+
 def run_loop(cfg: TrainConfig, manifest: dict, backend: Backend) -> None:
+    if backend.rank == 0:
+        backend.send(phase_record("building the model"))
     run, resumed = setup(cfg, manifest, backend)
     if backend.rank == 0:
         # The driver reconciles metrics.jsonl with ``history``: an epoch whose record was lost
@@ -132,6 +140,10 @@ def run_loop(cfg: TrainConfig, manifest: dict, backend: Backend) -> None:
             "local_batch_sizes": per_worker_batch_sizes(cfg.batch_size, backend.world_size),
             "history": run.history, "restored_from": resumed.restored_from, "time": time.time(),
         })
+        # until the first step record; torch.compile compiles at the first step: a compiled
+        # run's longest start-up wait
+        n = min(cfg.log_every_steps - run.step % cfg.log_every_steps, run.steps_per_epoch - resumed.epoch_step)
+        backend.send(phase_record("compiling the model" if cfg.compile else f"first {n} step{'s' * (n > 1)}"))
     for epoch in range(resumed.epoch, cfg.epochs):
         partial = resumed if epoch == resumed.epoch and resumed.epoch_step > 0 else None
         sums, timing, train_s = train_epoch(run, epoch, partial)
@@ -336,6 +348,7 @@ def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name:
                 "model_args": model_args(run.manifest, run.cfg.model, run.cfg.stem), "config": run.cfg.to_dict(),
                 "metrics": metrics, "data": run.manifest, "epoch": train_state[ckpt.EPOCH_KEY], "step": run.step,
                 "total_steps": run.total_steps, "created": time.time(), ckpt.HISTORY_KEY: run.history,
+                **versions(),
             }
             if in_epoch:
                 meta["in_epoch"] = {"epoch": epoch, "steps": epoch_progress["steps"]}

@@ -1,9 +1,15 @@
-"""The one progress display, fed by the records the ranks send (start, step, rank, epoch).
+"""The one progress display, fed by the driver's start-up phases and the records the ranks
+send (phase, start, step, rank, epoch).
 
-On a terminal: a rich progress bar over all the run's steps, with the epoch, loss, accuracy,
-images/s, the share of step time spent waiting for data (the worst-fed rank's) and the time
-left; one line is printed above it per finished epoch. Elsewhere (CI, pipes, log files): the
-per-epoch lines, and a plain progress line every PLAIN_EVERY_S seconds.
+Start-up (Ray starting, workers starting, data loading, the first steps) can take a minute: on
+a terminal one updating line says what imgtrain waits for and for how long, replaced by the
+bar at the first step; elsewhere each finished phase prints one line with its duration.
+
+Then, on a terminal: a rich progress bar over all the run's steps, with the epoch, loss,
+accuracy, images/s, the share of step time spent waiting for data (the worst-fed rank's) and
+the time left; one line is printed above it per finished epoch, and after each validation the
+bar shows that epoch's figures. Elsewhere (CI, pipes, log files): the per-epoch lines, and a
+plain progress line every PLAIN_EVERY_S seconds.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import collections
 import time
 
 from rich.console import Console
+from rich.live import Live
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -19,6 +26,8 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from rich.spinner import Spinner
+from rich.text import Text
 
 PLAIN_EVERY_S = 30.0
 
@@ -76,15 +85,35 @@ class Eta:
         return (self.total_steps - step) / self.rate + validations_left * (self.validation_s or 0.0)
 
 
+class StartupLine:
+    """The updating start-up line: what imgtrain waits for, since when, and the start-up so far
+    (rendered afresh at each refresh of the live display)."""
+
+    def __init__(self, name: str, now: float):
+        self.name, self.since, self.started = name, now, now
+        self.spinner = Spinner("dots")
+
+    def __rich__(self) -> Spinner:
+        now = time.monotonic()
+        self.spinner.update(text=Text(f"{self.name}  {now - self.since:.0f} s  "
+                                      f"(start-up {format_duration(now - self.started)})"))
+        return self.spinner
+
+
 class TrainingDisplay:
     def __init__(self, console: Console | None = None, quiet: bool = False):
         self.console = console or Console(stderr=False)
         self.quiet = quiet
         self.epochs = 0
         self.total_steps = 0
+        self.phase_now: tuple[str, float] | None = None  # the start-up phase under way, since when
+        self.startup: Live | None = None  # its updating line, on a terminal
+        self.startup_line: StartupLine | None = None
+        self.training = False  # the first step (or epoch) record has come: start-up is over
         self.progress: Progress | None = None
         self.task = None
         self.last_val = None
+        self.figures = ""  # what the bar shows now, its ETA left out
         self.eta = Eta()
         self.rank_wait: dict[int, float] = {}  # rank -> its share of step time waiting for data
         self.last_plain = time.monotonic()
@@ -101,38 +130,89 @@ class TrainingDisplay:
             (self.progress.console if self.progress else self.console).print(
                 text, highlight=False, markup=False, soft_wrap=True)
 
+    def phase(self, name: str) -> None:
+        """Start-up now waits for ``name`` (the driver's own steps, or a worker's phase record);
+        the previous phase is over. Once training has started (a worker group restarting after
+        a failure), the bar stays."""
+        if self.quiet or self.training:
+            return
+        self._end_phase()
+        now = time.monotonic()
+        self.phase_now = (name, now)
+        if not self.console.is_terminal:
+            return
+        if self.startup is None:
+            self.startup_line = StartupLine(name, now)
+            # Not sys.stdout and sys.stderr: Ray writes there, into the run's logs (process.output_to);
+            # rich's redirection would bring its messages onto the screen.
+            self.startup = Live(self.startup_line, console=self.console, refresh_per_second=4, transient=True,
+                                redirect_stdout=False, redirect_stderr=False)
+            self.startup.start()
+        self.startup_line.name, self.startup_line.since = name, now
+        self.startup.refresh()
+
+    def _end_phase(self, outcome: str | None = None) -> None:
+        """The phase under way is over: its line with its duration, off a terminal (a CI log
+        tells where the start-up time went), and on a terminal too when the run stops in it."""
+        if self.phase_now is None:
+            return
+        name, since = self.phase_now
+        self.phase_now = None
+        if outcome or not self.console.is_terminal:
+            self.note(f"{name}: {time.monotonic() - since:.1f} s" + (f" ({outcome})" if outcome else ""))
+
+    def _end_startup(self, outcome: str | None = None) -> None:
+        self._end_phase(outcome)
+        if self.startup is not None:
+            self.startup.stop()  # transient: the bar takes its place
+            self.startup = None
+
     def update(self, record: dict) -> None:
         if self.quiet:
             return
         kind = record.get("kind")
-        if kind == "start":
+        if kind == "phase":
+            self.phase(record["phase"])
+        elif kind == "start":
             self._start(record)
         elif kind == "rank":
             self.rank_wait[record["rank"]] = record["data_wait_fraction"]
         elif kind == "step":
+            self._begin_training()
             self.eta.step(record)
             self._step(record)
         elif kind == "epoch":
+            self._begin_training()
             self.eta.epoch(record)
             self.last_val = record["val_accuracy"]
             self.note(epoch_line(record, self.epochs))
-            if self.progress is not None:
-                self.progress.update(self.task, completed=record["step"])
+            if self.progress is not None:  # the epoch's own figures, never the last step's
+                self.progress.update(self.task, completed=record["step"], status=self.epoch_status(record), refresh=True)
 
     def status(self, r: dict) -> str:
         """The figures shown beside the bar, from a step record."""
         wait = max(self.rank_wait.values(), default=r.get("data_wait_fraction", 0.0))
         left = self.eta.seconds_left(r["step"], r["epoch"])
-        return (
-            f"epoch {r['epoch'] + 1}/{self.epochs}  loss {r['loss']:.4f}  acc {r.get('accuracy', 0.0):.1%}"
+        return self._status(r["epoch"], r["loss"], r.get("accuracy", 0.0), r["images_per_s"], wait, left)
+
+    def epoch_status(self, r: dict) -> str:
+        """The figures beside the bar once epoch ``r`` is validated: that epoch's own (train
+        loss and accuracy, val_acc, img/s, data wait), and the time left only while steps are."""
+        left = self.eta.seconds_left(r["step"], r["epoch"] + 1) if r["step"] < self.total_steps else None
+        wait = r.get("data_wait_fraction") or 0.0
+        return self._status(r["epoch"], r["train_loss"], r["train_accuracy"], r["images_per_s"], wait, left)
+
+    def _status(self, epoch: int, loss: float, acc: float, images_per_s: float, wait: float, left) -> str:
+        self.figures = (
+            f"epoch {epoch + 1}/{self.epochs}  loss {loss:.4f}  acc {acc:.1%}"
             + (f"  val_acc {self.last_val:.2%}" if self.last_val is not None else "")
-            + f"  {r['images_per_s']:.0f} img/s  data wait {wait:.0%}"
-            + (f"  eta {format_duration(left)}" if left is not None else "")
+            + f"  {images_per_s:.0f} img/s  data wait {wait:.0%}"
         )
+        return self.figures + (f"  eta {format_duration(left)}" if left is not None else "")
 
     def _step(self, r: dict) -> None:
         if self.progress is not None:
-            self.progress.update(self.task, completed=r["step"], status=self.status(r))
+            self.progress.update(self.task, completed=r["step"], status=self.status(r), refresh=True)
         elif time.monotonic() - self.last_plain >= PLAIN_EVERY_S:  # logs get a line now and then
             self.last_plain = time.monotonic()
             self.note(f"step {r['step']}/{self.total_steps}  {self.status(r)}")
@@ -143,18 +223,31 @@ class TrainingDisplay:
         self.rank_wait.clear()  # ranks of an earlier worker group no longer report
         if r["step"] > 0:
             self.note(f"resuming at epoch {r['start_epoch'] + 1}, step {r['step']}")
-        if not self.console.is_terminal:
+        if self.progress is not None:  # a worker group restarted: from its checkpoint's step, no ETA yet
+            self.progress.update(self.task, total=r["total_steps"], completed=r["step"], status=self.figures)
+
+    def _begin_training(self) -> None:
+        """The first step record: the start-up line gives way to the bar."""
+        if self.training:
             return
-        if self.progress is None:
+        self.training = True
+        self._end_startup()
+        if self.console.is_terminal:
             self.progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
                 TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=self.console, transient=False,
+                redirect_stdout=False, redirect_stderr=False,  # as the start-up line
             )
             self.progress.start()
-            self.task = self.progress.add_task("train", total=r["total_steps"], status="")
-        self.progress.update(self.task, total=r["total_steps"], completed=r["step"])
+            self.task = self.progress.add_task("train", total=self.total_steps, status="")
 
-    def close(self) -> None:
+    def close(self, outcome: str | None = None) -> None:
+        """Stop the display. ``outcome`` ("failed", "interrupted") when the run stops early: the
+        start-up phase it stopped in is printed, or the bar's last figures lose their ETA and
+        say so."""
+        self._end_startup(outcome)
         if self.progress is not None:
+            if outcome and self.figures:
+                self.progress.update(self.task, status=f"{self.figures}  {outcome}")
             self.progress.stop()
             self.progress = None

@@ -36,19 +36,24 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
     # stderr; they go to logs/ so that the terminal shows only the progress display.
     logs = run_dir / runs.LOGS_DIR
     faults.parse(os.environ.get(faults.ENV_VAR))  # a malformed spec fails here, not on every worker
-    records.display.pin_output()
     from imgtrain.data import stream
 
+    display = records.display
     # a local cluster started for a streamed data set: CPUs for every rank's pipeline too
     pipelines = 0 if stream.in_memory(cfg, manifest) else cfg.workers * max(1, cfg.preprocess_cpus)
     cpus = cluster_mod.required_cpus(cfg) + pipelines
+    display.phase(f"joining the Ray cluster at {cfg.address}" if cfg.address else "starting Ray")
     with cluster_mod.ray_session(cfg.address, cpus, logs, "driver.log", cfg.dashboard) as cluster:
         link_dir(logs / "ray", cluster.session_logs)
+        display.phase("checking resources and storage")
         cluster_mod.check_resources(cfg)
         cluster_mod.require_shared_paths(run_dir, cfg.data)
-        records.display.note(f"run {cfg.name}: {run_dir}  (logs: {logs})")
+        # until the first worker reports (its phase records): placement, processes, torch imported
+        workers = f"{cfg.min_workers}-{cfg.workers}" if cfg.min_workers and cfg.min_workers < cfg.workers else cfg.workers
+        display.phase(f"starting {workers} worker{'s' if workers != 1 else ''}")
+        display.note(f"run {cfg.name}: {run_dir}  (logs: {logs})")
         if cluster.dashboard_url:
-            records.display.note(f"Ray dashboard: {cluster.dashboard_url}")
+            display.note(f"Ray dashboard: {cluster.dashboard_url}")
         _fit(cfg, manifest, run_dir, records, resume)
 
 

@@ -20,7 +20,7 @@ from imgtrain.ops.cluster import threads_for
 from imgtrain.training import faults, health, ingest
 from imgtrain.training.health import Progress
 from imgtrain.training.ingest import BATCH_DTYPES
-from imgtrain.training.loop import Backend, run_loop, single_process_collectives
+from imgtrain.training.loop import Backend, phase_record, run_loop, single_process_collectives
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -65,6 +65,8 @@ def train_loop_per_worker(config: dict) -> None:
         if monitor is not None:
             monitor.push.remote(record)  # fire and forget: never a barrier
 
+    if rank == 0:
+        send(phase_record("loading data"))
     if stream.in_memory(cfg, manifest):
         train_batches = (_torch_ingest if cfg.ingest == "torch" else _ray_data_ingest)(cfg, manifest, rank, world, device)
         val_batches = ingest.in_memory_val_batches(cfg, manifest, rank, world, device)
