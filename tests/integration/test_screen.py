@@ -23,8 +23,16 @@ def test_the_screen_from_the_first_second_to_the_last_line(ray_cluster, tiny_dat
             "--storage", str(tmp_path / "runs"), "--workers", "2", "--epochs", "2", "--batch-size", "32",
             "--eval-batch-size", "50", "--log-every-steps", "2", "--address", ray_cluster]
     with Terminal(args, cwd=tmp_path, columns=140, lines=30) as term:
-        wait_for(lambda: PHASE_LINE.search(term.text()), 180, "the 'starting 2 workers' line", proc=term.proc)
-        during = term.text()
+        screens = []
+
+        def a_second_into_starting_workers():  # all that start-up drew before the phase is on screen
+            screens.append(term.text())
+            assert term.proc.poll() is None, f"exited ({term.proc.returncode}) before starting workers:\n{screens[-1]}"
+            found = PHASE_LINE.search(screens[-1])
+            return found and int(found[1]) >= 1
+
+        wait_for(a_second_into_starting_workers, 180, "the 'starting 2 workers' line")
+        during = screens[-1]
         assert term.wait(timeout=240) == 0, term.text()
         after = term.text()
 

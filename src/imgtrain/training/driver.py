@@ -159,9 +159,7 @@ def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
     display.phase("checking the model")
     import torch
 
-    from imgtrain import zoo
-
-    from imgtrain import finetune
+    from imgtrain import finetune, zoo
 
     args = zoo.model_args(manifest, cfg.model, cfg.stem)
     try:
