@@ -16,18 +16,9 @@ from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.batch import EvalResult, InferenceOptions, evaluate, predict
 from imgtrain.inference.predictor import Predictor, load_model
-from imgtrain.runs import RunResult, list_runs, load_run
+from imgtrain.runs import RunResult, list_runs, load_run, package_version
 
-def _installed_version() -> str:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("imgtrain")
-    except importlib.metadata.PackageNotFoundError:  # imported from a source tree, not installed
-        return "unknown"
-
-
-__version__ = _installed_version()
+__version__ = package_version("imgtrain") or "unknown"  # "unknown": imported from a source tree
 
 
 def train(cfg: TrainConfig, display=None, overwrite: bool = False) -> RunResult:

@@ -50,16 +50,18 @@ def run_path(storage: str, name: str) -> Path:
 VERSION_KEYS = ("imgtrain_version", "torch_version", "ray_version")
 
 
-def versions() -> dict:
+def package_version(package: str) -> str | None:
+    """The installed version of ``package``, or None when it is not installed."""
     import importlib.metadata
 
-    def version(package: str) -> str | None:
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return None
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
-    return {key: version(key.removesuffix("_version")) for key in VERSION_KEYS}
+
+def versions() -> dict:
+    return {key: package_version(key.removesuffix("_version")) for key in VERSION_KEYS}
 
 
 def write_config(run_dir: Path, config: dict) -> None:

@@ -8,7 +8,6 @@ found with a 5-second TCP connect, and the per-node storage probe gives up after
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import os
 import platform
 import shutil
@@ -19,6 +18,7 @@ from pathlib import Path
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import process
 from imgtrain.ops.files import write_problem
+from imgtrain.runs import package_version
 
 OK, INFO, FAIL = "ok", "info", "FAIL"
 LOW_DISK_BYTES = 2 << 30  # a ResNet-18 checkpoint with its optimizer state is about 170 MB
@@ -46,7 +46,7 @@ class Diagnosis:
         return "ready to train" if not failed else f"not ready: {len(failed)} problem(s) ({', '.join(failed)})"
 
     def to_json(self) -> dict:
-        return {"version": _version("imgtrain"), "ready": self.ready, "verdict": self.verdict,
+        return {"version": package_version("imgtrain"), "ready": self.ready, "verdict": self.verdict,
                 "checks": [asdict(c) for c in self.checks]}
 
 
@@ -73,24 +73,18 @@ def diagnose(storage: str = "./runs", address: str | None = None, data: str | No
     return Diagnosis(checks)
 
 
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
 
 def _versions() -> Check:
     import torch
 
     build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
-    versions = ", ".join(f"{p} {_version(p) or 'missing'}" for p in ("torchvision", "ray"))
-    return Check(OK, "versions", f"imgtrain {_version('imgtrain')}, Python {platform.python_version()} "
+    versions = ", ".join(f"{p} {package_version(p) or 'missing'}" for p in ("torchvision", "ray"))
+    return Check(OK, "versions", f"imgtrain {package_version('imgtrain')}, Python {platform.python_version()} "
                  f"({sys.executable}), torch {torch.__version__} ({build}), {versions}")
 
 
 def _extras() -> Check:
-    found = [f"{p} {_version(p)}" for p in ("mlflow-skinny", "mlflow", "tensorboard") if _version(p)]
+    found = [f"{p} {package_version(p)}" for p in ("mlflow-skinny", "mlflow", "tensorboard") if package_version(p)]
     missing = [hint for p, hint in (("mlflow", "imgtrain[mlflow]"), ("tensorboard", "imgtrain[tensorboard]"))
                if not any(f.startswith(p) for f in found)]
     detail = ", ".join(found) or "none"

@@ -227,15 +227,12 @@ def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacemen
             backend.fit(cfg, manifest, run_dir, records, plan.resume)
     except BaseException as e:  # a truthful status behind, whatever the failure
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-        display.close(status)
         error = str(e) if isinstance(e, ImgtrainError) else f"{type(e).__name__}: {e}"
         _record_status(run_dir, status, **({} if status == "interrupted" else {"error": error}))
         records.finish(status)
         if replaced and ckpt.verified(run_dir)[0]:
             replaced.commit()  # the new run can be resumed: the old one goes as asked
         raise
-    finally:
-        display.close()
     if replaced:
         replaced.commit()
     result = runs.load_run(cfg.storage, cfg.name)
