@@ -374,6 +374,10 @@ def serve_cmd(
     replicas: int = typer.Option(1, help="Model replicas (Ray Serve deployment); each takes an equal share "
                                  "of the cores. On 2 cores, two served no more than one (BENCHMARKS.md)."),
     openapi: bool = typer.Option(False, "--openapi", help="Also serve the API schema at /openapi.json."),
+    ingress: str = typer.Option("auto", help="direct: the replica answers HTTP itself (Serve's direct ingress: "
+                                "2-3x the requests per second under load on 2 cores); proxy: through Ray "
+                                "Serve's proxy, needed for several replicas or a joined cluster. auto: direct "
+                                "where it can."),
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster; default: start one."),
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
 ):
@@ -385,7 +389,7 @@ def serve_cmd(
                     max_queued_requests=max_queued_requests, max_batch_size=max_batch_size,
                     batch_wait_ms=batch_wait_ms)
     run_server(run, checkpoint=checkpoint, storage=storage, host=host, port=port, limits=limits,
-               replicas=replicas, address=address, openapi=openapi,
+               replicas=replicas, address=address, openapi=openapi, ingress=ingress,
                announce=lambda line: console.print(line, soft_wrap=True))
 
 

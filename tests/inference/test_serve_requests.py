@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 from starlette.requests import Request
 
-from imgtrain.inference.serve import Limits, RequestError, pixels_from_json, read_body
+from imgtrain.errors import ImgtrainError
+from imgtrain.inference.serve import (Limits, RequestError, choose_ingress, direct_ingress_env, pixels_from_json,
+                                     read_body)
 
 SHAPE = (4, 3, 1)
 
@@ -69,3 +71,19 @@ def test_the_default_image_cap_follows_the_model_input_and_limits_are_checked():
                         "--max-batch-size must be a positive number, got 0"]
     assert Limits(batch_wait_ms=0).problems() == []  # no waiting: batches of what is already queued
     assert Limits(batch_wait_ms=-1).problems() == ["--batch-wait-ms must be 0 or a positive number, got -1"]
+
+
+def test_direct_ingress_where_it_works_and_a_clear_refusal_where_not():
+    assert choose_ingress("auto", replicas=1, joins_cluster=False) == "direct"
+    assert choose_ingress("auto", replicas=2, joins_cluster=False) == "proxy"
+    assert choose_ingress("auto", replicas=1, joins_cluster=True) == "proxy"
+    assert choose_ingress("proxy", replicas=1, joins_cluster=False) == "proxy"
+    for replicas, joins in ((2, False), (1, True)):
+        with pytest.raises(ImgtrainError, match="--ingress proxy"):
+            choose_ingress("direct", replicas=replicas, joins_cluster=joins)
+    with pytest.raises(ImgtrainError, match="auto, direct, proxy"):
+        choose_ingress("haproxy", replicas=1, joins_cluster=False)
+    # Serve's port range ends before its last value: exactly the one port asked for
+    env = direct_ingress_env(8123)
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8123"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8124"

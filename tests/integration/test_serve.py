@@ -1,6 +1,7 @@
 """``imgtrain serve`` for real: the CLI in its own process, with its own Ray cluster, over HTTP."""
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -70,20 +71,15 @@ def request(port: int, path: str, body=None, content_type=None, timeout=30, meth
         return e.code, json.loads(e.read())
 
 
-@pytest.fixture(scope="module")
-def server(trained, tmp_path_factory):
-    """The real ``imgtrain serve`` in a subprocess; yields once /healthz answers."""
-    storage, _ = trained
+@contextlib.contextmanager
+def serving(storage: Path, out_dir: Path, *options: str):
+    """The real ``imgtrain serve`` in a subprocess; yields once /healthz answers, kills it at the end."""
     port = free_port()
-    out_dir = tmp_path_factory.mktemp("serve-out")
     stdout, stderr = out_dir / "stdout.txt", out_dir / "stderr.txt"
     with open(stdout, "w") as out, open(stderr, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "imgtrain.cli", "serve", "srv", "--storage", str(storage),
-             "--port", str(port), "--max-request-bytes", str(MAX_BYTES), "--max-batch-images", str(MAX_BATCH),
-             "--max-batch-size", str(FORWARD_BATCH), "--batch-wait-ms", str(BATCH_WAIT_MS),
-             "--max-queued-requests", str(MAX_QUEUED)],
-            stdout=out, stderr=err, env={**os.environ, "COLUMNS": "300"},
+            [sys.executable, "-m", "imgtrain.cli", "serve", "srv", "--storage", str(storage), "--port", str(port),
+             *options], stdout=out, stderr=err, env={**os.environ, "COLUMNS": "300"},
         )
     try:
         started = time.monotonic()
@@ -91,7 +87,7 @@ def server(trained, tmp_path_factory):
         while True:
             assert proc.poll() is None, f"serve exited with {proc.returncode}: {stderr.read_text()}"
             assert time.monotonic() < deadline, f"no answer on /healthz in {START_TIMEOUT_S} s: {stderr.read_text()}"
-            try:  # /healthz through the proxy, and the announce line printed just after it
+            try:  # /healthz, and the announce line printed just after it
                 if request(port, "/healthz", timeout=2)[0] == 200 and "serving" in stdout.read_text():
                     break
             except (OSError, ValueError):  # not listening yet, or the proxy's 503 while deploying
@@ -103,6 +99,15 @@ def server(trained, tmp_path_factory):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def server(trained, tmp_path_factory):
+    """The server most tests share: the default ingress (direct), small limits."""
+    with serving(trained[0], tmp_path_factory.mktemp("serve-out"), "--max-request-bytes", str(MAX_BYTES),
+                 "--max-batch-images", str(MAX_BATCH), "--max-batch-size", str(FORWARD_BATCH),
+                 "--batch-wait-ms", str(BATCH_WAIT_MS), "--max-queued-requests", str(MAX_QUEUED)) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -428,3 +433,24 @@ def test_port_in_use_is_one_clear_error(trained):
         port = busy.getsockname()[1]
         proc = run_cli("serve", "srv", "--storage", str(storage), "--port", str(port), timeout=120)
     assert_one_line_error(proc, f"127.0.0.1:{port}", "--port")
+
+
+def test_through_rays_proxy_the_same_answers_and_a_clean_stop(trained, digit, tmp_path):
+    """``--ingress proxy``, what several replicas or a joined cluster use: the same routes and answers."""
+    pixels, predictor = digit
+    with serving(trained[0], tmp_path, "--ingress", "proxy") as (proc, port, stdout, stderr):
+        assert "through Ray Serve's proxy" in stdout.read_text()
+        status, answer = request(port, "/predict", png_bytes(pixels), "image/png")
+        assert status == 200, answer
+        assert_prediction(answer, predictor.predict_proba(pixels[None])[0], predictor.loaded.preprocess.classes)
+        results = burst(port, [png_bytes(pixels)] * 8)
+        assert [r[0] for r in results] == [200] * 8
+        assert all(r[1]["index"] == answer["index"] for r in results)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, stderr.read_text()
+
+
+def test_direct_ingress_is_refused_where_it_cannot_work(trained):
+    proc = run_cli("serve", "srv", "--storage", str(trained[0]), "--ingress", "direct", "--replicas", "2",
+                   "--port", str(free_port()), timeout=120)
+    assert_one_line_error(proc, "--ingress direct", "--ingress proxy")

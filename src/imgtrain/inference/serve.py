@@ -24,7 +24,9 @@ time per replica, with the replica's share of the cores as torch threads. Past
 ``--max-queued-requests`` waiting requests per replica, new ones get 503 at once with
 ``Retry-After`` (from the replica, or as plain text from Ray's proxy when a flood outruns it); a
 request not answered within ``--request-timeout`` seconds gets 504 with ``Retry-After`` (408
-from Ray's proxy if it never reached a replica).
+from Ray's proxy if it never reached a replica). With one replica on a cluster it starts, the
+replica answers HTTP itself (``--ingress direct``, Serve's direct ingress): Serve's proxy and
+router cost about 6 ms of CPU per request here, most of what a batched request costs.
 
 The driver finds and verifies the checkpoint, refuses a busy port before starting Ray, waits
 for the app with a deadline, then blocks until SIGINT or SIGTERM and shuts Serve and Ray down.
@@ -68,6 +70,34 @@ STARTUP_TIMEOUT_S = 180.0  # Ray + Serve + model load: ~45 s on 2 busy cores; pa
 RETRY_AFTER_S = 1  # what a refused client is told to wait: a batch takes milliseconds, the queue drains in about a second
 RETRY_AFTER = {"Retry-After": str(RETRY_AFTER_S)}
 PROXY_GRACE_S = 5.0  # Ray's proxy gives up this long after the replica's own timeout: a backstop only
+INGRESS = ("auto", "direct", "proxy")
+
+
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """Ray Serve's direct ingress (a feature flag in Ray 2.60): the replica's own HTTP server
+    listens on ``port``, with no proxy actor in between. Serve's proxy and router cost about 6 ms of
+    CPU per request on 2 cores (a model-free app: 250 req/s through them, 1,370 direct; BENCHMARKS.md),
+    the ceiling that held the batched server at 3.7-3.9x one client's rate. The flags are read when
+    Ray's processes import Serve, so they go into a private cluster's environment; the port range
+    is this one port (the range's end is exclusive), and no draining period is kept for a load
+    balancer that is not there."""
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
+
+
+def choose_ingress(ingress: str, replicas: int, joins_cluster: bool) -> str:
+    """``direct`` where it works (one replica on a cluster this command starts), else ``proxy``."""
+    if ingress not in INGRESS:
+        raise ImgtrainError(f"--ingress must be one of {', '.join(INGRESS)}, got {ingress!r}")
+    if ingress == "direct" and (replicas != 1 or joins_cluster):
+        why = ("--replicas is more than 1 (each replica would need a port of its own)" if replicas != 1 else
+               "it joins a running cluster, whose processes were started without Serve's direct-ingress flag")
+        raise ImgtrainError(f"--ingress direct needs one replica on a Ray cluster imgtrain starts, but {why}; "
+                            "use --ingress proxy")
+    if ingress == "auto":
+        return "proxy" if replicas != 1 or joins_cluster else "direct"
+    return ingress
 
 
 @dataclass(frozen=True)
@@ -194,6 +224,25 @@ def pixels_from_json(body: bytes, shape) -> tuple[np.ndarray, bool]:
     return arr.astype(np.uint8).reshape(len(arr), h, w, c), batch
 
 
+def _bind_as_serves_proxy_does() -> None:
+    """Ray 2.60 binds a direct-ingress replica's socket without SO_REUSEADDR (replica.py passes
+    ``enable_so_reuseport=False``), unlike its proxy: the connections the server closed stay in
+    TIME_WAIT for a minute after it stops, and keep the next ``imgtrain serve`` from the port until
+    then. Bind it as the proxy does (its default, SERVE_SOCKET_REUSE_PORT_ENABLED): ``check_port_free``
+    still refuses a port another server listens on, before Ray starts."""
+    from ray.serve._private import replica
+
+    start = replica.start_asgi_http_server
+    if getattr(start, "binds_reusable", False):
+        return
+
+    async def start_reusable(*args, **kwargs):
+        return await start(*args, **{**kwargs, "enable_so_reuseport": True})
+
+    start_reusable.binds_reusable = True
+    replica.start_asgi_http_server = start_reusable
+
+
 # Below the helpers on purpose: @serve.ingress pickles the FastAPI app while this module is still
 # being imported, so every name the routes use must already exist at this point.
 @serve.deployment(ray_actor_options={"num_cpus": REPLICA_CPUS})
@@ -203,6 +252,7 @@ class ModelServer:
     concurrent requests."""
 
     def __init__(self, checkpoint_dir: str, limits: Limits, threads: int, openapi: bool = False):
+        _bind_as_serves_proxy_does()  # before Serve starts this replica's HTTP server (direct ingress)
         self.predictor = Predictor(checkpoint_dir, threads=threads)  # verifies the sha256s again
         self.shape = self.predictor.loaded.preprocess.image_shape  # (H, W, C)
         self.classes = list(self.predictor.loaded.preprocess.classes)
@@ -296,24 +346,33 @@ class ModelServer:
 
 def run_server(run, checkpoint: str = "best", storage: str = "./runs", host: str = "127.0.0.1",
                port: int = 8000, limits: Limits = Limits(), replicas: int = 1,
-               address: str | None = None, openapi: bool = False, announce=print) -> None:
+               address: str | None = None, openapi: bool = False, ingress: str = "auto", announce=print) -> None:
     """Serve the checkpoint until SIGINT or SIGTERM; returns after a clean shutdown."""
+    import ray
+
+    ingress = choose_ingress(ingress, replicas, joins_cluster=address is not None or ray.is_initialized())
     path, logs = _check_request(run, checkpoint, storage, host, port, limits, replicas)
+    private_env = direct_ingress_env(port) if ingress == "direct" else None
     stop = _StopSignals()
     terminal = sys.stdout  # ray_session swaps sys.stdout for a log file; announce needs the real one
     with stop.listening():  # from before Ray starts: a signal during startup shuts down too
         try:
-            with cluster_mod.ray_session(address, replicas * REPLICA_CPUS, logs, "serve.log") as cluster:
+            with cluster_mod.ray_session(address, replicas * REPLICA_CPUS, logs, "serve.log",
+                                          private_env=private_env) as cluster:
                 stop.listen()  # ray.init replaced our SIGTERM handler with its sys.exit(15)
                 if stop.is_set():  # Ctrl-C while Ray started
                     return
                 link_dir(logs / "ray-serve", cluster.session_logs)
                 try:
-                    _deploy(path, host, port, limits, replicas, openapi)
+                    # Serve starts its proxy with direct ingress too: it gets a port of its own.
+                    proxy_port = free_port(host) if ingress == "direct" else port
+                    _deploy(path, host, proxy_port, limits, replicas, openapi)
                     if _wait_ready(host, port, stop, logs):
                         with contextlib.redirect_stdout(terminal):
+                            via = "the replica answers directly" if ingress == "direct" else \
+                                "through Ray Serve's proxy"
                             announce(f"serving {path} at {_url(host, port, connect=False)} (POST /predict, "
-                                     "GET /healthz); Ctrl-C stops")
+                                     f"GET /healthz; {via}); Ctrl-C stops")
                             terminal.flush()  # seen at once through a pipe or a log file too
                         while not stop.wait(1.0):  # a timed wait: signal handlers run promptly
                             pass
@@ -401,6 +460,14 @@ def check_port_free(host: str, port: int) -> None:
         except OSError as e:
             raise ImgtrainError(f"cannot listen on {host}:{port}: {e.strerror or e}; "
                                 "is another server using it? pick another --port") from None
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on now, from the kernel."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind(sockaddr)
+        return s.getsockname()[1]
 
 
 def _check_http_config(host: str, port: int) -> None:

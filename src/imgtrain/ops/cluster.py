@@ -69,12 +69,14 @@ def required_cpus(cfg: TrainConfig, workers: int | None = None) -> float:
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, min_cpus: float, logs: Path, log_name: str, dashboard: bool = False):
+def ray_session(address: str | None, min_cpus: float, logs: Path, log_name: str, dashboard: bool = False,
+                private_env: dict[str, str] | None = None):
     """Ray for the length of a command: ``address`` joined, or a private local cluster with at
     least ``min_cpus`` logical CPUs started (and shut down at the end); Ray's output goes to
-    ``logs`` (``log_name`` for its Python loggers), never to the terminal."""
+    ``logs`` (``log_name`` for its Python loggers), never to the terminal. ``private_env``: more
+    environment for a private cluster's processes (a joined cluster keeps its own)."""
     # One machine is never preempted; the watcher would be one more process to start.
-    env = {} if address else {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+    env = {} if address else {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", **(private_env or {})}
     import ray
     import ray.data
 
