@@ -257,7 +257,12 @@ def tune_cmd(ctx: typer.Context, config: Optional[Path] = None, search: Optional
     req = request_from(config, overrides, search or [], dict(trials=trials, scheduler=scheduler, metric=metric,
                                                              mode=mode, max_concurrent=max_concurrent))
     terminal = Console(file=sys.stdout, markup=False, highlight=False)  # held: Ray's output goes to the logs
-    summary = tune(req, say=lambda line: None if json_out else terminal.print(line, soft_wrap=True))
+    try:
+        summary = tune(req, say=lambda line: None if json_out else terminal.print(line, soft_wrap=True))
+    except KeyboardInterrupt:  # said here: typer turns it into a silent exit status 130
+        err_console.print(f"interrupted; run the same command again to resume the sweep (`imgtrain tune show "
+                          f"{req.base.name}` lists its trials)", soft_wrap=True)
+        raise typer.Exit(130) from None
     if json_out:
         print(json.dumps(summary, indent=2))
     else:

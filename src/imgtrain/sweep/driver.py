@@ -166,21 +166,27 @@ def _trial_cpus(cfg: TrainConfig, manifest: dict) -> float:
 
 
 def plan_concurrency(cfg: TrainConfig, asked: int, per_trial: float) -> int:
-    """How many trials train at once: as many as the cluster's CPUs (one kept free for Ray
-    Data's tasks, shared by every trial) and GPUs hold, at most ``asked``. Fails in seconds
-    when one trial alone does not fit."""
+    """How many trials train at once on the cluster Ray is connected to; fails in seconds when
+    one trial alone does not fit."""
     import ray
 
     cluster_mod.check_resources(cfg)  # one trial's workers: the same message as `imgtrain train`
     total = ray.cluster_resources()
-    free = total.get("CPU", 0.0) - (cluster_mod.INGEST_CPUS if cfg.ingest == "ray-data" else 0)
+    return trials_at_once(cfg, total.get("CPU", 0.0), total.get("GPU", 0.0), per_trial, asked)
+
+
+def trials_at_once(cfg: TrainConfig, cpus: float, gpus: float, per_trial: float, asked: int = 0) -> int:
+    """As many trials as ``cpus`` (one kept free for Ray Data's tasks, shared by every trial)
+    and ``gpus`` hold, at most ``asked`` (0: no limit)."""
+    free = cpus - (cluster_mod.INGEST_CPUS if cfg.ingest == "ray-data" else 0)
     fits = math.floor(free / per_trial + 1e-9)
     if cfg.use_gpu:
-        fits = min(fits, math.floor(total.get("GPU", 0.0) / cfg.workers))
+        fits = min(fits, math.floor(gpus / cfg.workers))
     if fits < 1:
-        raise ImgtrainError(f"one trial needs {per_trial:g} CPUs (its {cfg.workers} worker(s) and their data) plus "
-                            f"{cluster_mod.INGEST_CPUS} CPU kept for data ingest, but the Ray cluster has "
-                            f"{total.get('CPU', 0.0):g}; use fewer --workers")
+        need = f"{per_trial:g} CPUs" + (f" and {cfg.workers} GPU(s)" if cfg.use_gpu else "")
+        raise ImgtrainError(f"one trial needs {need} (its {cfg.workers} worker(s), their data and the trial) plus "
+                            f"{cluster_mod.INGEST_CPUS} CPU kept for data ingest, but the Ray cluster has {cpus:g} "
+                            f"CPUs and {gpus:g} GPUs; use fewer --workers")
     return min(fits, asked) if asked else fits
 
 
