@@ -254,8 +254,8 @@ def tune_cmd(ctx: typer.Context, config: Optional[Path] = None, search: Optional
     overrides = {k: v for k, v in given.items() if v is not None}
     if "workers" in overrides:
         overrides["min_workers"], overrides["workers"] = parse_workers(overrides["workers"])
-    req = request_from(config, overrides, search or [], dict(trials=trials, scheduler=scheduler, metric=metric,
-                                                             mode=mode, max_concurrent=max_concurrent))
+    req = request_from(config, overrides, search or [], {"trials": trials, "scheduler": scheduler, "metric": metric,
+                                                         "mode": mode, "max_concurrent": max_concurrent})
     terminal = Console(file=sys.stdout, markup=False, highlight=False)  # held: Ray's output goes to the logs
     try:
         summary = tune(req, say=lambda line: None if json_out else terminal.print(line, soft_wrap=True))
@@ -267,6 +267,10 @@ def tune_cmd(ctx: typer.Context, config: Optional[Path] = None, search: Optional
         print(json.dumps(summary, indent=2))
     else:
         _print_sweep(summary)
+    if all(t["status"] == "failed" for t in summary["trials"]):
+        err_console.print(f"error: every trial of sweep {req.base.name!r} failed (errors in `imgtrain tune show "
+                          f"{req.base.name}` and {summary['path']}/logs)", soft_wrap=True)
+        raise typer.Exit(1)
 
 
 def _tune_signature() -> inspect.Signature:

@@ -124,7 +124,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster
     assert "trial-00000: started" not in again.stdout and "trial-00001: started" in again.stdout
     assert (trials_dir / "trial-00000" / runs.METRICS_FILE).read_text() == first  # not trained again
     starts = [r for r in runs.read_metrics(trials_dir / "trial-00001") if r["kind"] == "start"]
-    assert [s["restored_from"] for s in starts][0] is None
+    assert starts[0]["restored_from"] is None
     assert starts[-1]["restored_from"] is not None and starts[-1]["step"] >= 4  # resumed from its checkpoint
     s = show(tmp_path, "r")
     assert s["status"] == "finished"
@@ -145,3 +145,14 @@ def test_bad_sweeps_fail_in_seconds_with_one_line(ray_cluster, tiny_data, tmp_pa
     assert_one_line_error(run_cli(*base[:4], "taken", *base[5:], "--search", "lr=choice(0.1)"),
                           "is not an imgtrain sweep")
     assert_one_line_error(run_cli("tune", "show", "nope", "--storage", str(tmp_path)), "no sweep named 'nope'")
+
+
+def test_failed_trials_are_reported_and_a_sweep_of_failures_exits_non_zero(ray_cluster, tiny_data, tmp_path):
+    proc = run_cli(*sweep_args(tiny_data, tmp_path, "f", ray_cluster, "--search", "model=choice(nosuchnet)",
+                               "--epochs", "1", "--workers", "1"))
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert re.search(r"trial-00000: failed: --model nosuchnet: no torchvision model 'nosuchnet'", proc.stdout)
+    assert proc.stderr.startswith("error: every trial of sweep 'f' failed") and "Traceback" not in proc.stderr
+    (trial,) = show(tmp_path, "f")["trials"]
+    assert (trial["status"], trial["epochs_done"], trial["best_metric"]) == ("failed", 0, None)
+    assert trial["error"].startswith("--model nosuchnet: no torchvision model")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -137,6 +138,11 @@ def _claim(sweep_dir: Path, req: SweepRequest) -> dict | None:
     if ownership.is_run(sweep_dir):
         raise ImgtrainError(f"{sweep_dir} is an imgtrain run, not a sweep: choose another --name for the sweep")
     stored = st.read(sweep_dir)
+    if stored is not None and not stored["trials"] and not st.driver_alive(stored):
+        # it stopped before Tune made any trial (a plan the cluster could not hold): nothing
+        # to resume, and the name is free for another request
+        shutil.rmtree(sweep_dir / st.TUNE_DIR, ignore_errors=True)
+        return None
     if stored is None:
         if sweep_dir.exists() and (not sweep_dir.is_dir() or any(sweep_dir.iterdir())):
             raise ImgtrainError(f"{sweep_dir} already exists and is not an imgtrain sweep (no {st.STATE_FILE}); "
@@ -200,6 +206,7 @@ def _fit(req: SweepRequest, sweep_dir: Path, concurrency: int, say):
     import ray
     from ray import tune
     from ray.tune.schedulers import FIFOScheduler
+
     from imgtrain.sweep.reporter import Reporter, set_output
 
     base = req.base

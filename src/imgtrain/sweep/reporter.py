@@ -3,6 +3,7 @@ and sweep.json kept up to date with each change. Runs in the ``imgtrain tune`` p
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -29,19 +30,22 @@ class Reporter(tune.Callback):
         self.sweep_dir, self.epochs, self.metric = Path(sweep_dir), epochs, metric
 
     def _line(self, trial, text: str) -> None:
-        _say(f"{time.strftime('%H:%M:%S')} {str(trial)}: {text}")
+        _say(f"{time.strftime('%H:%M:%S')} {trial!s}: {text}")
 
     def _update(self, trial, **fields) -> None:
         st.update_trial(self.sweep_dir, str(trial), params=dict(trial.config), **fields)
 
     def on_step_end(self, iteration, trials, **info):
+        if len(trials) == getattr(self, "_listed", 0):  # Tune steps often: read the file only for new trials
+            return
         known = st.read(self.sweep_dir)["trials"]
         for trial in trials:  # trials created and waiting for room: listed by `tune show`
             if str(trial) not in known:
                 self._update(trial, status="pending")
+        self._listed = len(trials)
 
     def on_trial_start(self, iteration, trials, trial, **info):
-        self._update(trial, status="running", error=None)
+        self._update(trial, status="running", error=None, started=time.time())
         self._line(trial, f"started  {format_params(trial.config)}")
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
@@ -55,10 +59,10 @@ class Reporter(tune.Callback):
         value = (trial.last_result or {}).get(self.metric)
         shown = f"{self.metric} {value:.4f}" if isinstance(value, float) else "no result"
         if done < self.epochs:
-            self._update(trial, status="stopped", epochs_done=done)
+            self._update(trial, status="stopped", epochs_done=done, ended=time.time())
             self._line(trial, f"stopped early by the scheduler after epoch {done}/{self.epochs}  ({shown})")
         else:
-            self._update(trial, status="finished", epochs_done=done)
+            self._update(trial, status="finished", epochs_done=done, ended=time.time())
             self._line(trial, f"finished {done} epochs  ({shown})")
 
     def on_trial_recover(self, iteration, trials, trial, **info):
@@ -66,7 +70,7 @@ class Reporter(tune.Callback):
 
     def on_trial_error(self, iteration, trials, trial, **info):
         error = self._error(trial)
-        self._update(trial, status="failed", error=error)
+        self._update(trial, status="failed", error=error, ended=time.time())
         self._line(trial, f"failed: {error}")
 
     def _error(self, trial) -> str:
@@ -76,6 +80,7 @@ class Reporter(tune.Callback):
             return status["error"]
         try:
             lines = [line for line in Path(trial.error_file).read_text().splitlines() if line.strip()]
-            return lines[-1].strip() if lines else "unknown error"
+            # "imgtrain.errors.ImgtrainError: --model x: ..." -> the message itself
+            return re.sub(r"^[\w.]*ImgtrainError: ", "", lines[-1].strip()) if lines else "unknown error"
         except (OSError, TypeError):
             return f"see {self.sweep_dir / st.LOGS_DIR}"

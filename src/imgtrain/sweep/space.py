@@ -24,7 +24,7 @@ FUNCTIONS = ("uniform", "loguniform", "randint", "choice", "grid")
 # (a trial's resources are planned for Ray workers), and what may change on resume anyway
 # (resumable settings: workers, epochs, storage... operational, not part of the experiment).
 FIXED = {"data", "name", "backend", "init_from"}
-_EXPR = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_-]*)\s*=\s*([a-z]+)\s*\((.*)\)\s*$", re.S)
+_EXPR = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_-]*)\s*=\s*([a-z]+)\s*\((.*)\)\s*$", re.DOTALL)
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,8 @@ def summary(storage: str, name: str) -> dict:
             "epochs_done": len(history), "epochs": request["base"]["epochs"],
             "best_metric": best[metric] if best else None, "best_epoch": best["epoch"] + 1 if best else None,
             "checkpoint": _checkpoint(run_dir, best), "run_dir": str(run_dir), "error": entry.get("error"),
+            # the trial's last start to its end, as Tune saw them (a resumed trial: its last part)
+            "wall_s": round(entry["ended"] - entry["started"], 1) if entry.get("ended") and entry.get("started") else None,
         })
     ranked = [t for t in trials if t["best_metric"] is not None]
     best_trial = max(ranked, key=lambda t: sign * t["best_metric"]) if ranked else None
