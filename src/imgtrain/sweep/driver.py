@@ -82,7 +82,7 @@ def check(req: SweepRequest) -> SweepRequest:
         issues.append("a sweep's trials have a fixed number of workers: --workers N, not MIN-MAX")
     if not base.data:
         issues.append("--data is required")
-    try:  # the base settings, and each searched value with them (a grid's every point)
+    try:  # the base settings (the searched values were checked against their ranges when parsed)
         validate(base, issues)
     except ImgtrainError as e:
         raise ImgtrainError(str(e).replace("invalid configuration", "invalid sweep")) from None
@@ -125,7 +125,7 @@ def tune(req: SweepRequest, say=print) -> dict:
     _mark_stopped(sweep_dir, req)
     ended = [t for t in st.read(sweep_dir)["trials"].values() if t.get("status") in ("finished", "stopped", "failed")]
     unfinished = len(ended) < req.total_trials()
-    st.write(sweep_dir, st.mark_driver(st.read(sweep_dir), "interrupted" if unfinished else "finished"))
+    st.write(sweep_dir, st.mark_driver(st.read(sweep_dir), "interrupted" if unfinished else "finished", error=None))
     if unfinished:
         raise KeyboardInterrupt  # Tune stopped on Ctrl-C and saved its state: the CLI says how to resume
     return st.summary(base.storage, base.name)
