@@ -234,6 +234,114 @@ def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP
     console.print(f"latest checkpoint: {r.latest_checkpoint}", soft_wrap=True)
 
 
+tune_app = typer.Typer(invoke_without_command=True, help="Hyperparameter sweeps with Ray Tune: every trial an "
+                       "imgtrain run.")
+app.add_typer(tune_app, name="tune")
+
+
+def tune_cmd(ctx: typer.Context, config: Optional[Path] = None, search: Optional[list[str]] = None,
+             trials: Optional[int] = None, scheduler: Optional[str] = None, metric: Optional[str] = None,
+             mode: Optional[str] = None, max_concurrent: Optional[int] = None, json_out: bool = False, **given):
+    """Search training settings with Ray Tune; the same command again resumes an interrupted sweep.
+
+    --name is the sweep's name: its trials are runs in STORAGE/NAME/trials/. `imgtrain tune show NAME` lists them.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from imgtrain.config import parse_workers
+    from imgtrain.sweep.driver import request_from, tune
+
+    overrides = {k: v for k, v in given.items() if v is not None}
+    if "workers" in overrides:
+        overrides["min_workers"], overrides["workers"] = parse_workers(overrides["workers"])
+    req = request_from(config, overrides, search or [], {"trials": trials, "scheduler": scheduler, "metric": metric,
+                                                         "mode": mode, "max_concurrent": max_concurrent})
+    terminal = Console(file=sys.stdout, markup=False, highlight=False)  # held: Ray's output goes to the logs
+    try:
+        summary = tune(req, say=lambda line: None if json_out else terminal.print(line, soft_wrap=True))
+    except KeyboardInterrupt:  # said here: typer turns it into a silent exit status 130
+        err_console.print(f"interrupted; run the same command again to resume the sweep (`imgtrain tune show "
+                          f"{req.base.name}` lists its trials)", soft_wrap=True)
+        raise typer.Exit(130) from None
+    if json_out:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_sweep(summary)
+    if all(t["status"] == "failed" for t in summary["trials"]):
+        err_console.print(f"error: every trial of sweep {req.base.name!r} failed (errors in `imgtrain tune show "
+                          f"{req.base.name}` and {summary['path']}/logs)", soft_wrap=True)
+        raise typer.Exit(1)
+
+
+def _tune_signature() -> inspect.Signature:
+    """tune's own options, then one per training setting, as `train` has them."""
+    from imgtrain.config import settings
+    from imgtrain.sweep.driver import METRICS, SCHEDULERS
+
+    def option(name, annotation, default, *decls, help, **more):
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                                 default=typer.Option(default, *decls, help=help, **more))
+
+    own = [
+        inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
+        option("config", Optional[Path], None, "--config", help="TOML file: training settings at the top level, "
+               "\\[search] NAME = \"FUNC(ARGS)\", \\[sweep] trials, scheduler, metric, mode, max_concurrent."),
+        option("search", Optional[list[str]], None, "--search", help="NAME=FUNC(ARGS), repeatable: uniform(a,b), "
+               "loguniform(a,b), randint(a,b) (both included), choice(v1,v2,...), grid(v1,v2,...).", metavar="NAME=FUNC(ARGS)"),
+        option("trials", Optional[int], None, "--trials", help="Trials to sample (each grid point this many times) "
+               "\\[default: 1]"),
+        option("scheduler", Optional[str], None, "--scheduler", help=f"{' or '.join(SCHEDULERS)}: ASHA stops weak "
+               "trials early, at epoch 1, 4, 16, ... \\[default: asha]"),
+        option("metric", Optional[str], None, "--metric", help=f"Per-epoch metric to optimise: {', '.join(METRICS)} "
+               "\\[default: val_accuracy]"),
+        option("mode", Optional[str], None, "--mode", help="max or min \\[default: the metric's own]"),
+        option("max_concurrent", Optional[int], None, "--max-concurrent", help="Trials at once, at most \\[default: "
+               "as many as the cluster's CPUs and GPUs hold]"),
+        option("json_out", bool, False, "--json", help="No progress lines; print the finished sweep as JSON."),
+    ]
+    return inspect.Signature(own + [_setting_option(s) for s in settings() if s.cli])
+
+
+tune_cmd.__signature__ = _tune_signature()
+tune_cmd.__annotations__ = {p.name: p.annotation for p in tune_cmd.__signature__.parameters.values()}
+tune_app.callback()(tune_cmd)
+
+
+@tune_app.command("show")
+def tune_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP),
+              json_out: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """A sweep's trials (searched values, status, epochs, best metric) and its best trial."""
+    from imgtrain.sweep.state import summary
+
+    found = summary(storage, name)
+    if json_out:
+        print(json.dumps(found, indent=2))
+        return
+    _print_sweep(found)
+
+
+def _print_sweep(s: dict) -> None:
+    from imgtrain.sweep.reporter import format_params
+
+    console.print(f"sweep {s['name']}  status: {s['status']}  ({s['path']})", soft_wrap=True)
+    names = list(s["search"])
+    table = Table("trial", *names, "status", "epochs", f"best {s['metric']}")
+    for t in s["trials"]:
+        value = t["best_metric"]
+        table.add_row(t["name"], *[format_params({n: t["params"].get(n, "-")}).split("=", 1)[1] for n in names],
+                      t["status"], f"{t['epochs_done']}/{t['epochs']}", f"{value:.4f}" if value is not None else "-")
+    console.print(table)
+    for t in s["trials"]:
+        if t["error"] and t["status"] == "failed":
+            console.print(f"{t['name']} failed: {t['error']}", soft_wrap=True)
+    best = s["best"]
+    if best:
+        console.print(f"best trial: {best['name']}  {s['metric']} {best['best_metric']:.4f} at epoch "
+                      f"{best['best_epoch']}  {format_params(best['params'])}", soft_wrap=True)
+        console.print(f"best checkpoint: {best['checkpoint']}", soft_wrap=True)
+        console.print(f"its run: imgtrain runs show {best['name']} --storage {s['trials_storage']}", soft_wrap=True)
+
+
 @config_app.command("show")
 def config_show(
     run: Optional[str] = typer.Option(None, "--run", help="Show this run's resolved config instead of the defaults."),

@@ -31,6 +31,11 @@ _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str:
 def read_config_file(path: str | Path) -> tuple[dict, list[str]]:
     """(the valid values of the file, one message per problem). Raises only when the file
     cannot be read or parsed at all."""
+    return check_values(read_table(path))
+
+
+def read_table(path: str | Path) -> dict:
+    """The file's table as parsed, unchecked (a sweep file has tables of its own too)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -42,7 +47,7 @@ def read_config_file(path: str | Path) -> tuple[dict, list[str]]:
         raise ImgtrainError(f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {e}") from None
     if not isinstance(raw, dict):
         raise ImgtrainError(f"config file {path} must hold a table of fields, e.g. epochs = 12")
-    return check_values(raw)
+    return raw
 
 
 def check_values(raw: dict) -> tuple[dict, list[str]]:

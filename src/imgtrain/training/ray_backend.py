@@ -92,6 +92,7 @@ def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, e
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from imgtrain.sweep import trial as sweep_trial
     from imgtrain.training.ray_worker import train_loop_per_worker
 
     return TorchTrainer(
@@ -112,6 +113,7 @@ def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, e
                 num_to_keep=cfg.num_to_keep, checkpoint_score_attribute="val_accuracy",
                 checkpoint_score_order="max",
             ),
+            callbacks=sweep_trial.callbacks(),  # inside a sweep's trial: epoch metrics to Ray Tune
         ),
         datasets=_datasets(cfg, manifest),
         # Every worker gets the whole data set and takes its rows of each global batch

@@ -1,0 +1,158 @@
+"""imgtrain tune for real: Ray Tune trials that are imgtrain runs, on the session's Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from imgtrain import runs
+from tests.conftest import assert_one_line_error, run_cli, wait_for
+
+pytestmark = pytest.mark.integration
+
+# lr 0.003 learns in 8 steps (val accuracy 0.27 after 2 epochs, 0.23 after 1); lr 1e-6 does
+# not (0.12): run one at a time in grid order, ASHA stops the second at its first rung.
+ASHA = ["--search", "lr=grid(0.003,1e-6)", "--scheduler", "asha", "--epochs", "2", "--workers", "1",
+        "--batch-size", "32", "--eval-batch-size", "50", "--max-concurrent", "1"]
+
+
+def sweep_args(data, storage, name, address, *more):
+    return ["tune", "--data", str(data), "--name", name, "--storage", str(storage), "--address", address, *more]
+
+
+def show(storage, name) -> dict:
+    proc = run_cli("tune", "show", name, "--storage", str(storage), "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def asha_sweep(ray_cluster, tiny_data, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("sweeps")
+    args = sweep_args(tiny_data, storage, "s", ray_cluster, *ASHA)
+    started = time.monotonic()
+    proc = run_cli(*args, timeout=300)
+    return proc, storage, args, time.monotonic() - started
+
+
+def test_asha_sweep_trials_are_imgtrain_runs(asha_sweep):
+    proc, storage, _, took = asha_sweep
+    assert proc.returncode == 0, proc.stderr
+    trials_dir = storage / "s" / "trials"
+    out = proc.stdout.splitlines()
+    # one line per state change, no Ray or Tune output on the terminal
+    assert out[0].startswith("sweep s: 2 trial(s), 1 at a time, scheduler asha, metric val_accuracy (max)")
+    events = [line for line in out[1:] if re.match(r"\d\d:\d\d:\d\d trial-0000[01]: ", line)]
+    assert [e.split(": ", 1)[1].split()[0] for e in events] == [
+        "started", "epoch", "epoch", "finished", "started", "epoch", "stopped"], out
+    table_at = next(i for i, line in enumerate(out) if line.startswith("sweep s  status: finished"))
+    assert table_at == len(events) + 1, out  # nothing else between the events and the table
+    assert proc.stderr == ""
+
+    s = show(storage, "s")
+    assert (s["status"], s["metric"], s["mode"], s["search"]) == ("finished", "val_accuracy", "max",
+                                                                  {"lr": "grid(0.003, 1e-06)"})
+    by_name = {t["name"]: t for t in s["trials"]}
+    assert {n: (t["params"], t["status"], t["epochs_done"]) for n, t in by_name.items()} == {
+        "trial-00000": ({"lr": 0.003}, "finished", 2), "trial-00001": ({"lr": 1e-06}, "stopped", 1)}
+
+    # the best trial, from the runs' own metrics.jsonl
+    best_of = {n: max(r["val_accuracy"] for r in runs.epoch_history(trials_dir / n)) for n in by_name}
+    best = max(best_of, key=best_of.get)
+    assert best_of["trial-00000"] > best_of["trial-00001"]
+    assert {n: t["best_metric"] for n, t in by_name.items()} == best_of
+    assert s["best"]["name"] == best and s["best"]["best_metric"] == best_of[best]
+    assert s["best"]["config"]["lr"] == 0.003 and s["best"]["config"]["name"] == best
+    assert Path(s["best"]["checkpoint"]).parent == trials_dir / best
+    assert (Path(s["best"]["checkpoint"]) / "model.pt").is_file()
+
+    # each trial is an ordinary run: runs show works on it, with the trial's settings
+    shown = run_cli("runs", "show", best, "--storage", str(trials_dir), "--json")
+    assert shown.returncode == 0, shown.stderr
+    run = json.loads(shown.stdout)
+    assert (run["status"], run["epochs_completed"]) == ("finished", 2)
+    assert runs.read_config(trials_dir / "trial-00001")["lr"] == 1e-06
+    stopped = runs.read_status(trials_dir / "trial-00001")
+    assert stopped["status"] == "stopped" and "ASHA after epoch 1 of 2" in stopped["reason"]
+    assert (storage / "s" / "logs" / "driver.log").is_file() and (storage / "s" / "logs" / "trial-00000.log").is_file()
+    print(f"2-trial ASHA sweep: {took:.1f} s")
+
+
+def test_rerun_of_a_finished_sweep_trains_nothing_and_other_settings_are_refused(asha_sweep, tiny_data, ray_cluster):
+    proc, storage, args, _ = asha_sweep
+    assert proc.returncode == 0, proc.stderr
+    trials_dir = storage / "s" / "trials"
+    before = {p.name: p.read_text() for p in trials_dir.glob("*/metrics.jsonl")}
+    again = run_cli(*args, timeout=180)
+    assert again.returncode == 0, again.stderr
+    assert "resuming" in again.stdout and "started" not in again.stdout
+    assert {p.name: p.read_text() for p in trials_dir.glob("*/metrics.jsonl")} == before
+
+    other = run_cli(*sweep_args(tiny_data, storage, "s", ray_cluster, *ASHA[:-2], "--epochs", "3"))
+    assert_one_line_error(other, "sweep 's' already exists", "epochs: 2 -> 3")
+
+
+def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster, tiny_data, tmp_path):
+    args = sweep_args(tiny_data, tmp_path, "r", ray_cluster, "--search", "lr=grid(0.003,0.001)", "--scheduler",
+                      "fifo", "--epochs", "2", "--workers", "1", "--batch-size", "32", "--max-concurrent", "1",
+                      "--limit-train-batches", "4")
+    trials_dir = tmp_path / "r" / "trials"
+    proc = subprocess.Popen([sys.executable, "-m", "imgtrain.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: any(r["kind"] == "epoch" for r in runs.read_metrics(trials_dir / "trial-00001")),
+                 timeout=240, what="the second trial's first epoch", proc=proc)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: Tune saves its state and stops the trial
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert err.startswith("interrupted; run the same command again"), err
+    assert show(tmp_path, "r")["status"] == "interrupted"
+    first = (trials_dir / "trial-00000" / runs.METRICS_FILE).read_text()
+
+    again = run_cli(*args, timeout=240)
+    assert again.returncode == 0, again.stderr
+    assert "trial-00000: started" not in again.stdout and "trial-00001: started" in again.stdout
+    assert (trials_dir / "trial-00000" / runs.METRICS_FILE).read_text() == first  # not trained again
+    starts = [r for r in runs.read_metrics(trials_dir / "trial-00001") if r["kind"] == "start"]
+    assert starts[0]["restored_from"] is None
+    assert starts[-1]["restored_from"] is not None and starts[-1]["step"] >= 4  # resumed from its checkpoint
+    s = show(tmp_path, "r")
+    assert s["status"] == "finished"
+    assert [(t["status"], t["epochs_done"]) for t in s["trials"]] == [("finished", 2), ("finished", 2)]
+
+
+def test_bad_sweeps_fail_in_seconds_with_one_line(ray_cluster, tiny_data, tmp_path):
+    base = ["tune", "--data", str(tiny_data), "--name", "b", "--storage", str(tmp_path)]
+    assert_one_line_error(run_cli(*base, "--search", "lr=logunifrom(1e-4,1e-2)"), "unknown function 'logunifrom'")
+    assert_one_line_error(run_cli(*base, "--search", "learning_rate=uniform(0,1)"), "not a training setting")
+    assert_one_line_error(run_cli(*base), "nothing to search")
+    started = time.monotonic()
+    too_big = run_cli(*base, "--search", "lr=choice(0.1)", "--workers", "8", "--address", ray_cluster)
+    assert_one_line_error(too_big, "8 worker(s)", "the Ray cluster has 4")
+    assert time.monotonic() - started < 60
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    assert_one_line_error(run_cli(*base[:4], "taken", *base[5:], "--search", "lr=choice(0.1)"),
+                          "is not an imgtrain sweep")
+    assert_one_line_error(run_cli("tune", "show", "nope", "--storage", str(tmp_path)), "no sweep named 'nope'")
+
+
+def test_failed_trials_are_reported_and_a_sweep_of_failures_exits_non_zero(ray_cluster, tiny_data, tmp_path):
+    proc = run_cli(*sweep_args(tiny_data, tmp_path, "f", ray_cluster, "--search", "model=choice(nosuchnet)",
+                               "--epochs", "1", "--workers", "1"))
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert re.search(r"trial-00000: failed: --model nosuchnet: no torchvision model 'nosuchnet'", proc.stdout)
+    assert proc.stderr.startswith("error: every trial of sweep 'f' failed") and "Traceback" not in proc.stderr
+    (trial,) = show(tmp_path, "f")["trials"]
+    assert (trial["status"], trial["epochs_done"], trial["best_metric"]) == ("failed", 0, None)
+    assert trial["error"].startswith("--model nosuchnet: no torchvision model")

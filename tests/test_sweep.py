@@ -1,0 +1,117 @@
+"""imgtrain tune without a cluster: the search grammar, sweep files, concurrency arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+from ray import tune
+
+from imgtrain.config import TrainConfig
+from imgtrain.errors import ImgtrainError
+from imgtrain.sweep import space
+from imgtrain.sweep.driver import check, request_from, trials_at_once
+
+
+@pytest.mark.parametrize("text, name, func, args", [
+    ("lr=loguniform(1e-4,1e-2)", "lr", "loguniform", (1e-4, 1e-2)),
+    (" weight-decay = uniform( 0 , 0.1 ) ", "weight_decay", "uniform", (0.0, 0.1)),
+    ("batch_size=randint(16,64)", "batch_size", "randint", (16, 64)),
+    ("optimizer=choice(adamw, 'sgd')", "optimizer", "choice", ("adamw", "sgd")),
+    ("augment=grid(true,false)", "augment", "grid", (True, False)),
+    ("weight_decay=choice(0.01,0.05)", "weight_decay", "choice", (0.01, 0.05)),
+    ("seed=grid(1, 2.0)", "seed", "grid", (1, 2)),
+])
+def test_expressions_parse_to_typed_dimensions(text, name, func, args):
+    d = space.parse(text)
+    assert (d.name, d.func, d.args) == (name, func, args)
+    assert all(type(a) is type(b) for a, b in zip(d.args, args))
+
+
+def test_dimensions_become_tune_domains_and_round_trip():
+    lr = space.parse("lr=loguniform(1e-4,1e-2)")
+    assert isinstance(lr.domain(), tune.search.sample.Float)
+    assert (lr.domain().lower, lr.domain().upper) == (1e-4, 1e-2)
+    # randint(a, b) includes b; Tune's upper bound does not
+    assert space.parse("batch_size=randint(16,64)").domain().upper == 65
+    assert space.parse("augment=grid(true,false)").domain() == {"grid_search": [True, False]}
+    assert space.parse(lr.name + "=" + lr.text()) == lr
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("lr", "is not NAME=FUNC(ARGS)"),
+    ("lr=loguniform(1e-4,1e-2", "is not NAME=FUNC(ARGS)"),
+    ("learning_rate=uniform(0,1)", "'learning_rate' is not a training setting"),
+    ("workers=choice(1,2)", "'workers' is not searched"),
+    ("data=choice(a,b)", "'data' is not searched"),
+    ("lr=normal(0,1)", "unknown function 'normal'"),
+    ("lr=uniform(0.1)", "takes two bounds, got 1"),
+    ("lr=uniform(0.2,0.1)", "lower bound must be below"),
+    ("lr=loguniform(0,0.1)", "loguniform() needs bounds above 0"),
+    ("lr=uniform(0.1,x)", "lr takes a finite number, got 'x'"),
+    ("lr=uniform(0.1,inf)", "finite number"),
+    ("lr=uniform(0.1,100)", "lr must be at most 10"),
+    ("batch_size=uniform(8,64)", "use randint"),
+    ("lr=randint(1,3)", "use choice"),
+    ("batch_size=choice(8,1.5)", "batch_size takes an integer, got '1.5'"),
+    ("optimizer=choice(adamw,adam)", "'adam' is not one of adamw, sgd"),
+    ("augment=choice(yes,no)", "true or false"),
+    ("lr=choice()", "needs at least one value"),
+    ("lr=choice(0.1,0.1)", "lists a value twice"),
+    ("lr=choice(0.1,,0.2)", "an argument is empty"),
+    ("lr=choice(__import__('os'))", "plain values, not expressions"),
+    ("model=choice('resnet18)", "quote is not closed"),
+])
+def test_bad_expressions_say_what_is_wrong(text, fragment):
+    with pytest.raises(ImgtrainError) as e:
+        space.parse(text)
+    assert fragment in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_setting_searched_twice_is_refused():
+    with pytest.raises(ImgtrainError, match="lr is searched twice"):
+        space.parse_all(["lr=uniform(0.1,0.2)", "lr=choice(0.3)"])
+
+
+def test_sweep_file_and_flags(tmp_path):
+    f = tmp_path / "sweep.toml"
+    f.write_text('data = "d"\nname = "s"\nepochs = 6\nworkers = 2\n'
+                 '[search]\nlr = "loguniform(1e-4, 1e-2)"\nweight_decay = [0.01, 0.05]\n'
+                 '[sweep]\ntrials = 8\nscheduler = "asha"\n')
+    req = request_from(f, {"epochs": 3}, ["lr=uniform(0.001,0.002)"], {"trials": None, "metric": "val_loss"})
+    assert (req.base.data, req.base.name, req.base.epochs, req.base.workers) == ("d", "s", 3, 2)  # flags win
+    assert req.search["lr"] == space.Dimension("lr", "uniform", (0.001, 0.002))
+    assert req.search["weight_decay"] == space.Dimension("weight_decay", "choice", (0.01, 0.05))
+    assert (req.trials, req.scheduler, req.metric) == (8, "asha", "val_loss")
+    assert check(req).mode == "min"  # a loss is minimised unless --mode says otherwise
+
+
+def test_sweep_file_problems_are_named(tmp_path):
+    f = tmp_path / "sweep.toml"
+    f.write_text('epoch = 3\n[sweep]\ntrials = "8"\nwhen = 1\n')
+    with pytest.raises(ImgtrainError) as e:
+        request_from(f, {}, [], {})
+    text = str(e.value)
+    assert "unknown field 'epoch' (did you mean 'epochs'?)" in text
+    assert "[sweep] trials must be an integer" in text and "unknown [sweep] key 'when'" in text
+
+
+def test_request_checks_collect_every_problem():
+    req = request_from(None, {"name": "s", "workers": 2, "min_workers": 1, "backend": "local", "epochs": 0},
+                       [], {"trials": 0, "scheduler": "pbt", "metric": "accuracy"})
+    with pytest.raises(ImgtrainError) as e:
+        check(req)
+    text = str(e.value)
+    for fragment in ("nothing to search", "--trials must be at least 1", "--scheduler 'pbt'", "--metric 'accuracy'",
+                     "drop --backend local", "not MIN-MAX", "--data is required", "--epochs must be at least 1"):
+        assert fragment in text, fragment
+
+
+def test_trials_at_once_fit_the_cluster():
+    cfg = TrainConfig(workers=2)
+    # 8 CPUs, one kept for Ray Data: 7 / 2.01 -> 3 trials of 2 workers
+    assert trials_at_once(cfg, 8, 0, 2.01) == 3
+    assert trials_at_once(cfg, 8, 0, 2.01, asked=2) == 2
+    assert trials_at_once(TrainConfig(workers=2, ingest="torch"), 8, 0, 2.01) == 3  # 8 / 2.01
+    assert trials_at_once(TrainConfig(workers=2, use_gpu=True), 64, 5, 2.01) == 2  # GPUs bind first
+    with pytest.raises(ImgtrainError, match="one trial needs 2.01 CPUs .* the Ray cluster has 2 CPUs"):
+        trials_at_once(cfg, 2, 0, 2.01)
