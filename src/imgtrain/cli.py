@@ -259,10 +259,10 @@ def tune_cmd(ctx: typer.Context, config: Optional[Path] = None, search: Optional
     terminal = Console(file=sys.stdout, markup=False, highlight=False)  # held: Ray's output goes to the logs
     try:
         summary = tune(req, say=lambda line: None if json_out else terminal.print(line, soft_wrap=True))
-    except KeyboardInterrupt:  # said here: typer turns it into a silent exit status 130
+    except KeyboardInterrupt:  # said here, with the sweep's own hint; sys.exit: main() would say it again
         err_console.print(f"interrupted; run the same command again to resume the sweep (`imgtrain tune show "
                           f"{req.base.name}` lists its trials)", soft_wrap=True)
-        raise typer.Exit(130) from None
+        sys.exit(130)
     if json_out:
         print(json.dumps(summary, indent=2))
     else:
@@ -599,6 +599,8 @@ def main() -> None:
     warnings.simplefilter("always", ImgtrainWarning)
     try:
         code = app(standalone_mode=False)  # a command's typer.Exit(N) comes back as N
+        if code == 130:  # typer turns Ctrl-C (KeyboardInterrupt) into a silent Exit(130)
+            raise KeyboardInterrupt
         if isinstance(code, int) and code:
             sys.exit(code)
     except ImgtrainError as e:

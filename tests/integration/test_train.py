@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +18,7 @@ import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError
-from tests.conftest import quiet_display, run_cli, tiny_config
+from tests.conftest import quiet_display, run_cli, tiny_config, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -78,6 +82,25 @@ def test_local_backend_runs_the_same_loop(tiny_data, tmp_path):
     assert result.final_accuracy > 0.2  # far above chance (0.1) after 16 steps on real digits
     assert [p.name for p, _ in ckpt.listing(result.path)] == sorted(
         {result.best_checkpoint.name, result.latest_checkpoint.name})
+
+
+def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_data, tmp_path):
+    """SIGINT, as Ctrl-C sends it: exit 130, one line saying what to do, the run marked interrupted."""
+    args = ["train", "--data", str(tiny_data), "--storage", str(tmp_path), "--name", "cc", "--backend", "local",
+            "--epochs", "100", "--batch-size", "32", "--quiet"]
+    proc = subprocess.Popen([sys.executable, "-m", "imgtrain.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        wait_for(lambda: any((tmp_path / "cc").glob("checkpoint_epoch_*")), 180, "the first checkpoint", proc)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in out + err
+    assert err.strip().splitlines()[-1] == "interrupted; run the same command again to resume", err
+    assert runs.read_status(tmp_path / "cc")["status"] == "interrupted"
 
 
 def test_same_name_resumes_from_the_latest_checkpoint(ray_cluster, tiny_data, tmp_path):
