@@ -3,7 +3,7 @@
 
 Each round trains the same short run once with ``--strategy ddp`` and once with ``--strategy
 fsdp`` (alternating, so a busy machine slows both alike): ``--workers`` Ray workers on the
-embedded MNIST sample (28x28), ``--steps`` steps of ``--batch`` images, one epoch, then the
+embedded MNIST sample (28x28), a local Ray cluster per run, ``--steps`` steps of ``--batch`` images, one epoch, then the
 usual validation and checkpoint. Both use contiguous weights (``--no-channels-last``: FSDP2
 shards contiguous parameters only), so the strategy is the only difference.
 
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PORT, SAMPLE_DATA, ensure_data, environment, ray_head, write_result  # noqa: E402
+from common import SAMPLE_DATA, ensure_data, environment, write_result  # noqa: E402
 
 
 def rss_anon(pid: int) -> int | None:
@@ -43,7 +43,7 @@ def train(storage: Path, name: str, strategy: str, args) -> dict:
     cmd = [sys.executable, "-m", "imgtrain.cli", "train", "--data", str(args.data), "--storage", str(storage),
            "--name", name, "--model", args.model, "--strategy", strategy, "--workers", str(args.workers),
            "--epochs", "1", "--limit-train-batches", str(args.steps), "--batch-size", str(args.batch),
-           "--no-channels-last", "--log-every-steps", "1", "--address", f"127.0.0.1:{PORT}", "--quiet"]
+           "--no-channels-last", "--log-every-steps", "1", "--quiet"]
     run_dir = storage / name
     samples: list[tuple[float, int, int]] = []  # (time, rank, RssAnon bytes)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -85,7 +85,9 @@ def main() -> None:
     ensure_data(args.data)
     result = {"environment": environment(), "inputs": {k: str(v) for k, v in vars(args).items()},
               "command": " ".join(sys.argv), "runs": {"ddp": [], "fsdp": []}}
-    with tempfile.TemporaryDirectory(prefix="imgtrain-fsdp-") as tmp, ray_head(cpus=4):
+    # Each run starts (and stops) its own local Ray cluster: `ray stop` of a shared head would
+    # stop every Ray process on the machine, other people's included.
+    with tempfile.TemporaryDirectory(prefix="imgtrain-fsdp-") as tmp:
         for i in range(args.rounds):
             for strategy in ("ddp", "fsdp"):
                 found = train(Path(tmp), f"{strategy}-{i}", strategy, args)

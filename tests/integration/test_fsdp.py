@@ -1,6 +1,6 @@
 """Sharded training (``--strategy fsdp``) on a real Ray cluster, 2 CPU workers: the checkpoint's
 plain model.pt serves every other command, FSDP trains exactly what DDP trains, and an
-interrupted run resumes exactly (at the same world size) or on the resharded state (at another).
+interrupted run resumes exactly (at the same world size) or from the resharded state (at another).
 """
 
 from __future__ import annotations
@@ -128,10 +128,14 @@ def test_a_failed_fsdp_run_resumes_on_one_worker_from_the_resharded_state(refere
     assert again.returncode == 0, again.stderr
     assert "resuming run 'grow' at epoch 2, step 24" in again.stdout
     assert global_batches(tmp_path / "grow") == global_batches(result.path)
-    # The same steps on the same rows; one rank sums each batch's loss in another order than
-    # two do, so the last 8 steps agree closely, not to the bit.
-    a, b = final_model(tmp_path / "grow"), final_model(result.path)
-    assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-4
+    # Not the same numbers after the resume: BatchNorm now normalises over the 16 rows of a batch
+    # on one rank, not 8 on each of two, so the forward pass itself differs (DDP alike). Epoch 0
+    # comes back from the checkpoint unchanged, and epoch 1 continues the restored model: its
+    # loss stays near the 2-worker run's (a model restarted from scratch would be near ln 10).
+    grown, ref = history(tmp_path / "grow"), history(result.path)
+    assert grown[0] == ref[0]
+    print("train loss of epoch 1, resumed on 1 worker / 2 workers:", grown[1]["train_loss"], ref[1]["train_loss"])
+    assert abs(grown[1]["train_loss"] - ref[1]["train_loss"]) < 0.3
 
     # A resumed run keeps its strategy.
     changed = run_cli("train", "--name", "grow", "--storage", str(tmp_path), "--strategy", "ddp", "--epochs", "3")

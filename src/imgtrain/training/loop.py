@@ -351,8 +351,8 @@ def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name:
     backend, in_epoch = run.backend, epoch_progress is not None
     with tempfile.TemporaryDirectory(prefix="imgtrain-ckpt-") as tmp:
         save_dir, shard_hashes = None, {}
-        if run.sharded:  # collectives: every rank
-            backend.progress.enter("save")
+        if run.sharded:
+            backend.progress.enter("sync")  # gathering and DCP's plan are collectives: a phase the watchdog lets wait
             evaluated = evaluated_model(run) if evaluated is None else evaluated
             shard_hashes = fsdp.save_sharded(Path(tmp) / ckpt.SHARDED_DIR, run.model, run.optimizer,
                                              run.ema.module if run.ema is not None else None)
