@@ -36,7 +36,8 @@ def rss_anon(pid: int) -> int | None:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
-    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("RssAnon:"))
+    # None for a process on its way out (no RssAnon line)
+    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("RssAnon:")), None)
 
 
 def train(storage: Path, name: str, strategy: str, args) -> dict:

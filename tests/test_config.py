@@ -103,3 +103,6 @@ def test_fsdp_needs_ray_workers_and_is_kept_when_resumed():
     validate(TrainConfig(name="a", strategy="fsdp"))
     old = TrainConfig(name="a").to_dict()
     assert changed_fields(old, TrainConfig(name="a", strategy="fsdp").to_dict()) == ["strategy"]
+    from imgtrain.configfile import check_values
+
+    assert check_values({"strategy": "fsdp"}) == ({"strategy": "fsdp"}, [])  # from a config file too

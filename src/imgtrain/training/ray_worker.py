@@ -99,6 +99,7 @@ def _model_preparation(cfg: TrainConfig, device):
     if cfg.strategy == "fsdp":
         from imgtrain.training import fsdp
 
+        fsdp.return_freed_memory()
         return lambda model: fsdp.shard(model, device, cfg.precision)
     return ray.train.torch.prepare_model
 
