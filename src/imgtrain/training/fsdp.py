@@ -37,7 +37,7 @@ def shard(model: nn.Module, device: torch.device, precision: str) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # FSDP2 shards contiguous parameters only ("does not support non-contiguous parameters");
-    # --channels-last still applies to the inputs, and the convolutions follow their layout.
+    # --channels-last still shapes the inputs and validation's plain model.
     model = model.to(device, memory_format=torch.contiguous_format)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy()
@@ -55,9 +55,9 @@ def return_freed_memory() -> None:
     """Make this process's large allocations (over 128 KiB) mmaps that go back to the OS when
     freed (glibc's ``M_MMAP_THRESHOLD``; nothing elsewhere). FSDP gathers and frees every block's
     weights and gradients at every step; glibc's default raises that threshold after the first
-    frees and then keeps the freed buffers in its heap: ResNet-50 on 2 ranks grew 785 -> 1,044 MB
-    over 4 steps (674 MB after a ``malloc_trim``), against 616 -> 621 MB with the fixed threshold
-    (DDP: 924-928 MB either way; docs/NOTES.md)."""
+    frees and then keeps the freed buffers in its heap: ResNet-50 on 2 ranks grew to 1,012 MB in
+    4 steps (662 MB after a ``malloc_trim``), against 621 MB with the fixed threshold (DDP: 981 MB;
+    ``bench/fsdp_heap.py``)."""
     import ctypes
     import ctypes.util
 
