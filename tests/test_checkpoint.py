@@ -68,3 +68,30 @@ def test_meta_without_hashes_cannot_be_verified(tmp_path):
     (tmp_path / ckpt.META_FILE).write_text(json.dumps(meta))
     with pytest.raises(ckpt.CheckpointError, match="no sha256 for model.pt"):
         ckpt.verify(tmp_path)
+
+
+def test_files_other_ranks_wrote_are_verified_too(tmp_path):
+    # FSDP: rank 1's shard lands in the checkpoint beside rank 0's files; meta.json has its hash.
+    (tmp_path / ckpt.SHARDED_DIR).mkdir()
+    shard = tmp_path / ckpt.SHARDED_DIR / "__1_0.distcp"
+    shard.write_bytes(b"rank 1's shard")
+    from imgtrain.ops.files import sha256_file
+
+    model = build_resnet18(1, 10)
+    ckpt.save(tmp_path, model.state_dict(), {}, {}, {"sharded/__1_0.distcp": sha256_file(shard)})
+    assert set(ckpt.verify(tmp_path)["sha256"]) == {ckpt.MODEL_FILE, ckpt.TRAIN_STATE_FILE, "sharded/__1_0.distcp"}
+    shard.unlink()
+    with pytest.raises(ckpt.CheckpointError, match="__1_0.distcp is missing"):
+        ckpt.verify(tmp_path)
+
+
+def test_a_meta_json_naming_files_outside_the_checkpoint_is_refused(tmp_path):
+    save_one(tmp_path / "c")
+    (tmp_path / "secret").write_text("x")
+    from imgtrain.ops.files import sha256_file
+
+    meta = ckpt.read_meta(tmp_path / "c")
+    meta["sha256"]["../secret"] = sha256_file(tmp_path / "secret")
+    (tmp_path / "c" / ckpt.META_FILE).write_text(__import__("json").dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match="names a file outside the checkpoint"):
+        ckpt.verify(tmp_path / "c")

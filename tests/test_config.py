@@ -91,3 +91,18 @@ def test_steps_per_epoch_are_whole_global_batches(n, batch, limit, expected):
     from imgtrain.config import steps_per_epoch
 
     assert steps_per_epoch(n, batch, limit) == expected
+
+
+def test_fsdp_needs_ray_workers_and_is_kept_when_resumed():
+    with pytest.raises(ImgtrainError) as e:
+        validate(TrainConfig(name="a", strategy="fsdp", backend="local", compile=True))
+    assert "--strategy fsdp shards the model over Ray Train workers; --backend local" in str(e.value)
+    assert "--compile is not supported with --strategy fsdp" in str(e.value)
+    with pytest.raises(ImgtrainError, match="--strategy 'zero' is not one of ddp, fsdp"):
+        validate(TrainConfig(name="a", strategy="zero"))
+    validate(TrainConfig(name="a", strategy="fsdp"))
+    old = TrainConfig(name="a").to_dict()
+    assert changed_fields(old, TrainConfig(name="a", strategy="fsdp").to_dict()) == ["strategy"]
+    from imgtrain.configfile import check_values
+
+    assert check_values({"strategy": "fsdp"}) == ({"strategy": "fsdp"}, [])  # from a config file too

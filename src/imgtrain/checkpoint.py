@@ -8,7 +8,10 @@ A checkpoint directory holds:
                   ``build_model().load_state_dict(torch.load("model.pt", weights_only=True))``, loads it
   train_state.pt  optimizer, scheduler, epoch, step, RNG states: plain types and tensors only,
                   so it loads with ``weights_only=True``
-  meta.json       config, model args, data set summary, metrics, and the sha256 of the two files
+  sharded/        only with ``--strategy fsdp``: the training weights, optimizer state and moving
+                  average as a ``torch.distributed.checkpoint`` directory, one file per rank (each
+                  rank writes its own); train_state.pt then holds neither optimizer nor weights
+  meta.json       config, model args, data set summary, metrics, and the sha256 of every file
                   above. Written last: a directory without a valid meta.json is not a checkpoint.
 """
 
@@ -26,6 +29,7 @@ from imgtrain.ops.files import atomic_write_text, sha256_file
 MODEL_FILE = "model.pt"
 TRAIN_STATE_FILE = "train_state.pt"
 META_FILE = "meta.json"
+SHARDED_DIR = "sharded"
 FORMAT_VERSION = 1
 
 # train_state.pt keys
@@ -49,8 +53,11 @@ class CheckpointError(ImgtrainError):
     """A checkpoint is missing, incomplete, tampered with, or of an incompatible model."""
 
 
-def save(directory: str | os.PathLike, model_state: dict, train_state: dict, meta: dict) -> Path:
-    """Write a checkpoint into ``directory`` (created); meta.json last, with every file's sha256."""
+def save(directory: str | os.PathLike, model_state: dict, train_state: dict, meta: dict,
+         other_files: dict[str, str] | None = None) -> Path:
+    """Write a checkpoint into ``directory`` (created); meta.json last, with every file's sha256.
+    ``other_files``: {relative path: sha256} of files other ranks write into the same
+    checkpoint (FSDP's shards), recorded and verified like the rest."""
     import torch
 
     d = Path(directory)
@@ -58,7 +65,7 @@ def save(directory: str | os.PathLike, model_state: dict, train_state: dict, met
     torch.save(model_state, d / MODEL_FILE)
     torch.save(train_state, d / TRAIN_STATE_FILE)
     meta = dict(meta, format_version=FORMAT_VERSION)
-    meta["sha256"] = {name: sha256_file(d / name) for name in (MODEL_FILE, TRAIN_STATE_FILE)}
+    meta["sha256"] = {**(other_files or {}), **{name: sha256_file(d / name) for name in (MODEL_FILE, TRAIN_STATE_FILE)}}
     atomic_write_text(d / META_FILE, json.dumps(meta, indent=2, default=str))
     return d
 
@@ -90,10 +97,14 @@ def verify(directory: str | os.PathLike) -> dict:
     d = Path(directory)
     meta = read_meta(d)
     hashes = meta.get("sha256") or {}
-    for name in (MODEL_FILE, TRAIN_STATE_FILE):
+    if not isinstance(hashes, dict):
+        raise CheckpointError(f"{d / META_FILE} is corrupt (sha256 is not a table); use another checkpoint")
+    for name in dict.fromkeys([MODEL_FILE, TRAIN_STATE_FILE, *hashes]):  # the two always, then the shards
         expected = hashes.get(name)
         if not expected:
             raise CheckpointError(f"{d / META_FILE} records no sha256 for {name}; the checkpoint cannot be verified")
+        if Path(name).is_absolute() or ".." in Path(name).parts:  # meta.json is untrusted input
+            raise CheckpointError(f"{d / META_FILE} names a file outside the checkpoint: {name}")
         f = d / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint file {f} is missing")

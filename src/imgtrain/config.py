@@ -37,6 +37,7 @@ BACKENDS = ("ray", "local")
 INGESTS = ("ray-data", "torch")
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("fp32", "bf16")
+STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclass
@@ -51,6 +52,11 @@ class TrainConfig:
     ingest: str = setting("ray-data", "How rows reach the workers: ``ray-data`` (Ray Data) or ``torch`` (Parquet "
                           "files into a DataLoader). Either way each worker takes its share of every global batch "
                           "in the run's one seeded order.", choices=INGESTS)
+    strategy: str = setting("ddp", "How the workers hold the model: ``ddp`` (each holds all of it, gradients are "
+                            "averaged) or ``fsdp`` (FSDP2: each holds 1/N of the weights, gradients, optimizer state "
+                            "and weight average; a block's weights are gathered only while it runs). Checkpoints "
+                            "hold the plain model.pt either way; a run keeps its strategy when resumed.",
+                            choices=STRATEGIES)
     workers: int = setting(2, "Data-parallel training workers: N, or MIN-MAX for elastic training (continues with "
                            "fewer when nodes leave, grows back when they return).", range="[1, 10000]", resumable=True)
     min_workers: int = setting(0, "Elastic training (``--workers MIN-MAX``): the fewest workers to go on with when "
@@ -285,6 +291,11 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
             f"--batch-size {cfg.batch_size} is smaller than --workers {cfg.workers}: "
             "every worker needs at least one sample per step; raise the batch size or use fewer workers"
         )
+    if cfg.strategy == "fsdp" and cfg.backend == "local":
+        issues.append("--strategy fsdp shards the model over Ray Train workers; --backend local is one process: "
+                      "use --strategy ddp or --backend ray")
+    if cfg.strategy == "fsdp" and cfg.compile:
+        issues.append("--compile is not supported with --strategy fsdp yet: drop one of them")
     if cfg.mlflow is not None and not cfg.mlflow.strip():
         issues.append("--mlflow needs a tracking URI, e.g. sqlite:///mlflow.db")
     if cfg.init_from and cfg.pretrained:

@@ -32,7 +32,7 @@ from imgtrain.data.order import epoch_augment_draws
 from imgtrain.errors import ImgtrainError
 from imgtrain.model import affine_matrices, apply_affine, to_model_input
 from imgtrain.runs import versions
-from imgtrain.training import faults
+from imgtrain.training import faults, fsdp
 from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
 from imgtrain.training.health import Progress
 from imgtrain.training.recipe import (
@@ -55,7 +55,7 @@ class Backend:
     rank: int
     world_size: int
     device: torch.device
-    prepare_model: Callable[[nn.Module], nn.Module]  # DDP on Ray; the device alone locally
+    prepare_model: Callable[[nn.Module], nn.Module]  # DDP or FSDP on Ray; the device alone locally
     # (epoch, first step) -> this rank's batches for the steps of the epoch from that one on
     train_batches: Callable[[int, int], Iterable[Batch]]
     val_batches: Callable[[], Iterable[Batch]]  # this rank's rows of the validation split
@@ -101,7 +101,7 @@ class Run:
     cfg: TrainConfig
     manifest: dict
     backend: Backend
-    model: nn.Module  # DDP-wrapped on Ray
+    model: nn.Module  # DDP-wrapped or FSDP-sharded on Ray
     forward: Callable  # the model, or its compiled graph
     optimizer: torch.optim.Optimizer
     scheduler: object
@@ -117,8 +117,13 @@ class Run:
 
     @property
     def evaluated(self) -> nn.Module:
-        """What validation sees and model.pt holds: the moving average, or the weights."""
+        """What validation sees and model.pt holds: the moving average, or the weights
+        (sharded with FSDP: ``evaluated_model`` gathers them into a plain model)."""
         return self.ema.module if self.ema is not None else ckpt.unwrap(self.model)
+
+    @property
+    def sharded(self) -> bool:
+        return self.cfg.strategy == "fsdp"
 
 
 def phase_record(name: str) -> dict:
@@ -159,7 +164,9 @@ def setup(cfg: TrainConfig, manifest: dict, backend: Backend) -> tuple[Run, Resu
         torch.backends.cudnn.benchmark = False
     if cfg.precision == "bf16" and backend.device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ImgtrainError(f"--precision bf16: {torch.cuda.get_device_name(backend.device)} has no bfloat16; use fp32")
-    torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts them)
+    # same initial weights on every rank (DDP also broadcasts them; FSDP takes each rank's
+    # shard of its own copy, so this is what makes them one model)
+    torch.manual_seed(cfg.seed)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     with backend.restored_checkpoint() as restore_dir:
         net = build_from_args(model_args(manifest, cfg.model, cfg.stem))
@@ -167,8 +174,13 @@ def setup(cfg: TrainConfig, manifest: dict, backend: Backend) -> tuple[Run, Resu
             finetune.initialise(net, weights, cfg.model)
         set_batchnorm_momentum(net, cfg.bn_momentum)
         model = backend.prepare_model(net.to(memory_format=memory_format))
-        optimizer = optimizer_for(model, cfg)
-        ema = weight_average(ckpt.unwrap(model), cfg.ema_decay)
+        optimizer = optimizer_for(model, cfg)  # after sharding: it holds this rank's shards
+        # FSDP: the average lives in a second model sharded the same way (its values come
+        # from the first update, or the checkpoint)
+        average_in = None
+        if cfg.strategy == "fsdp" and cfg.ema_decay:
+            average_in = backend.prepare_model(_plain_model(cfg, manifest).to(memory_format=memory_format))
+        ema = weight_average(ckpt.unwrap(model), cfg.ema_decay, average_in)
         resumed = restore(restore_dir, model, optimizer, ema, backend.device) if restore_dir else Resumed()
     n_train = manifest["splits"]["train"]["num_samples"]
     steps_per_epoch = max(1, epoch_steps(n_train, cfg.batch_size, cfg.limit_train_batches))
@@ -305,10 +317,10 @@ def end_epoch(run: Run, epoch: int, sums: torch.Tensor, timing: EpochTiming, tra
     backend.progress.enter("sync", run.step)
     train_loss, train_acc, seen = _global_means(backend, sums)
     rank_timing = timing.gather(backend)
-    _buffers_from_rank0(run.evaluated, backend)
+    evaluated = evaluated_model(run)
     backend.progress.enter("eval")
     faults.maybe_fire(backend.fault, backend.rank, run.step, backend.run_dir, "validating")
-    val_loss, val_acc, val_n = evaluate(run.evaluated, backend, run.manifest, run.cfg.label_smoothing,
+    val_loss, val_acc, val_n = evaluate(evaluated, backend, run.manifest, run.cfg.label_smoothing,
                                         run.memory_format)
     metrics = {
         "epoch": epoch, "step": run.step, "train_loss": train_loss, "train_accuracy": train_acc,
@@ -321,28 +333,44 @@ def end_epoch(run: Run, epoch: int, sums: torch.Tensor, timing: EpochTiming, tra
     }
     name = ckpt.dir_name(epoch, backend.damaged)
     run.history.append(dict(metrics, kind="epoch", checkpoint=name))
-    save(run, epoch, metrics, None, name)
+    save(run, epoch, metrics, None, name, evaluated)
+    del evaluated  # with FSDP a full copy of the weights: not kept through the next epoch
     if backend.rank == 0:  # only once the checkpoint is stored: history never runs ahead of it
         backend.send(run.history[-1])
 
 
-def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name: str) -> None:
+def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name: str,
+         evaluated: nn.Module | None = None) -> None:
     """Rank 0 writes the checkpoint ``name``; every rank reports it (report is a barrier).
-    ``epoch_progress``: how far into ``epoch`` a step checkpoint was taken."""
+    ``epoch_progress``: how far into ``epoch`` a step checkpoint was taken; ``evaluated``: the
+    model validation just used, when it did.
+
+    With FSDP every rank also writes its shards of the training state into ``sharded/`` of its
+    own directory; Ray Train copies every rank's directory into the same checkpoint, and rank
+    0's meta.json records the sha256 of all of their files."""
     backend, in_epoch = run.backend, epoch_progress is not None
     with tempfile.TemporaryDirectory(prefix="imgtrain-ckpt-") as tmp:
-        save_dir = None
+        save_dir, shard_hashes = None, {}
+        if run.sharded:
+            backend.progress.enter("sync")  # gathering and DCP's plan are collectives: a phase the watchdog lets wait
+            evaluated = evaluated_model(run) if evaluated is None else evaluated
+            shard_hashes = fsdp.save_sharded(Path(tmp) / ckpt.SHARDED_DIR, run.model, run.optimizer,
+                                             run.ema.module if run.ema is not None else None)
+            save_dir = tmp
         if backend.rank == 0:
             backend.progress.enter("save")
             train_state = {
-                ckpt.OPTIMIZER_KEY: run.optimizer.state_dict(), ckpt.SCHEDULER_KEY: run.scheduler.state_dict(),
+                ckpt.SCHEDULER_KEY: run.scheduler.state_dict(),
                 ckpt.EPOCH_KEY: epoch - 1 if in_epoch else epoch, ckpt.STEP_KEY: run.step,
                 ckpt.RNG_KEY: {"torch": torch.get_rng_state()},
             }
+            if not run.sharded:  # with FSDP these are in sharded/
+                train_state[ckpt.OPTIMIZER_KEY] = run.optimizer.state_dict()
+                if run.ema is not None:
+                    train_state[ckpt.TRAIN_WEIGHTS_KEY] = _cpu(ckpt.unwrap(run.model).state_dict())
             if in_epoch:
                 train_state[ckpt.EPOCH_PROGRESS_KEY] = epoch_progress
             if run.ema is not None:
-                train_state[ckpt.TRAIN_WEIGHTS_KEY] = _cpu(ckpt.unwrap(run.model).state_dict())
                 train_state[ckpt.EMA_STEPS_KEY] = run.ema.steps
             meta = {
                 "model_args": model_args(run.manifest, run.cfg.model, run.cfg.stem), "config": run.cfg.to_dict(),
@@ -352,7 +380,8 @@ def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name:
             }
             if in_epoch:
                 meta["in_epoch"] = {"epoch": epoch, "steps": epoch_progress["steps"]}
-            save_dir = str(ckpt.save(tmp, _cpu(run.evaluated.state_dict()), train_state, meta))
+            model_state = _cpu((run.evaluated if evaluated is None else evaluated).state_dict())
+            save_dir = str(ckpt.save(tmp, model_state, train_state, meta, shard_hashes))
         backend.progress.enter("report")
         backend.report(metrics, save_dir, name)
     faults.maybe_fire(backend.fault, backend.rank, run.step, backend.run_dir, "saved")  # stored, not yet announced
@@ -361,13 +390,19 @@ def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name:
 def restore(directory: str, model: nn.Module, optimizer, ema, device) -> Resumed:
     state = ckpt.load_train_state(directory)
     meta = ckpt.read_meta(directory)
-    saved = ckpt.load_model_state(directory, device)
-    if ema is not None and ckpt.TRAIN_WEIGHTS_KEY in state:
-        ema.module.load_state_dict(saved)
-        ema.steps = int(state[ckpt.EMA_STEPS_KEY])
-        saved = state[ckpt.TRAIN_WEIGHTS_KEY]
-    ckpt.unwrap(model).load_state_dict(saved)
-    optimizer.load_state_dict(state[ckpt.OPTIMIZER_KEY])
+    if fsdp.is_sharded(model):  # weights, optimizer and average from the shards, at any world size
+        fsdp.load_sharded(Path(directory) / ckpt.SHARDED_DIR, model, optimizer,
+                          ema.module if ema is not None else None)
+        if ema is not None:
+            ema.steps = int(state[ckpt.EMA_STEPS_KEY])
+    else:
+        saved = ckpt.load_model_state(directory, device)
+        if ema is not None and ckpt.TRAIN_WEIGHTS_KEY in state:
+            ema.module.load_state_dict(saved)
+            ema.steps = int(state[ckpt.EMA_STEPS_KEY])
+            saved = state[ckpt.TRAIN_WEIGHTS_KEY]
+        ckpt.unwrap(model).load_state_dict(saved)
+        optimizer.load_state_dict(state[ckpt.OPTIMIZER_KEY])
     torch.set_rng_state(state[ckpt.RNG_KEY]["torch"])
     in_epoch = state.get(ckpt.EPOCH_PROGRESS_KEY)
     return Resumed(
@@ -416,6 +451,33 @@ def _global_means(backend: Backend, sums: torch.Tensor) -> tuple[float, float, i
     total = backend.all_reduce_sum(sums.clone())
     n = int(total[2].item())
     return total[0].item() / max(n, 1), total[1].item() / max(n, 1), n
+
+
+def evaluated_model(run: Run) -> nn.Module:
+    """The plain model that validation runs and model.pt holds (the moving average, or the
+    weights), with rank 0's BatchNorm statistics on every rank. A collective: all ranks call it.
+
+    With FSDP a full, unsharded copy gathered from the shards (for the time of validation and
+    saving). FSDP2 leaves buffers alone, so each rank's running statistics follow its own
+    batches; DDP broadcasts rank 0's before every forward pass, which leaves rank 0's own as
+    they were. Taking rank 0's wherever they are seen (here, for validation and every saved
+    file) therefore gives what DDP gives, with no collective per step. The trained model's are
+    taken too: DCP saves one copy of a tensor every rank holds, not necessarily rank 0's."""
+    if not run.sharded:
+        _buffers_from_rank0(run.evaluated, run.backend)
+        return run.evaluated
+    for module in (run.model, run.ema.module) if run.ema is not None else (run.model,):
+        _buffers_from_rank0(module, run.backend)
+    plain = _plain_model(run.cfg, run.manifest)
+    plain.load_state_dict(fsdp.full_state(run.evaluated))
+    return plain.to(run.backend.device, memory_format=run.memory_format)
+
+
+def _plain_model(cfg: TrainConfig, manifest: dict) -> nn.Module:
+    """The run's architecture with throwaway weights (they are overwritten), built without
+    touching the global RNG that dropout and the checkpoint's RNG state use."""
+    with torch.random.fork_rng(devices=[]):
+        return build_from_args(model_args(manifest, cfg.model, cfg.stem))
 
 
 def _buffers_from_rank0(model: nn.Module, backend: Backend) -> None:

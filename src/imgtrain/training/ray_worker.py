@@ -77,7 +77,7 @@ def train_loop_per_worker(config: dict) -> None:
         val_batches = ingest.streamed_val_batches(cfg, manifest, rank, world, device, cfg.ingest)
     backend = Backend(
         rank=rank, world_size=world, device=device,
-        prepare_model=ray.train.torch.prepare_model, train_batches=train_batches, val_batches=val_batches,
+        prepare_model=_model_preparation(cfg, device), train_batches=train_batches, val_batches=val_batches,
         augment_in_step=stream.in_memory(cfg, manifest),
         **(_collectives(world, device) if world > 1 else single_process_collectives()),
         restored_checkpoint=restored_checkpoint, report=report, send=send,
@@ -89,6 +89,19 @@ def train_loop_per_worker(config: dict) -> None:
         run_loop(cfg, manifest, backend)
     finally:
         stop_heartbeat()
+
+
+def _model_preparation(cfg: TrainConfig, device):
+    """DDP through Ray Train, or FSDP2 applied here: Ray's own FSDP option is FSDP1, which
+    needs CUDA (``fsdp.py``)."""
+    import ray.train.torch
+
+    if cfg.strategy == "fsdp":
+        from imgtrain.training import fsdp
+
+        fsdp.return_freed_memory()
+        return lambda model: fsdp.shard(model, device, cfg.precision)
+    return ray.train.torch.prepare_model
 
 
 def _collectives(world: int, device) -> dict:

@@ -50,9 +50,11 @@ def set_batchnorm_momentum(model: nn.Module, momentum: float) -> None:
                 module.momentum = momentum
 
 
-def weight_average(model: nn.Module, decay: float) -> WeightAverage | None:
-    """Moving average of ``model``'s weights and BatchNorm statistics, or None when decay is 0."""
-    return WeightAverage(model, decay) if decay else None
+def weight_average(model: nn.Module, decay: float, module: nn.Module | None = None) -> WeightAverage | None:
+    """Moving average of ``model``'s weights and BatchNorm statistics, or None when decay is 0.
+    ``module``: the model to hold the average, of the same structure (a sharded model's own
+    sharded copy: FSDP modules are not deep-copied); by default a copy of ``model``."""
+    return WeightAverage(model, decay, module) if decay else None
 
 
 class WeightAverage:
@@ -64,33 +66,54 @@ class WeightAverage:
     on a GPU that count costs two blocking host-device copies and a read back per step
     (issue 19). ``steps`` is a plain integer; the tensor lists are built once (the optimizer
     and ``load_state_dict`` update tensors in place).
+
+    Sharded models (FSDP) work the same: their parameters are DTensors holding this rank's
+    shard, and the average of two identically sharded parameters is the average of their local
+    shards. DTensor has no sharding rule for ``_foreach_copy_``, so the foreach ops take the
+    local shards (``to_local()``, a view), fetched at every update: FSDP may re-point a
+    parameter's local tensor (lazy initialisation), which a view kept from before would miss.
     """
 
-    def __init__(self, model: nn.Module, decay: float):
-        self.module = copy.deepcopy(model)
+    def __init__(self, model: nn.Module, decay: float, module: nn.Module | None = None):
+        from torch.distributed.tensor import DTensor  # here: imported only by the workers that build one
+
+        self.module = copy.deepcopy(model) if module is None else module
         self.decay = decay
         self.steps = 0
         pairs = list(zip(self._tensors(self.module), self._tensors(model), strict=True))
-        self._float = ([a for a, _ in pairs if a.is_floating_point()], [c for a, c in pairs if a.is_floating_point()])
-        # BatchNorm's step counters: copied, not averaged
-        self._other = ([a for a, _ in pairs if not a.is_floating_point()],
-                       [c for a, c in pairs if not a.is_floating_point()])
+
+        def lists(keep) -> list[tuple[list, list]]:  # [(averages, sources)]: plain tensors, then DTensors
+            found = [[(a, c) for a, c in pairs if keep(a) and isinstance(a, DTensor) == sharded] for sharded in (0, 1)]
+            return [tuple(map(list, zip(*group))) for group in found if group]
+
+        self._float = lists(lambda t: t.is_floating_point())
+        self._other = lists(lambda t: not t.is_floating_point())  # BatchNorm's step counters: copied
 
     @staticmethod
     def _tensors(model: nn.Module) -> list[torch.Tensor]:
-        return [t.detach() for t in itertools.chain(model.parameters(), model.buffers())]
+        from torch.distributed.tensor import DTensor
+
+        return [t if isinstance(t, DTensor) else t.detach() for t in itertools.chain(model.parameters(), model.buffers())]
 
     @torch.no_grad()
     def update(self) -> None:
         """Fold the model's current weights in (the first call copies them)."""
-        if self._other[0]:
-            torch._foreach_copy_(*self._other)
-        if self.steps == 0:
-            torch._foreach_copy_(*self._float)
-        else:
-            n = float(self.steps)
-            torch._foreach_lerp_(*self._float, 1.0 - min(self.decay, (1.0 + n) / (10.0 + n)))
+        for averages, sources in map(_local, self._other):
+            torch._foreach_copy_(averages, sources)
+        n = float(self.steps)
+        for averages, sources in map(_local, self._float):
+            if self.steps == 0:
+                torch._foreach_copy_(averages, sources)
+            else:
+                torch._foreach_lerp_(averages, sources, 1.0 - min(self.decay, (1.0 + n) / (10.0 + n)))
         self.steps += 1
+
+
+def _local(lists: tuple[list, list]) -> tuple[list, list]:
+    """A group of DTensors as their local shards (views); a group of plain tensors as it is."""
+    if not hasattr(lists[0][0], "to_local"):
+        return lists
+    return tuple([t.to_local() for t in ts] for ts in lists)
 
 
 def one_cycle(optimizer, cfg: TrainConfig, remaining: int, saved: dict | None):

@@ -1,0 +1,100 @@
+"""FSDP pieces in a world of one process (a real gloo process group in this process): which
+modules become units, the weight average on sharded parameters, bfloat16 with BatchNorm, and
+the sharded state's round trip. The 2-worker runs are in tests/integration/test_fsdp.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from imgtrain.model import build_resnet18
+from imgtrain.training import fsdp
+from imgtrain.training.recipe import WeightAverage
+from imgtrain.zoo import build_from_args
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_units_are_blocks_or_stages():
+    resnet = build_resnet18(1, 10)
+    assert [type(u).__name__ for u in fsdp.units(resnet)] == ["BasicBlock"] * 8  # layer1-4, two each
+    mobilenet = build_from_args({"architecture": "mobilenet_v3_small", "in_channels": 1, "num_classes": 10,
+                                 "image_size": [28, 28]})
+    units = fsdp.units(mobilenet)
+    assert units[:len(mobilenet.features)] == list(mobilenet.features)  # stem and every inverted residual
+    assert units[len(mobilenet.features):] == [mobilenet.classifier[0], mobilenet.classifier[3]]  # the two Linear
+
+
+def test_the_average_of_sharded_weights_is_the_average_of_plain_ones(world_of_one):
+    torch.manual_seed(0)
+    plain = build_resnet18(1, 10)
+    sharded = fsdp.shard(copy.deepcopy(plain), CPU, "fp32")
+    assert fsdp.is_sharded(sharded) and not fsdp.is_sharded(plain)
+    averages = (WeightAverage(plain, 0.9), WeightAverage(sharded, 0.9, fsdp.shard(build_resnet18(1, 10), CPU, "fp32")))
+    for step in range(4):
+        for model, average in zip((plain, sharded), averages):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.01).add_(0.001 * step)  # the same change to both
+            average.update()
+    expected = averages[0].module.state_dict()
+    got = fsdp.full_state(averages[1].module)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert not torch.equal(expected["fc.weight"], plain.fc.weight.detach())  # really an average
+
+
+def test_bfloat16_runs_blocks_in_bfloat16_and_batchnorm_in_float32(world_of_one):
+    torch.manual_seed(0)
+    model = fsdp.shard(build_resnet18(1, 10), CPU, "bf16")
+    seen = {}
+    for name in ("layer1.0.conv1", "layer1.0.bn1"):  # the weights each layer runs with (gathered)
+        model.get_submodule(name).register_forward_hook(lambda m, i, o, name=name: seen.update({name: m.weight.dtype}))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(4, 1, 28, 28)).float().logsumexp(1).sum()
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert seen == {"layer1.0.conv1": torch.bfloat16, "layer1.0.bn1": torch.float32}
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())  # reduced and kept in float32
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the sharded weights themselves
+
+
+def test_the_sharded_state_round_trips(world_of_one, tmp_path):
+    torch.manual_seed(0)
+    model = fsdp.shard(build_resnet18(1, 10), CPU, "fp32")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 1, 28, 28)).sum().backward()
+    optimizer.step()
+    ema = fsdp.shard(build_resnet18(1, 10), CPU, "fp32")
+    hashes = fsdp.save_sharded(tmp_path / "sharded", model, optimizer, ema)
+    assert sorted(hashes) == ["sharded/.metadata", "sharded/__0_0.distcp"]
+
+    torch.manual_seed(1)  # other weights, an optimizer without state
+    model2 = fsdp.shard(build_resnet18(1, 10), CPU, "fp32")
+    optimizer2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    ema2 = fsdp.shard(build_resnet18(1, 10), CPU, "fp32")
+    fsdp.load_sharded(tmp_path / "sharded", model2, optimizer2, ema2)
+    for a, b in ((model, model2), (ema, ema2)):
+        sa, sb = fsdp.full_state(a), fsdp.full_state(b)
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    moments = [optimizer.state[p]["exp_avg"].to_local() for p in model.parameters()]
+    assert all(torch.equal(m, optimizer2.state[p]["exp_avg"].to_local())
+               for m, p in zip(moments, model2.parameters()))
+
+
+def test_a_fully_sharded_model_is_still_an_nn_module(world_of_one):
+    model = fsdp.shard(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), CPU, "fp32")
+    assert isinstance(model, nn.Module) and len(fsdp.units(model)) == 2
