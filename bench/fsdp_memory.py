@@ -95,8 +95,8 @@ def main() -> None:
                 result["runs"][strategy].append(found)
                 print(strategy, found, flush=True)
     print(f"results: {write_result('fsdp_memory', result)}")
-    print(f"\n| strategy | peak RssAnon per worker, training steps (MB) | whole run, with validation and "
-          f"checkpoint (MB) | images/s |\n|---|---|---|---|")
+    print("\n| strategy | peak RssAnon per worker, training steps (MB) | whole run, with validation and "
+          "checkpoint (MB) | images/s |\n|---|---|---|---|")
     for strategy, found in result["runs"].items():
         training = [m for r in found for m in r["peak_rss_training_mb"].values()]
         whole = [m for r in found for m in r["peak_rss_run_mb"].values()]
