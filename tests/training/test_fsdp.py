@@ -5,6 +5,7 @@ the sharded state's round trip. The 2-worker runs are in tests/integration/test_
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -93,6 +94,46 @@ def test_the_sharded_state_round_trips(world_of_one, tmp_path):
     moments = [optimizer.state[p]["exp_avg"].to_local() for p in model.parameters()]
     assert all(torch.equal(m, optimizer2.state[p]["exp_avg"].to_local())
                for m, p in zip(moments, model2.parameters()))
+
+
+class RunsCode:
+    """What a crafted pickle does: calls a function while it is read."""
+
+    def __reduce__(self):
+        return (print, ("this ran while loading",))
+
+
+def test_a_crafted_sharded_checkpoint_runs_no_code_on_resume(world_of_one, tmp_path, capsys):
+    import pickle
+
+    torch.manual_seed(0)
+    model = fsdp.shard(build_resnet18(1, 10), CPU, "fp32")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fsdp.save_sharded(tmp_path / "sharded", model, optimizer, None)
+    metadata_file = tmp_path / "sharded" / ".metadata"
+    metadata = fsdp.read_metadata(metadata_file.open("rb"))  # the real one reads with the allowed classes only
+    assert metadata.state_dict_metadata
+
+    metadata_file.write_bytes(pickle.dumps(RunsCode()))
+    with pytest.raises(pickle.UnpicklingError, match="builtins.print is not part of a checkpoint's metadata"):
+        fsdp.read_metadata(metadata_file.open("rb"))
+    with pytest.raises(RuntimeError, match="builtins.print is not part of a checkpoint's metadata"):
+        fsdp.load_sharded(tmp_path / "sharded", model, optimizer, None)
+
+    # A non-tensor item (an optimizer hyperparameter) replaced by a pickle that runs code:
+    fsdp.save_sharded(tmp_path / "sharded", model, optimizer, None)
+    metadata = fsdp.read_metadata(metadata_file.open("rb"))
+    lr = next(info for index, info in metadata.storage_data.items() if index.fqn.endswith("param_groups.0.lr"))
+    shard = tmp_path / "sharded" / lr.relative_path
+    payload = io.BytesIO()
+    torch.save(RunsCode(), payload)
+    lr.offset, lr.length = shard.stat().st_size, len(payload.getvalue())  # appended, the index pointing at it
+    with shard.open("ab") as f:
+        f.write(payload.getvalue())
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(RuntimeError, match="Weights only load failed"):
+        fsdp.load_sharded(tmp_path / "sharded", model, optimizer, None)
+    assert "this ran while loading" not in capsys.readouterr().out
 
 
 def test_a_fully_sharded_model_is_still_an_nn_module(world_of_one):

@@ -132,7 +132,71 @@ def load_sharded(directory: Path, model: nn.Module, optimizer, ema_module: nn.Mo
     # get_state_dict gives the optimizer its state first (a step with LR 0 and zero gradients),
     # so the template has every tensor DCP fills in.
     state = _sharded_state(model, optimizer, ema_module)
-    dcp.load(state, checkpoint_id=str(directory))
+    try:
+        dcp.load(state, storage_reader=_safe_reader(directory), planner=_safe_planner())
+    except dcp.CheckpointException as e:  # a BaseException: it would pass every `except Exception`
+        causes = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in e.failures.items())
+        raise RuntimeError(f"cannot read the sharded training state in {directory}: {causes}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if ema_module is not None:
         set_model_state_dict(ema_module, state["ema"])
+
+
+# torch 2.14's DCP reads a checkpoint's ``.metadata`` with ``pickle.load`` and its non-tensor items
+# (the optimizer's hyperparameters) with ``torch.load(weights_only=False)``: a crafted checkpoint
+# would run code on resume. Both are read here the way ``weights_only=True`` reads model.pt.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "ChunkStorageMetadata",
+                                              "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+def read_metadata(stream):
+    """DCP's metadata, unpickled with only the classes it is made of (plus torch's dtypes and Size)."""
+    import pickle
+
+    class MetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            found = getattr(torch, name, None) if module == "torch" else None
+            if name in _METADATA_CLASSES.get(module, ()) or isinstance(found, torch.dtype) or found is torch.Size:
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+    return MetadataUnpickler(stream).load()
+
+
+def _safe_reader(directory: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
+                metadata = read_metadata(stream)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(directory))
+
+
+def _safe_planner():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            """DefaultLoadPlanner's, with weights_only=True (numbers, bools, tuples: param groups)."""
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return SafePlanner()
