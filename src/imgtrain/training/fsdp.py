@@ -143,7 +143,7 @@ def load_sharded(directory: Path, model: nn.Module, optimizer, ema_module: nn.Mo
 
 
 # torch 2.14's DCP reads a checkpoint's ``.metadata`` with ``pickle.load`` and its non-tensor items
-# (the optimizer's hyperparameters) with ``torch.load(weights_only=False)``: a crafted checkpoint
+# (the optimizer's hyperparameters) with an unrestricted ``torch.load``: a crafted checkpoint
 # would run code on resume. Both are read here the way ``weights_only=True`` reads model.pt.
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
