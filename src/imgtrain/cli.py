@@ -31,7 +31,7 @@ for group, group_name in ((data_app, "data"), (runs_app, "runs"), (config_app, "
 console = Console(markup=False, highlight=False)
 err_console = Console(stderr=True, markup=False, highlight=False)
 
-STORAGE_HELP = "Where runs live (local or shared path)."
+STORAGE_HELP = "Where runs live: a local or shared path, or an object store (s3://bucket/prefix)."
 
 
 def _print_version(asked: bool) -> None:
@@ -137,7 +137,7 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
     requested = {**from_file, **overrides}
     # A resumed run keeps its stored settings; an overwritten one starts from the defaults.
     run_name, run_storage = requested.get("name"), requested.get("storage", TrainConfig.storage)
-    run_dir = runs.run_path(run_storage, run_name) if run_name else None
+    run_dir = runs.fetch(run_storage, run_name) if run_name else None
     stored = runs.read_config(run_dir) if run_dir and not overwrite and ownership.is_run(run_dir) else None
     cfg = resolve(requested, stored)
     if problems:  # the file's problems and the resolved config's, in one message
@@ -150,7 +150,7 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
     console.print(
         f"finished {result.name}: {result.validation_split} accuracy {acc:.2%}" if acc is not None else f"finished {result.name}",
     )
-    console.print(f"run directory: {result.path}")
+    console.print(f"run directory: {result.location or result.path}")
     if result.best_checkpoint:
         console.print(f"best checkpoint: {result.best_checkpoint}")
 
@@ -198,7 +198,7 @@ def runs_list(storage: str = typer.Option("./runs", help=STORAGE_HELP),
         table.add_row(
             r.name, r.status, f"{len(r.history)}/{r.config.get('epochs')}",
             f"{best:.2%}" if best is not None else "-",
-            f"{r.final_accuracy:.2%}" if r.final_accuracy is not None else "-", str(r.path),
+            f"{r.final_accuracy:.2%}" if r.final_accuracy is not None else "-", r.location or str(r.path),
         )
     console.print(table)
 
@@ -214,7 +214,7 @@ def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP
     if json_out:
         print(json.dumps(r.to_json(), indent=2))
         return
-    console.print(f"{r.name}  status: {r.status}  ({r.path})", soft_wrap=True)
+    console.print(f"{r.name}  status: {r.status}  ({r.location or r.path})", soft_wrap=True)
     if r.error:
         console.print(f"error: {r.error}", soft_wrap=True)
     cfg = r.config

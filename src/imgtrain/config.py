@@ -44,7 +44,8 @@ STRATEGIES = ("ddp", "fsdp")
 class TrainConfig:
     data: str = setting("", "Prepared data set directory (``imgtrain data prepare ...``); not needed to resume.")
     name: str = setting("", "Run name; the run lives in ``{storage}/{name}``. Same name again resumes.")
-    storage: str = setting("./runs", "Where runs live: a local path or a shared filesystem path (NFS) on a cluster.",
+    storage: str = setting("./runs", "Where runs live: a local path, a shared filesystem path (NFS) on a cluster, "
+                           "or an object store (``s3://bucket/prefix``; endpoint and credentials from the environment).",
                            resumable=True)
 
     backend: str = setting("ray", "Where the loop runs: ``ray`` (Ray Train workers) or ``local`` (one plain "

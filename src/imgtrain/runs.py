@@ -7,6 +7,9 @@ Ray Train owns its checkpoint folders and snapshot files there; imgtrain adds
   status.json     running / finished / failed / interrupted, with pid, host and error
   logs/           driver.log and a link to the Ray session's logs
   .imgtrain-run   the marker that makes this directory a run (``ownership.py``), and .lock
+
+With ``--storage s3://...`` (``storage.py``) the same files live in the object store, and these
+functions work on a local working copy of them, brought down first.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import storage as remote
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
 from imgtrain.ops.files import atomic_write_text
@@ -30,17 +34,26 @@ LOGS_DIR = "logs"
 
 
 def storage_root(storage: str) -> Path:
-    if "://" in storage and not storage.startswith("file://"):
-        # Ray itself can checkpoint to s3:// or gs://, but the run's own files (config,
-        # history, status) are written with local file operations for now.
-        raise ImgtrainError(
-            f"--storage {storage}: only local or shared-filesystem paths (e.g. NFS) are supported so far"
-        )
+    """The folder runs live in: the storage itself, or the working copy of an object store."""
+    if remote.is_remote(storage):
+        return remote.store(storage).local
     return Path(storage.removeprefix("file://")).expanduser().resolve()
 
 
 def run_path(storage: str, name: str) -> Path:
     return storage_root(storage) / name
+
+
+def fetch(storage: str, name: str) -> Path:
+    """``run_path``, with a run in an object store brought down whole into the working copy first."""
+    if remote.is_remote(storage):
+        return remote.pull(remote.store(storage), name)
+    return run_path(storage, name)
+
+
+def location(storage: str, name: str) -> str:
+    """Where the run lives, as a user names it: a path, or the object store's URI."""
+    return remote.store(storage).run_uri(name) if remote.is_remote(storage) else str(run_path(storage, name))
 
 
 # ---------------------------------------------------------------- config and status
@@ -209,6 +222,7 @@ class RunResult:
     best_checkpoint: Path | None = None
     latest_checkpoint: Path | None = None
     error: str | None = None
+    location: str | None = None  # the object store's URI of a run that lives in one
 
     @property
     def metrics(self):
@@ -230,7 +244,8 @@ class RunResult:
         keep = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_accuracy",
                 "lr", "epoch_time_s", "images_per_s", "world_size", "checkpoint")
         return {
-            "name": self.name, "path": str(self.path), "status": self.status,
+            "name": self.name, "path": str(self.path), "location": self.location or str(self.path),
+            "status": self.status,
             "epochs_completed": len(self.history), "epochs": self.config.get("epochs"),
             "metrics": [{k: r.get(k) for k in keep} for r in self.history],
             "best_checkpoint": str(self.best_checkpoint) if self.best_checkpoint else None,
@@ -250,14 +265,16 @@ def locate(run: str | Path, storage: str) -> Path:
 
 
 def load_run(storage: str, name: str) -> RunResult:
-    run_dir = run_path(storage, name)
+    run_dir = fetch(storage, name)
     if not ownership.is_run(run_dir):
         known = ", ".join(sorted(r.name for r in list_runs(storage))) or "none"
-        raise ImgtrainError(f"no run named {name!r} in {storage_root(storage)} (runs there: {known})")
-    return _load(run_dir)
+        where = remote.store(storage).uri if remote.is_remote(storage) else storage_root(storage)
+        raise ImgtrainError(f"no run named {name!r} in {where} (runs there: {known})")
+    return read_run(run_dir, storage)
 
 
-def _load(run_dir: Path) -> RunResult:
+def read_run(run_dir: Path, storage: str | None = None) -> RunResult:
+    """The run in ``run_dir`` (its working copy, for a run in an object store ``storage``)."""
     status = read_status(run_dir)
     try:
         config = read_config(run_dir) or {}
@@ -269,14 +286,22 @@ def _load(run_dir: Path) -> RunResult:
         name=run_dir.name, path=run_dir, status=status.get("status", "unknown"), config=config,
         history=epoch_history(run_dir), best_checkpoint=best, latest_checkpoint=latest,
         error=status.get("error"),
+        location=location(storage, run_dir.name) if storage and remote.is_remote(storage) else None,
     )
 
 
 def list_runs(storage: str) -> list[RunResult]:
+    if remote.is_remote(storage):  # each run's small files and checkpoint metadata, not the weights
+        st = remote.store(storage)
+        names = remote.run_names(st)
+        for name in names:
+            remote.pull(st, name, checkpoints=False)
+        found = [read_run(st.local / n, storage) for n in names if ownership.is_run(st.local / n)]
+        return sorted(found, key=lambda r: _mtime(r.path / CONFIG_FILE) or _mtime(r.path))
     root = storage_root(storage)
     if not root.is_dir():
         return []
-    found = [_load(d) for d in sorted(root.iterdir()) if ownership.is_run(d)]
+    found = [read_run(d) for d in sorted(root.iterdir()) if ownership.is_run(d)]
     return sorted(found, key=lambda r: _mtime(r.path / CONFIG_FILE) or _mtime(r.path))
 
 

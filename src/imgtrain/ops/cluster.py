@@ -223,16 +223,25 @@ def check_resources(cfg: TrainConfig) -> None:
         )
 
 
-def require_shared_paths(run_dir: Path, data_dir: str | None) -> None:
+def require_shared_paths(run_dir: Path, data_dir: str | None, storage: str | None = None) -> None:
     """On a cluster of several nodes, refuse to start unless every node sees the run directory
     (and can write there) and the data set at the same paths as this driver. Otherwise workers
-    would write checkpoints to disks of their own and the run could never resume."""
+    would write checkpoints to disks of their own and the run could never resume. With runs in
+    an object store (``storage``), every node must reach it instead."""
     import ray
+
+    from imgtrain import storage as remote
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) == 1 and nodes[0]["NodeID"] == ray.get_runtime_context().get_node_id():
         return  # one machine: the driver's own files
     manifest = [str(Path(data_dir) / "manifest.json")] if data_dir else []
+    if storage and remote.is_remote(storage):
+        problems = check_store_from_nodes(storage, manifest)
+        if problems:
+            raise ImgtrainError(f"not every node of the cluster can use --storage {storage} and --data: "
+                                f"{'; '.join(problems)}")
+        return
     problems = check_shared_paths(run_dir, manifest)
     if problems:
         raise ImgtrainError(
@@ -280,6 +289,44 @@ def check_shared_paths(write_dir: Path, read_files=()) -> list[str]:
     finally:
         for leftover in Path(write_dir).glob(f"{probe.name}*"):
             leftover.unlink(missing_ok=True)
+    return problems
+
+
+def check_store_from_nodes(storage: str, read_files=()) -> list[str]:
+    """One line per live node that cannot write, read back and delete an object in the object
+    store ``storage`` with its own environment's credentials (``storage.probe`` on each node),
+    or cannot read one of ``read_files``."""
+    import time
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    pending = {n["NodeID"]: ray.remote(_probe_store).options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+    ).remote(storage, list(map(str, read_files))) for n in nodes}
+    deadline, problems = time.monotonic() + PROBE_TIMEOUT_S, []
+    for node in nodes:
+        where = f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]})"
+        try:
+            found = ray.get(pending[node["NodeID"]], timeout=max(1.0, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            found = [f"did not answer within {PROBE_TIMEOUT_S:g} s"]
+        problems += [f"{where}: {what}" for what in found]
+    return problems
+
+
+def _probe_store(storage: str, read_files: list[str]) -> list[str]:
+    """Runs on one node: why it cannot use the object store or read the files."""
+    import os
+
+    from imgtrain import storage as remote
+
+    problems = [f"cannot read {path}" for path in read_files if not os.path.isfile(path)]
+    try:
+        remote.probe(remote.store(storage))
+    except ImgtrainError as e:
+        problems.append(str(e))
     return problems
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
+from imgtrain import storage as remote
 from imgtrain.config import TrainConfig, changed_fields, steps_per_epoch, validate
 from imgtrain.data import stream
 from imgtrain.errors import ImgtrainError
@@ -33,8 +34,11 @@ class Resume:
     checkpoint: Path | None = None  # the newest checkpoint that passes verification
     damaged: list[str] = dataclasses.field(default_factory=list)  # names of those that fail it
 
+    uri: str | None = None  # the run's URI in an object store: the workers fetch the checkpoint from there
+
     def to_worker(self) -> dict:
-        return {"fallback": str(self.checkpoint) if self.checkpoint else None, "damaged": self.damaged}
+        fallback = self.checkpoint and (f"{self.uri}/{self.checkpoint.name}" if self.uri else str(self.checkpoint))
+        return {"fallback": fallback or None, "damaged": self.damaged}
 
 
 def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: bool = False) -> runs.RunResult:
@@ -61,7 +65,10 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool) -> runs.
         cfg = dataclasses.replace(cfg, data=str(Path(cfg.data).expanduser().resolve()))
     if cfg.init_from:  # the workers do not run in this directory
         cfg = dataclasses.replace(cfg, init_from=str(Path(cfg.init_from).expanduser().resolve()))
-    run_dir = runs.run_path(cfg.storage, cfg.name)
+    if remote.is_remote(cfg.storage) and overwrite:
+        raise ImgtrainError(f"--overwrite is not offered for runs in an object store ({cfg.storage}): delete the run "
+                            f"with `imgtrain clean {cfg.name} --storage {cfg.storage}`, then train it again")
+    run_dir = runs.fetch(cfg.storage, cfg.name)  # a run in an object store: its working copy, up to date
     with contextlib.ExitStack() as held:  # the run's lock, held until training ends
         plan = _plan(cfg, run_dir, overwrite, display, held)
         replaced = ownership.Replacement(run_dir) if plan.replace else None
@@ -72,8 +79,11 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool) -> runs.
             if not ownership.is_run(run_dir):  # a new run (or the old one just moved aside)
                 ownership.claim(run_dir)
                 held.enter_context(ownership.locked(run_dir, "trained"))
-            _probe_storage(run_dir)
-            return _execute(plan, run_dir, display, replaced)
+            _probe_storage(run_dir, cfg.storage)
+            store = remote.store(cfg.storage) if remote.is_remote(cfg.storage) else None
+            # the driver's files go up every few seconds; the workers upload the checkpoints
+            with remote.mirrored(store, cfg.name, everything=cfg.backend == "local"):
+                return _execute(plan, run_dir, display, replaced)
         finally:
             if replaced and not replaced.done:  # the new run failed before its first checkpoint
                 replaced.rollback()
@@ -123,6 +133,8 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
             )
         display.phase("checking the checkpoints")
         resume = _find_resume_point(run_dir, display)
+        if remote.is_remote(cfg.storage):
+            resume.uri = runs.location(cfg.storage, cfg.name)
         meta = ckpt.read_meta(resume.checkpoint) if resume.checkpoint else {}
         if meta.get("epoch", -1) + 1 >= cfg.epochs:
             display.note(f"run {cfg.name!r} is already complete ({cfg.epochs} epochs); nothing to train")
@@ -235,7 +247,9 @@ def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacemen
         raise
     if replaced:
         replaced.commit()
-    result = runs.load_run(cfg.storage, cfg.name)
+    if remote.is_remote(cfg.storage) and cfg.backend == "ray":  # the checkpoints the workers uploaded
+        remote.pull(remote.store(cfg.storage), cfg.name, only_checkpoints=True)
+    result = runs.read_run(run_dir, cfg.storage)
     runs.write_status(run_dir, "finished", val_accuracy=result.final_accuracy)
     records.finish("finished", result.best_checkpoint)
     result.status = "finished"
@@ -304,5 +318,7 @@ def _resume_point(checkpoint: Path | None) -> str:
     return f"at epoch {epoch + 1}, step {meta.get('step', 0)} from {checkpoint.name}"
 
 
-def _probe_storage(run_dir: Path) -> None:
+def _probe_storage(run_dir: Path, storage: str) -> None:
     check_writable(run_dir / runs.LOGS_DIR, "storage")
+    if remote.is_remote(storage):
+        remote.probe(remote.store(storage))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
+from imgtrain import storage as remote
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import cluster as cluster_mod
@@ -47,7 +48,7 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
         link_dir(logs / "ray", cluster.session_logs)
         display.phase("checking resources and storage")
         cluster_mod.check_resources(cfg)
-        cluster_mod.require_shared_paths(run_dir, cfg.data)
+        cluster_mod.require_shared_paths(run_dir, cfg.data, cfg.storage)
         # until the first worker reports (its phase records): placement, processes, torch imported
         workers = f"{cfg.min_workers}-{cfg.workers}" if cfg.min_workers and cfg.min_workers < cfg.workers else cfg.workers
         display.phase(f"starting {workers} worker{'s' if workers != 1 else ''}")
@@ -79,7 +80,12 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> No
             trainer.fit()
     except ray.train.TrainingFailedError as e:
         # A checkpoint half copied when the failure struck (a full disk) must not stay visible.
+        store = remote.store(cfg.storage) if remote.is_remote(cfg.storage) else None
+        if store:  # what the workers uploaded, to be judged here
+            remote.pull(store, cfg.name, only_checkpoints=True)
         removed = ckpt.remove_incomplete(run_dir, keep=resume.damaged)
+        for name in removed if store else ():
+            remote.delete(store, cfg.name, name)
         if removed:
             records.display.note(f"removed incomplete checkpoint(s): {', '.join(removed)}")
         raise ImgtrainError(_failure_message(e, watchdog, run_dir, run_dir / runs.LOGS_DIR)) from None
@@ -107,7 +113,7 @@ def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, e
             **({"elastic_resize_monitor_interval_s": ELASTIC_CHECK_S} if elastic else {}),
         ),
         run_config=ray.train.RunConfig(
-            name=cfg.name, storage_path=str(run_dir.parent),
+            name=cfg.name, **_storage(cfg, run_dir),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=cfg.num_to_keep, checkpoint_score_attribute="val_accuracy",
@@ -120,6 +126,15 @@ def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, e
         # itself (ray_worker._ray_data_ingest): exact resumption at any world size.
         dataset_config=ray.train.DataConfig(datasets_to_split=[]),
     )
+
+
+def _storage(cfg: TrainConfig, run_dir: Path) -> dict:
+    """Where Ray Train keeps the run: the storage folder, or the object store itself (the
+    workers upload their checkpoints there; credentials stay in each node's environment)."""
+    if remote.is_remote(cfg.storage):
+        store = remote.store(cfg.storage)
+        return {"storage_path": store.root, "storage_filesystem": store.fs}
+    return {"storage_path": str(run_dir.parent)}
 
 
 # How often an elastic run checks whether more workers fit (Ray's default is 60 s).

@@ -8,11 +8,14 @@ Python stacks when asked (``stacks.py``).
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 from pathlib import Path
 
 import torch
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import storage
 from imgtrain.config import TrainConfig
 from imgtrain.data import stream
 from imgtrain.data.order import ordered_batches, sort_by_id
@@ -47,17 +50,36 @@ def train_loop_per_worker(config: dict) -> None:
         # run's latest. If its files fail their sha256, the driver's newest good one instead
         # (None: no good one was left, and the driver said it starts from scratch).
         found = ray.train.get_checkpoint()
-        if found is None:
-            yield resume.get("fallback")
-            return
-        with found.as_directory() as d:
-            try:
-                ckpt.verify(d)
-            except ckpt.CheckpointError:
-                d = resume.get("fallback")
-            yield d
+        if found is not None:
+            with found.as_directory() as d:
+                try:
+                    ckpt.verify(d)
+                    good = True
+                except ckpt.CheckpointError:
+                    good = False
+                if good:
+                    yield d
+                    return
+        fallback = resume.get("fallback")
+        if fallback and "://" in fallback:  # a checkpoint in the object store: fetched into a temporary folder
+            fs, path = storage.split(fallback)
+            with ray.train.Checkpoint(path, filesystem=fs).as_directory() as d:
+                yield d
+        else:
+            yield fallback
+
+    uploads = storage.is_remote(cfg.storage)
 
     def report(metrics: dict, save_dir: str | None, name: str) -> None:
+        if save_dir and uploads:
+            # To an object store in the background (training goes on); Ray deletes the folder after
+            # the upload, so it gets its own: save_dir is removed when save() returns.
+            staged = tempfile.mkdtemp(prefix="imgtrain-upload-")
+            for entry in os.listdir(save_dir):
+                os.rename(os.path.join(save_dir, entry), os.path.join(staged, entry))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(staged),
+                             checkpoint_dir_name=name, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+            return
         checkpoint = ray.train.Checkpoint.from_directory(save_dir) if save_dir else None
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
 
