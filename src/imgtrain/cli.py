@@ -152,7 +152,8 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
     )
     console.print(f"run directory: {result.location or result.path}")
     if result.best_checkpoint:
-        console.print(f"best checkpoint: {result.best_checkpoint}")
+        where = f"{result.location}/{result.best_checkpoint.name}" if result.location else result.best_checkpoint
+        console.print(f"best checkpoint: {where}")
 
 
 def _train_signature() -> inspect.Signature:
@@ -384,7 +385,7 @@ def evaluate_cmd(
     run: str = typer.Argument(..., help="Run name (in --storage), run directory or checkpoint directory."),
     checkpoint: str = typer.Option("best", help=CHECKPOINT_HELP),
     split: str = typer.Option("test", help="Split of the data set to evaluate on."),
-    data: Optional[Path] = typer.Option(None, help="Another prepared data set (default: the run's)."),
+    data: Optional[str] = typer.Option(None, help="Another prepared data set, a folder or s3://... (default: the run's)."),
     gpu: bool = GPU_OPTION, concurrency: int = CONCURRENCY_OPTION, batch_size: int = BATCH_OPTION,
     threads: int = THREADS_OPTION, backend: str = BACKEND_OPTION, address: Optional[str] = ADDRESS_OPTION,
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
@@ -395,7 +396,7 @@ def evaluate_cmd(
 
     opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address)
     result = evaluate(run, checkpoint=checkpoint, storage=storage, split=split,
-                      data=str(data) if data else None, options=opts)
+                      data=data, options=opts)
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
         return
@@ -561,7 +562,8 @@ def _clean(plan, yes: bool, dry_run: bool) -> None:
 def doctor_cmd(
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
     address: Optional[str] = typer.Option(None, help="Check this Ray cluster (default: RAY_ADDRESS, or one running here)."),
-    data: Optional[Path] = typer.Option(None, help="Also check this prepared data set (and that every node reads it)."),
+    data: Optional[str] = typer.Option(None, help="Also check this prepared data set (a folder or s3://...), and "
+                                       "that every node reads it."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
     """Versions, CUDA, the Ray cluster's resources, whether storage is writable and shared: a verdict.
@@ -570,7 +572,7 @@ def doctor_cmd(
     """
     from imgtrain.ops.doctor import diagnose
 
-    found = diagnose(storage=storage, address=address, data=str(data) if data else None)
+    found = diagnose(storage=storage, address=address, data=data)
     if json_out:
         print(json.dumps(found.to_json(), indent=2))
     else:

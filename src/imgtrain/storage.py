@@ -161,16 +161,7 @@ def pull(st: Store, name: str, checkpoints: bool = True, only_checkpoints: bool 
         target = local / rel
         if _same(target, size, mtime):
             continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(target.name + ".part")
-        try:
-            with fs.open_input_stream(f"{st.root}/{name}/{rel}") as src, open(partial, "wb") as dst:
-                while chunk := src.read(8 << 20):
-                    dst.write(chunk)
-        except OSError as e:
-            partial.unlink(missing_ok=True)
-            raise where(e, st) from None
-        os.replace(partial, target)
+        _copy_down(fs, f"{st.root}/{name}/{rel}", target, st)
         os.utime(target, (mtime, mtime))
     _drop_local_extras(local, set(wanted))
     return local
@@ -200,9 +191,11 @@ def _drop_local_extras(local: Path, wanted: set[str]) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def push(st: Store, name: str, sent: dict[str, tuple[int, int]] | None = None, everything: bool = False) -> None:
+def push(st: Store, name: str, sent: dict[str, tuple[int, int]] | None = None, everything: bool = False,
+         under: str | None = None) -> None:
     """Upload the run's files from the working copy that changed since ``sent`` (updated in
-    place). Checkpoints only with ``everything`` (the local backend writes them here, and
+    place), or only those ``under`` one folder (a report). Checkpoints only with ``everything``
+    (the local backend writes them here, and
     deletes old ones: so does the store then); a checkpoint's meta.json goes last, so the store
     never lists a checkpoint whose files are not all there."""
     sent = {} if sent is None else sent
@@ -214,7 +207,7 @@ def push(st: Store, name: str, sent: dict[str, tuple[int, int]] | None = None, e
         if path.is_symlink() or not path.is_file() or rel.endswith((".part", ".tmp")) or ".tmp/" in rel or any(
                 rel == x or rel.startswith(x + "/") for x in LOCAL_ONLY):
             continue
-        if _in_checkpoint(rel) and not everything:
+        if _in_checkpoint(rel) and not everything or under and not rel.startswith(under + "/"):
             continue
         stat = path.stat()
         if sent.get(rel) == (stat.st_size, stat.st_mtime_ns):
@@ -298,3 +291,82 @@ def probe(st: Store) -> None:
         st.fs.delete_file(path)
     except OSError as e:
         raise where(e, st) from None
+
+
+# ---------------------------------------------------------------- data sets in an object store
+
+
+_staged: dict[str, str] = {}
+
+
+def local_data(data: str) -> str:
+    """``data`` itself, or for a prepared data set in an object store its copy on this node
+    (made once per process)."""
+    if not is_remote(data):
+        return data
+    if data not in _staged:
+        _staged[data] = str(stage_dataset(data))
+    return _staged[data]
+
+
+def stage_dataset(uri: str) -> Path:
+    """A prepared data set in an object store (``imgtrain data prepare`` output uploaded as it
+    is), copied to this node's cache: its manifest.json and the Parquet files it lists. A file
+    already there with the store's size is kept (readers check every file's sha256 against the
+    manifest). Several processes of one node copy it once: they take turns on a lock file.
+    Each node holds one copy on disk; training then streams it as from any local folder."""
+    import fcntl
+    import json
+
+    from imgtrain.data.format import MANIFEST
+
+    uri = uri.rstrip("/")
+    fs, root = split(uri)
+    scheme = uri.partition("://")[0]
+    cache = Path(os.environ.get(CACHE_VAR) or Path.home() / ".cache" / "imgtrain").expanduser()
+    local = (cache / "data" / scheme / root).resolve()
+    local.mkdir(parents=True, exist_ok=True)
+    st = Store(uri=uri, root=root, local=local)
+    with open(local.parent / f".{local.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _download(fs, f"{root}/{MANIFEST}", local / MANIFEST, st, missing=(
+            f"{uri} is not a prepared data set (no {MANIFEST}); prepare one locally with `imgtrain data prepare` "
+            "and upload the folder as it is"))
+        try:
+            manifest = json.loads((local / MANIFEST).read_text())
+            files = [rel for split_ in manifest["splits"].values() for rel in split_["files"]]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ImgtrainError(f"{uri}/{MANIFEST} is not a valid manifest; prepare the data set again") from None
+        for rel in files:
+            if rel.startswith("/") or ".." in rel.split("/"):  # a manifest stays inside its folder
+                raise ImgtrainError(f"{uri}/{MANIFEST} lists {rel!r}, outside the data set; prepare it again")
+            _download(fs, f"{root}/{rel}", local / rel, st, missing=f"{uri}/{rel} is missing; upload the data set again")
+    return local
+
+
+def _download(fs, source: str, target: Path, st: Store, missing: str) -> None:
+    import pyarrow.fs as pafs
+
+    try:
+        info = fs.get_file_info(source)
+    except OSError as e:
+        raise where(e, st) from None
+    if info.type != pafs.FileType.File:
+        raise ImgtrainError(missing)
+    if target.is_file() and target.stat().st_size == info.size and target.name != "manifest.json":
+        return
+    _copy_down(fs, source, target, st)
+
+
+def _copy_down(fs, source: str, target: Path, st: Store) -> None:
+    """One object to a local file, complete or not at all."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".part")
+    try:
+        with fs.open_input_stream(source) as src, open(partial, "wb") as dst:
+            while chunk := src.read(8 << 20):
+                dst.write(chunk)
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        raise where(e, st) from None
+    os.replace(partial, target)

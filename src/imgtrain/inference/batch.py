@@ -176,12 +176,14 @@ def evaluate(
     """Accuracy, per-class scores and confusion matrix of a checkpoint on a prepared split."""
     from imgtrain.data.format import eval_split, verify_dataset
     from imgtrain.inference.inputs import list_inputs
+    from imgtrain.storage import local_data
 
     opts = options or InferenceOptions()
     loaded = load_checkpoint(run, checkpoint, storage)
     data_dir = data or (loaded.meta.get("config") or {}).get("data")
     if not data_dir:
         raise ImgtrainError(f"checkpoint {loaded.path} does not say which data set it was trained on; pass --data")
+    data_dir = local_data(data_dir)  # one in an object store: copied to this machine first
     manifest = verify_dataset(data_dir)
     _check_compatible(loaded, manifest, data_dir)
     if split not in manifest["splits"]:

@@ -48,6 +48,10 @@ class Inputs:
 
 
 def list_inputs(spec: str, split: str = "test", image_column: str = "image") -> Inputs:
+    from imgtrain.storage import is_remote, local_data
+
+    if is_remote(spec):  # a prepared data set in an object store: copied to this machine first
+        spec = local_data(spec)
     path = Path(spec).expanduser()
     if (path / "manifest.json").is_file():
         return _dataset_inputs(path, split)

@@ -25,6 +25,7 @@ import numpy as np
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
+from imgtrain import storage as remote
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops.files import atomic_write_text
 
@@ -86,6 +87,8 @@ def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path
 
     page = out / PAGE_FILE
     atomic_write_text(page, _page(result, ev, used, used_meta, out, num_wrong=len(wrong)))
+    if remote.is_remote(storage) and run_dir.parent == runs.storage_root(storage):  # a run in an object store
+        remote.push(remote.store(storage), run_dir.name, under=REPORT_DIR)
     return page
 
 

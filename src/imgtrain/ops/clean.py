@@ -8,7 +8,8 @@ Only what imgtrain made is ever deleted:
   * a data set: its ``manifest.json`` and the Parquet files the manifest lists, then the
     folders they leave empty. Any other file in the folder stays where it is.
 Links inside a run (``logs/ray`` points at Ray's session logs) are removed as links, never
-followed, so nothing outside the run's own directory is touched.
+followed, so nothing outside the run's own directory is touched. A run in an object store
+(``--storage s3://...``) is judged on its working copy, then deleted there and in the store.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgtrain import runs
+from imgtrain import storage as remote
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
 
@@ -34,16 +36,21 @@ class Removal:
     size: int = 0
     kept: list[Path] = field(default_factory=list)  # data set: files in its folder imgtrain did not write
     force: bool = False  # run: delete even if another host's driver is recorded as training it
+    store: str | None = None  # run: the object store it lives in (``--storage s3://...``)
 
     def describe(self) -> str:
         kept = f"; keeps {len(self.kept)} file(s) imgtrain did not write" if self.kept else ""
-        return f"{self.kind} {self.path} ({self.size / 2**20:,.1f} MiB){kept}"
+        where = remote.store(self.store).run_uri(self.path.name) if self.store else self.path
+        return f"{self.kind} {where} ({self.size / 2**20:,.1f} MiB){kept}"
 
 
 def plan_runs(storage: str, names: list[str], everything: bool = False, force: bool = False) -> list[Removal]:
     """The runs to delete: those named, or with ``everything`` every run in ``storage``.
     ``force``: also runs whose status says another host's driver is training them."""
     root = runs.storage_root(storage)
+    store = remote.store(storage) if remote.is_remote(storage) else None
+    if store:  # the working copy of every run's small files, to be judged as local runs are
+        runs.list_runs(storage)
     if everything:
         if names:
             raise ImgtrainError("name runs or pass --all, not both")
@@ -61,6 +68,9 @@ def plan_runs(storage: str, names: list[str], everything: bool = False, force: b
             found.append(root / name)
     for run_dir in found:
         _refuse_if_running(run_dir, force)
+    if store:
+        return [Removal("run", d, size=sum(size for size, _ in remote.remote_files(store, d.name).values()),
+                        force=force, store=storage) for d in found]
     return [Removal("run", d, size=_tree_size(d), force=force) for d in found]
 
 
@@ -96,6 +106,8 @@ def remove(removal: Removal) -> None:
             raise ImgtrainError(f"{removal.path} is no longer an imgtrain run; not deleting it")
         with ownership.locked(removal.path, "deleted"):  # a driver that started since: refused
             _refuse_if_running(removal.path, removal.force)
+            if removal.store:  # the store first: a working copy left behind is only a cache
+                remote.delete(remote.store(removal.store), removal.path.name)
             shutil.rmtree(removal.path)  # removes links inside as links, never what they point to
         return
     for path in removal.files:

@@ -52,8 +52,11 @@ class Diagnosis:
 
 def diagnose(storage: str = "./runs", address: str | None = None, data: str | None = None) -> Diagnosis:
     from imgtrain.runs import storage_root
+    from imgtrain.storage import is_remote
 
     checks = [_versions(), _extras(), _cuda()]
+    if is_remote(storage):
+        return Diagnosis(checks + _object_store(storage, address, data))
     try:
         root = storage_root(storage)
     except ImgtrainError as e:
@@ -72,6 +75,40 @@ def diagnose(storage: str = "./runs", address: str | None = None, data: str | No
                 p.rmdir()
     return Diagnosis(checks)
 
+
+
+def _object_store(storage: str, address: str | None, data: str | None) -> list[Check]:
+    """--storage s3://...: reachable and writable from here, and from every node of the cluster."""
+    from imgtrain import storage as remote
+
+    try:
+        st = remote.store(storage)
+        remote.probe(st)
+    except ImgtrainError as e:
+        return [Check(FAIL, "storage", str(e))]
+    checks = [Check(OK, "storage", f"{st.uri}: reachable and writable from this machine (working copies in {st.local})")]
+    if data:
+        checks.append(_data(data))
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if not address:
+        return checks + _cluster(None, None, None)  # no cluster named: says whether one runs here
+    from imgtrain.ops import cluster
+
+    with process.loggers_to(Path(os.devnull), cluster.RAY_LOGGERS):
+        try:
+            joined = cluster.start_or_join(address, 0)
+        except ImgtrainError as e:
+            return checks + [Check(FAIL, "cluster", str(e))]
+        try:
+            import ray
+
+            nodes = [n for n in ray.nodes() if n.get("Alive")]
+            problems = cluster.check_store_from_nodes(storage)
+        finally:
+            cluster.shutdown(joined)
+    return checks + [Check(FAIL, "storage from every node", f"not every node can use {st.uri}", problems)
+                     if problems else Check(OK, "storage from every node",
+                                            f"every node ({len(nodes)}) writes, reads and deletes in {st.uri}")]
 
 
 def _versions() -> Check:
@@ -117,11 +154,13 @@ def _storage(root: Path) -> Check:
 def _data(data: str) -> Check:
     from imgtrain.data.format import describe, verify_dataset
 
-    try:
-        manifest = verify_dataset(data, check_hashes=False)
+    from imgtrain.storage import is_remote, local_data
+
+    try:  # a data set in an object store is copied to this machine's cache, as training does
+        manifest = verify_dataset(local_data(data), check_hashes=False)
     except ImgtrainError as e:
         return Check(FAIL, "data", str(e))
-    return Check(OK, "data", f"{Path(data).resolve()}: {describe(manifest).splitlines()[0]}")
+    return Check(OK, "data", f"{data if is_remote(data) else Path(data).resolve()}: {describe(manifest).splitlines()[0]}")
 
 
 def _cluster(address: str | None, root: Path | None, data: str | None) -> list[Check]:

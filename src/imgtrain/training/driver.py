@@ -61,7 +61,7 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
 
 
 def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool) -> runs.RunResult:
-    if cfg.data:
+    if cfg.data and not remote.is_remote(cfg.data):
         cfg = dataclasses.replace(cfg, data=str(Path(cfg.data).expanduser().resolve()))
     if cfg.init_from:  # the workers do not run in this directory
         cfg = dataclasses.replace(cfg, init_from=str(Path(cfg.init_from).expanduser().resolve()))
@@ -142,7 +142,7 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
     if not cfg.data:
         raise ImgtrainError("--data is required for a new run (a directory made by `imgtrain data prepare`)")
     display.phase("checking the data set")
-    manifest = verify_dataset(cfg.data)
+    manifest = verify_dataset(remote.local_data(cfg.data))  # one in an object store: copied here first
     n_train = manifest["splits"]["train"]["num_samples"]
     if steps_per_epoch(n_train, cfg.batch_size) == 0:
         raise ImgtrainError(

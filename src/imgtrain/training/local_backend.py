@@ -7,6 +7,7 @@ notebook.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import storage
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import process
@@ -34,18 +36,19 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
     for stale in run_dir.glob(f".{ckpt.PREFIX}*.tmp"):  # a copy cut short by a killed driver
         shutil.rmtree(stale, ignore_errors=True)
     in_memory = stream.in_memory(cfg, manifest)
+    data_cfg = dataclasses.replace(cfg, data=storage.local_data(cfg.data))  # an object store's: copied here
     if in_memory:
         from imgtrain.data.format import read_split
         from imgtrain.data.order import ordered_batches, sort_by_id
 
-        rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
+        rows = sort_by_id(*map(torch.from_numpy, read_split(data_cfg.data, "train")))
         train_batches = ordered_batches(rows, cfg.seed, cfg.batch_size, ingest.steps(cfg, manifest), world_size=1,
                                         rank=0, device=device, on_device=cfg.data_on_device)
-        val_batches = ingest.in_memory_val_batches(cfg, manifest, 0, 1, device)
+        val_batches = ingest.in_memory_val_batches(data_cfg, manifest, 0, 1, device)
     else:  # streamed: the same tasks as on Ray, in a DataLoader's worker processes (or here)
         how = "torch" if cfg.ingest == "torch" else "local"
-        train_batches = ingest.streamed_train_batches(cfg, manifest, 0, 1, device, how)
-        val_batches = ingest.streamed_val_batches(cfg, manifest, 0, 1, device, how)
+        train_batches = ingest.streamed_train_batches(data_cfg, manifest, 0, 1, device, how)
+        val_batches = ingest.streamed_val_batches(data_cfg, manifest, 0, 1, device, how)
 
     fault = faults.parse(os.environ.get(faults.ENV_VAR))
 

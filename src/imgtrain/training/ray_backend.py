@@ -48,7 +48,8 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
         link_dir(logs / "ray", cluster.session_logs)
         display.phase("checking resources and storage")
         cluster_mod.check_resources(cfg)
-        cluster_mod.require_shared_paths(run_dir, cfg.data, cfg.storage)
+        # a data set in an object store is copied to every node by its workers
+        cluster_mod.require_shared_paths(run_dir, None if remote.is_remote(cfg.data) else cfg.data, cfg.storage)
         # until the first worker reports (its phase records): placement, processes, torch imported
         workers = f"{cfg.min_workers}-{cfg.workers}" if cfg.min_workers and cfg.min_workers < cfg.workers else cfg.workers
         display.phase(f"starting {workers} worker{'s' if workers != 1 else ''}")
@@ -161,7 +162,7 @@ def _datasets(cfg: TrainConfig, manifest: dict):
         return None
     from imgtrain.data.dataset import ray_dataset
 
-    return {"train": ray_dataset(cfg.data, "train")}
+    return {"train": ray_dataset(remote.local_data(cfg.data), "train")}
 
 
 def _failure_message(error: Exception, watchdog: Watchdog, run_dir: Path, logs: Path) -> str:

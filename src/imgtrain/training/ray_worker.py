@@ -8,6 +8,7 @@ Python stacks when asked (``stacks.py``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -89,14 +90,17 @@ def train_loop_per_worker(config: dict) -> None:
 
     if rank == 0:
         send(phase_record("loading data"))
+    # the data set's folder on this node (one in an object store is copied here first); run_loop
+    # and the checkpoints keep the data set as the user named it
+    data_cfg = dataclasses.replace(cfg, data=storage.local_data(cfg.data))
     if stream.in_memory(cfg, manifest):
-        train_batches = (_torch_ingest if cfg.ingest == "torch" else _ray_data_ingest)(cfg, manifest, rank, world, device)
-        val_batches = ingest.in_memory_val_batches(cfg, manifest, rank, world, device)
+        train_batches = (_torch_ingest if cfg.ingest == "torch" else _ray_data_ingest)(data_cfg, manifest, rank, world, device)
+        val_batches = ingest.in_memory_val_batches(data_cfg, manifest, rank, world, device)
     else:
         if cfg.ingest == "ray-data":
-            stream.warm_decoders(ingest.preprocess_cpus(cfg, world))
-        train_batches = ingest.streamed_train_batches(cfg, manifest, rank, world, device, cfg.ingest)
-        val_batches = ingest.streamed_val_batches(cfg, manifest, rank, world, device, cfg.ingest)
+            stream.warm_decoders(ingest.preprocess_cpus(data_cfg, world))
+        train_batches = ingest.streamed_train_batches(data_cfg, manifest, rank, world, device, cfg.ingest)
+        val_batches = ingest.streamed_val_batches(data_cfg, manifest, rank, world, device, cfg.ingest)
     backend = Backend(
         rank=rank, world_size=world, device=device,
         prepare_model=_model_preparation(cfg, device), train_batches=train_batches, val_batches=val_batches,
