@@ -27,6 +27,26 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server (moto's, in a thread of this process) on 127.0.0.1 with an empty bucket
+    ``imgtrain``; yields the environment a process needs to use it (endpoint, credentials, and a
+    cache for working copies of its own)."""
+    import pyarrow.fs as pafs
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"IMGTRAIN_S3_ENDPOINT": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+           "IMGTRAIN_CACHE": str(tmp_path_factory.mktemp("s3-cache"))}
+    pafs.S3FileSystem(endpoint_override=f"{host}:{port}", scheme="http", region="us-east-1",
+                      access_key="testing", secret_key="testing", allow_bucket_creation=True).create_dir("imgtrain")
+    yield env
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def sample_raw():
     """The embedded 5,000 real MNIST digits, split 4,000 / 1,000."""
     from imgtrain.data.sources import load_mnist_sample

@@ -115,3 +115,15 @@ def test_trials_at_once_fit_the_cluster():
     assert trials_at_once(TrainConfig(workers=2, use_gpu=True), 64, 5, 2.01) == 2  # GPUs bind first
     with pytest.raises(ImgtrainError, match="one trial needs 2.01 CPUs .* the Ray cluster has 2 CPUs"):
         trials_at_once(cfg, 2, 0, 2.01)
+
+
+def test_a_sweep_in_an_object_store_is_refused_in_one_message():
+    from imgtrain.config import TrainConfig
+    from imgtrain.errors import ImgtrainError
+    from imgtrain.sweep.driver import SweepRequest, check
+    from imgtrain.sweep.space import parse_all
+
+    req = SweepRequest(base=TrainConfig(name="s", data="/tmp/d", storage="s3://bucket/runs"),
+                       search=parse_all(["lr=loguniform(1e-4,1e-2)"]))
+    with pytest.raises(ImgtrainError, match="local or shared storage"):
+        check(req)

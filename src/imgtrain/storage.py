@@ -187,7 +187,8 @@ def _drop_local_extras(local: Path, wanted: set[str]) -> None:
         return
     kept = {rel.split("/", 1)[0] for rel in wanted}
     for folder in local.iterdir():
-        if folder.name.startswith(CHECKPOINT_PREFIX) and folder.name not in kept and not folder.is_symlink():
+        if folder.name.startswith(CHECKPOINT_PREFIX) and folder.name not in kept and folder.is_dir() \
+                and not folder.is_symlink():
             shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -82,6 +82,11 @@ def check(req: SweepRequest) -> SweepRequest:
         issues.append("a sweep's trials have a fixed number of workers: --workers N, not MIN-MAX")
     if not base.data:
         issues.append("--data is required")
+    from imgtrain.storage import is_remote
+
+    if is_remote(base.storage) or is_remote(base.data or ""):
+        issues.append("a sweep keeps its trials on local or shared storage: --storage and --data must be folders "
+                      "(train single runs with --storage s3://...)")
     try:  # the base settings (the searched values were checked against their ranges when parsed)
         validate(base, issues)
     except ImgtrainError as e:

@@ -1,0 +1,175 @@
+"""Runs in an object store: ``--storage s3://...`` and ``--data s3://...`` against a real S3
+server (moto, started by the test session), with the real CLI in its own processes. Each
+process gets its own working-copy cache, as another machine would: whatever it finds, it found
+in the bucket."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+
+from imgtrain.data.format import read_split
+from imgtrain.inference.predictor import Predictor
+from tests.conftest import wait_for
+from tests.integration.test_serve import png_bytes, request, serving
+
+pytestmark = pytest.mark.integration
+
+BUCKET = "imgtrain"
+RUNS = f"s3://{BUCKET}/runs"
+DATA = f"s3://{BUCKET}/data/tiny"
+TRAIN = ["--workers", "2", "--epochs", "2", "--batch-size", "32", "--eval-batch-size", "50", "--log-every-steps", "2"]
+
+
+def bucket(env: dict) -> pafs.S3FileSystem:
+    host = env["IMGTRAIN_S3_ENDPOINT"].removeprefix("http://")
+    return pafs.S3FileSystem(endpoint_override=host, scheme="http", region="us-east-1",
+                             access_key=env["AWS_ACCESS_KEY_ID"], secret_key=env["AWS_SECRET_ACCESS_KEY"])
+
+
+def objects(env: dict, prefix: str) -> dict[str, int]:
+    infos = bucket(env).get_file_info(pafs.FileSelector(f"{BUCKET}/{prefix}", recursive=True, allow_not_found=True))
+    return {i.path.removeprefix(f"{BUCKET}/{prefix}/"): i.size for i in infos if i.type == pafs.FileType.File}
+
+
+def snapshot(env: dict, run: str) -> str:
+    """Ray Train's record of the run's checkpoints in the bucket ('' before the first)."""
+    try:
+        with bucket(env).open_input_stream(f"{BUCKET}/runs/{run}/checkpoint_manager_snapshot.json") as f:
+            return f.read().decode()
+    except OSError:
+        return ""
+
+
+def machine(env: dict, tmp_path: Path, name: str) -> dict:
+    """The environment of a process on another machine: same bucket, an empty cache of its own."""
+    cache = tmp_path / f"cache-{name}"
+    cache.mkdir(exist_ok=True)
+    return {**os.environ, **env, "IMGTRAIN_CACHE": str(cache), "COLUMNS": "200"}
+
+
+def cli(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "imgtrain.cli", *args], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def s3_run(s3_server, tiny_data, tmp_path_factory):
+    """The tiny data set uploaded as prepared, and a 2-worker run ``srv`` trained from it into the
+    bucket by a driver with its own private Ray cluster."""
+    pafs.copy_files(str(tiny_data), DATA.removeprefix("s3://"), source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=bucket(s3_server))
+    env = machine(s3_server, tmp_path_factory.mktemp("trainer"), "trainer")
+    done = cli(env, "train", "--data", DATA, "--storage", RUNS, "--name", "srv", *TRAIN)
+    assert done.returncode == 0, done.stderr
+    assert "run directory: s3://imgtrain/runs/srv" in done.stdout
+    return s3_server
+
+
+def test_the_run_lives_in_the_bucket(s3_run):
+    found = objects(s3_run, "runs/srv")
+    for name in ("config.json", "metrics.jsonl", "status.json", ".imgtrain-run", "logs/driver.log"):
+        assert name in found, sorted(found)
+    checkpoints = {k.split("/")[0] for k in found if k.startswith("checkpoint_epoch")}
+    assert checkpoints and all(f"{c}/model.pt" in found and f"{c}/meta.json" in found for c in checkpoints)
+    assert ".lock" not in found and not any(k.startswith("logs/ray") for k in found)  # this machine's own
+    status = json.loads(bucket(s3_run).open_input_stream(f"{BUCKET}/runs/srv/status.json").read())
+    assert status["status"] == "finished"
+
+
+def test_runs_list_show_evaluate_predict_and_report_on_another_machine(s3_run, tmp_path):
+    env = machine(s3_run, tmp_path, "reader")
+    listed = cli(env, "runs", "list", "--storage", RUNS, "--json")
+    assert listed.returncode == 0, listed.stderr
+    [run] = [r for r in json.loads(listed.stdout) if r["name"] == "srv"]
+    assert run["location"] == f"{RUNS}/srv" and run["status"] == "finished" and run["epochs_completed"] == 2
+
+    shown = cli(env, "runs", "show", "srv", "--storage", RUNS, "--json")
+    assert shown.returncode == 0, shown.stderr
+    best = json.loads(shown.stdout)["best_val_accuracy"]
+
+    evaluated = cli(env, "evaluate", "srv", "--storage", RUNS, "--backend", "local", "--json")
+    assert evaluated.returncode == 0, evaluated.stderr
+    result = json.loads(evaluated.stdout)
+    assert result["num_samples"] == 100
+    assert result["accuracy"] == pytest.approx(best, abs=1e-9)  # the weights training validated
+
+    out = tmp_path / "preds.parquet"
+    predicted = cli(env, "predict", "srv", DATA, "--storage", RUNS, "--backend", "local", "--out", str(out))
+    assert predicted.returncode == 0, predicted.stderr
+    import pandas as pd
+
+    preds = pd.read_parquet(out)
+    assert len(preds) == 100
+    assert (preds["pred_index"] == preds["label"]).mean() == pytest.approx(best, abs=1e-9)
+
+    reported = cli(env, "report", "srv", "--storage", RUNS)
+    assert reported.returncode == 0, reported.stderr
+    assert "report/report.html" in objects(s3_run, "runs/srv")  # in the bucket, not only on this machine
+
+
+def test_serve_a_run_from_the_bucket(s3_run, tiny_data, tmp_path, monkeypatch):
+    for key, value in machine(s3_run, tmp_path, "server").items():
+        monkeypatch.setenv(key, value)
+    _, images, _ = read_split(tiny_data, "test")
+    with serving(RUNS, tmp_path) as (_, port, _, _):
+        answers = [request(port, "/predict", png_bytes(images[i]), "image/png") for i in range(8)]
+    assert all(status == 200 for status, _ in answers), answers
+    # the run's best checkpoint, loaded here from the bucket, answers the same
+    expected = Predictor("srv", storage=RUNS).predict_proba(images[:8]).argmax(axis=1)
+    assert [a["index"] for _, a in answers] == expected.tolist()
+
+
+def test_a_driver_killed_mid_run_resumes_from_the_bucket_on_another_machine(s3_server, tiny_data, tmp_path):
+    args = ["train", "--data", str(tiny_data), "--storage", RUNS, "--name", "killed", *TRAIN, "--epochs", "3"]
+    first = subprocess.Popen([sys.executable, "-m", "imgtrain.cli", *args], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env=machine(s3_server, tmp_path, "first"),
+                             start_new_session=True)
+    try:  # Ray Train has registered the first epoch's checkpoint: its upload to the bucket is complete
+        wait_for(lambda: "checkpoint_epoch_0000" in snapshot(s3_server, "killed"), 240,
+                 "the first checkpoint in the bucket", first, poll_s=0.2)
+        os.killpg(first.pid, signal.SIGKILL)  # the driver and the Ray cluster it started: a lost machine
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+
+    env = machine(s3_server, tmp_path, "second")
+    again = cli(env, *args)
+    assert again.returncode == 0, again.stderr
+    assert "resuming run 'killed' at epoch" in again.stdout
+    shown = json.loads(cli(env, "runs", "show", "killed", "--storage", RUNS, "--json").stdout)
+    assert shown["status"] == "finished"
+    assert [m["epoch"] for m in shown["metrics"]] == [0, 1, 2]  # each epoch once, none lost
+
+
+def test_clean_deletes_the_run_from_the_bucket(s3_run, tmp_path):
+    env = machine(s3_run, tmp_path, "cleaner")
+    assert objects(s3_run, "runs/srv")
+    done = cli(env, "clean", "runs", "srv", "--storage", RUNS, "--yes")
+    assert done.returncode == 0, done.stderr
+    assert objects(s3_run, "runs/srv") == {}
+    listed = json.loads(cli(env, "runs", "list", "--storage", RUNS, "--json").stdout)
+    assert "srv" not in [r["name"] for r in listed]
+
+
+def test_a_bucket_that_does_not_exist_fails_in_seconds_with_one_line(s3_server, tiny_data, tmp_path):
+    env = machine(s3_server, tmp_path, "bad")
+    started = time.monotonic()
+    done = cli(env, "train", "--data", str(tiny_data), "--storage", "s3://no-such-bucket/runs", "--name", "x",
+               *TRAIN, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "no-such-bucket" in done.stderr and "IMGTRAIN_S3_ENDPOINT" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert time.monotonic() - started < 60
+
+    refused = cli(env, "train", "--data", str(tiny_data), "--storage", RUNS, "--name", "x", "--overwrite", *TRAIN)
+    assert refused.returncode == 2 and "imgtrain clean x" in refused.stderr, refused.stderr
