@@ -60,8 +60,10 @@ def upload_seconds(checkpoint: Path, tmp: str) -> tuple[float, float]:
     pafs.copy_files(str(checkpoint), f"bench/upload/{time.monotonic_ns()}", source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=storage.s3_filesystem())
     s3 = time.monotonic() - started
+    target = f"{tmp}/copy-{time.monotonic_ns()}"
+    os.makedirs(target)
     started = time.monotonic()
-    pafs.copy_files(str(checkpoint), f"{tmp}/copy-{time.monotonic_ns()}", source_filesystem=pafs.LocalFileSystem(),
+    pafs.copy_files(str(checkpoint), target, source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=pafs.LocalFileSystem())
     return s3, time.monotonic() - started
 

@@ -148,7 +148,7 @@ def pull(st: Store, name: str, checkpoints: bool = True, only_checkpoints: bool 
 
     local = st.local / name
     wanted = remote_files(st, name)
-    if not wanted:  # no such run in the store (any more): neither is its working copy
+    if not wanted and not only_checkpoints:  # no such run in the store (any more): nor its working copy
         if local.is_dir() and not local.is_symlink():
             shutil.rmtree(local, ignore_errors=True)
         return local
@@ -260,6 +260,7 @@ def mirrored(st: Store | None, name: str, interval_s: float = PUSH_INTERVAL_S, e
                 failure[:] = [e]
 
     def loop():
+        round_()  # at once: a run that fails in its first seconds is in the store too
         while not stop.wait(interval_s):
             round_()
 

@@ -172,4 +172,4 @@ def test_a_bucket_that_does_not_exist_fails_in_seconds_with_one_line(s3_server, 
     assert time.monotonic() - started < 60
 
     refused = cli(env, "train", "--data", str(tiny_data), "--storage", RUNS, "--name", "x", "--overwrite", *TRAIN)
-    assert refused.returncode == 2 and "imgtrain clean x" in refused.stderr, refused.stderr
+    assert refused.returncode == 2 and "imgtrain clean runs x" in refused.stderr, refused.stderr

@@ -33,7 +33,6 @@ class Resume:
 
     checkpoint: Path | None = None  # the newest checkpoint that passes verification
     damaged: list[str] = dataclasses.field(default_factory=list)  # names of those that fail it
-
     uri: str | None = None  # the run's URI in an object store: the workers fetch the checkpoint from there
 
     def to_worker(self) -> dict:
@@ -67,7 +66,7 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool) -> runs.
         cfg = dataclasses.replace(cfg, init_from=str(Path(cfg.init_from).expanduser().resolve()))
     if remote.is_remote(cfg.storage) and overwrite:
         raise ImgtrainError(f"--overwrite is not offered for runs in an object store ({cfg.storage}): delete the run "
-                            f"with `imgtrain clean {cfg.name} --storage {cfg.storage}`, then train it again")
+                            f"with `imgtrain clean runs {cfg.name} --storage {cfg.storage}`, then train it again")
     run_dir = runs.fetch(cfg.storage, cfg.name)  # a run in an object store: its working copy, up to date
     with contextlib.ExitStack() as held:  # the run's lock, held until training ends
         plan = _plan(cfg, run_dir, overwrite, display, held)
