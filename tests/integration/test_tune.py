@@ -100,8 +100,10 @@ def test_rerun_of_a_finished_sweep_trains_nothing_and_other_settings_are_refused
 
 
 def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster, tiny_data, tmp_path):
+    # 6 short epochs: the Ctrl-C must land while the second trial still trains (with 2, on a busy
+    # machine, it finished before Tune handled the signal, and nothing was left to resume)
     args = sweep_args(tiny_data, tmp_path, "r", ray_cluster, "--search", "lr=grid(0.003,0.001)", "--scheduler",
-                      "fifo", "--epochs", "2", "--workers", "1", "--batch-size", "32", "--max-concurrent", "1",
+                      "fifo", "--epochs", "6", "--workers", "1", "--batch-size", "32", "--max-concurrent", "1",
                       "--limit-train-batches", "4")
     trials_dir = tmp_path / "r" / "trials"
     proc = subprocess.Popen([sys.executable, "-m", "imgtrain.cli", *args], stdout=subprocess.PIPE,
@@ -128,7 +130,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster
     assert starts[-1]["restored_from"] is not None and starts[-1]["step"] >= 4  # resumed from its checkpoint
     s = show(tmp_path, "r")
     assert s["status"] == "finished"
-    assert [(t["status"], t["epochs_done"]) for t in s["trials"]] == [("finished", 2), ("finished", 2)]
+    assert [(t["status"], t["epochs_done"]) for t in s["trials"]] == [("finished", 6), ("finished", 6)]
 
 
 def test_bad_sweeps_fail_in_seconds_with_one_line(ray_cluster, tiny_data, tmp_path):

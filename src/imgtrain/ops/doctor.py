@@ -89,10 +89,15 @@ def _object_store(storage: str, address: str | None, data: str | None) -> list[C
     checks = [Check(OK, "storage", f"{st.uri}: reachable and writable from this machine (working copies in {st.local})")]
     if data:
         checks.append(_data(data))
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if not address:
-        return checks + _cluster(None, None, None)  # no cluster named: says whether one runs here
+    import ray._private.services as services
+
     from imgtrain.ops import cluster
+
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    running = sorted(services.find_gcs_addresses())
+    if not address and len(running) != 1:  # says that none runs here, or that several do
+        return checks + _cluster(None, None, None)
+    address = address or running[0]
 
     with process.loggers_to(Path(os.devnull), cluster.RAY_LOGGERS):
         try:
