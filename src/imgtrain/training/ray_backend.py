@@ -82,11 +82,14 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> No
     except ray.train.TrainingFailedError as e:
         # A checkpoint half copied when the failure struck (a full disk) must not stay visible.
         store = remote.store(cfg.storage) if remote.is_remote(cfg.storage) else None
-        if store:  # what the workers uploaded, to be judged here
-            remote.pull(store, cfg.name, only_checkpoints=True)
-        removed = ckpt.remove_incomplete(run_dir, keep=resume.damaged)
-        for name in removed if store else ():
-            remote.delete(store, cfg.name, name)
+        try:
+            if store:  # what the workers uploaded, to be judged here
+                remote.pull(store, cfg.name, only_checkpoints=True)
+            removed = ckpt.remove_incomplete(run_dir, keep=resume.damaged)
+            for name in removed if store else ():
+                remote.delete(store, cfg.name, name)
+        except ImgtrainError:  # the bucket failing too: the training failure is the one to tell
+            removed = []
         if removed:
             records.display.note(f"removed incomplete checkpoint(s): {', '.join(removed)}")
         raise ImgtrainError(_failure_message(e, watchdog, run_dir, run_dir / runs.LOGS_DIR)) from None
