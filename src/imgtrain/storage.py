@@ -64,8 +64,11 @@ def store(storage: str) -> Store:
     if not rest.strip("/"):
         raise ImgtrainError(f"--storage {storage}: name a bucket, e.g. {scheme}://my-bucket/runs")
     _filesystem(uri)  # an unknown scheme or a missing client library: said now
-    cache = Path(os.environ.get(CACHE_VAR) or Path.home() / ".cache" / "imgtrain").expanduser()
-    return Store(uri=uri, root=rest.strip("/"), local=(cache / "stores" / scheme / rest.strip("/")).resolve())
+    return Store(uri=uri, root=rest.strip("/"), local=(_cache() / "stores" / scheme / rest.strip("/")).resolve())
+
+
+def _cache() -> Path:
+    return Path(os.environ.get(CACHE_VAR) or Path.home() / ".cache" / "imgtrain").expanduser()
 
 
 def _filesystem(uri: str):
@@ -325,8 +328,7 @@ def stage_dataset(uri: str) -> Path:
     uri = uri.rstrip("/")
     fs, root = split(uri)
     scheme = uri.partition("://")[0]
-    cache = Path(os.environ.get(CACHE_VAR) or Path.home() / ".cache" / "imgtrain").expanduser()
-    local = (cache / "data" / scheme / root).resolve()
+    local = (_cache() / "data" / scheme / root).resolve()
     local.mkdir(parents=True, exist_ok=True)
     st = Store(uri=uri, root=root, local=local)
     with open(local.parent / f".{local.name}.lock", "w") as lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -44,45 +45,8 @@ def train_loop_per_worker(config: dict) -> None:
     stop_heartbeat = health.start_heartbeat(monitor, rank, world, progress)
 
     resume = config.get("resume") or {}
-
-    @contextlib.contextmanager
-    def restored_checkpoint():
-        # Ray's latest checkpoint: on a retry the one this run last reported, on a re-run the
-        # run's latest. If its files fail their sha256, the driver's newest good one instead
-        # (None: no good one was left, and the driver said it starts from scratch).
-        found = ray.train.get_checkpoint()
-        if found is not None:
-            with found.as_directory() as d:
-                try:
-                    ckpt.verify(d)
-                    good = True
-                except ckpt.CheckpointError:
-                    good = False
-                if good:
-                    yield d
-                    return
-        fallback = resume.get("fallback")
-        if fallback and "://" in fallback:  # a checkpoint in the object store: fetched into a temporary folder
-            fs, path = storage.split(fallback)
-            with ray.train.Checkpoint(path, filesystem=fs).as_directory() as d:
-                yield d
-        else:
-            yield fallback
-
-    uploads = storage.is_remote(cfg.storage)
-
-    def report(metrics: dict, save_dir: str | None, name: str) -> None:
-        if save_dir and uploads:
-            # To an object store in the background (training goes on); Ray deletes the folder after
-            # the upload, so it gets its own: save_dir is removed when save() returns.
-            staged = tempfile.mkdtemp(prefix="imgtrain-upload-")
-            for entry in os.listdir(save_dir):
-                os.rename(os.path.join(save_dir, entry), os.path.join(staged, entry))
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(staged),
-                             checkpoint_dir_name=name, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
-            return
-        checkpoint = ray.train.Checkpoint.from_directory(save_dir) if save_dir else None
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+    restored_checkpoint = functools.partial(_restored_checkpoint, resume.get("fallback"))
+    report = _report_async if storage.is_remote(cfg.storage) else _report
 
     def send(record: dict) -> None:
         if monitor is not None:
@@ -90,17 +54,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     if rank == 0:
         send(phase_record("loading data"))
-    # the data set's folder on this node (one in an object store is copied here first); run_loop
-    # and the checkpoints keep the data set as the user named it
-    data_cfg = dataclasses.replace(cfg, data=storage.local_data(cfg.data))
-    if stream.in_memory(cfg, manifest):
-        train_batches = (_torch_ingest if cfg.ingest == "torch" else _ray_data_ingest)(data_cfg, manifest, rank, world, device)
-        val_batches = ingest.in_memory_val_batches(data_cfg, manifest, rank, world, device)
-    else:
-        if cfg.ingest == "ray-data":
-            stream.warm_decoders(ingest.preprocess_cpus(data_cfg, world))
-        train_batches = ingest.streamed_train_batches(data_cfg, manifest, rank, world, device, cfg.ingest)
-        val_batches = ingest.streamed_val_batches(data_cfg, manifest, rank, world, device, cfg.ingest)
+    train_batches, val_batches = _batches(cfg, manifest, rank, world, device)
     backend = Backend(
         rank=rank, world_size=world, device=device,
         prepare_model=_model_preparation(cfg, device), train_batches=train_batches, val_batches=val_batches,
@@ -115,6 +69,68 @@ def train_loop_per_worker(config: dict) -> None:
         run_loop(cfg, manifest, backend)
     finally:
         stop_heartbeat()
+
+
+@contextlib.contextmanager
+def _restored_checkpoint(fallback: str | None):
+    """Ray's latest checkpoint: on a retry the one this run last reported, on a re-run the run's
+    latest. If its files fail their sha256, the driver's newest good one, ``fallback``, instead
+    (None: no good one was left, and the driver said it starts from scratch)."""
+    import ray.train
+
+    found = ray.train.get_checkpoint()
+    if found is not None:
+        with found.as_directory() as d:
+            try:
+                ckpt.verify(d)
+                good = True
+            except ckpt.CheckpointError:
+                good = False
+            if good:
+                yield d
+                return
+    if fallback and "://" in fallback:  # a checkpoint in the object store: fetched into a temporary folder
+        fs, path = storage.split(fallback)
+        with ray.train.Checkpoint(path, filesystem=fs).as_directory() as d:
+            yield d
+    else:
+        yield fallback
+
+
+def _report(metrics: dict, save_dir: str | None, name: str) -> None:
+    import ray.train
+
+    checkpoint = ray.train.Checkpoint.from_directory(save_dir) if save_dir else None
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+
+
+def _report_async(metrics: dict, save_dir: str | None, name: str) -> None:
+    """To an object store in the background (training goes on). Ray deletes the folder after the
+    upload, so the checkpoint's files move to one of their own: save_dir is removed when save() returns."""
+    import ray.train
+
+    if not save_dir:
+        return _report(metrics, None, name)
+    staged = tempfile.mkdtemp(prefix="imgtrain-upload-")
+    for entry in os.listdir(save_dir):
+        os.rename(os.path.join(save_dir, entry), os.path.join(staged, entry))
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(staged),
+                     checkpoint_dir_name=name, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+
+
+def _batches(cfg: TrainConfig, manifest: dict, rank: int, world: int, device):
+    """(training batches, validation batches) of this rank. They read the data set's folder on
+    this node (one in an object store is copied here first); run_loop and the checkpoints keep
+    the data set as the user named it."""
+    data_cfg = dataclasses.replace(cfg, data=storage.local_data(cfg.data))
+    if stream.in_memory(cfg, manifest):
+        ingest_fn = _torch_ingest if cfg.ingest == "torch" else _ray_data_ingest
+        return (ingest_fn(data_cfg, manifest, rank, world, device),
+                ingest.in_memory_val_batches(data_cfg, manifest, rank, world, device))
+    if cfg.ingest == "ray-data":
+        stream.warm_decoders(ingest.preprocess_cpus(data_cfg, world))
+    return (ingest.streamed_train_batches(data_cfg, manifest, rank, world, device, cfg.ingest),
+            ingest.streamed_val_batches(data_cfg, manifest, rank, world, device, cfg.ingest))
 
 
 def _model_preparation(cfg: TrainConfig, device):
