@@ -52,6 +52,20 @@ def test_the_small_stem_keeps_a_28px_digits_resolution():
     assert "small-image stem" in zoo.describe(args("resnet18", stem="small"))
 
 
+def test_the_default_stem_is_small_for_tiny_images_and_the_tutorials_for_mnist():
+    digits = {"channels": 1, "num_classes": 10}
+    # 28x28 MNIST: the tutorial's model, written as older runs wrote it
+    assert zoo.model_args({**digits, "image_shape": [28, 28, 1]}, stem="auto") == {
+        "architecture": "resnet18", "in_channels": 1, "num_classes": 10}
+    tiny = zoo.model_args({**digits, "image_shape": [8, 8, 1]}, stem="auto")
+    assert tiny["stem"] == "small" and tiny["image_size"] == [8, 8]  # stored as chosen: resumes rebuild the same
+    assert zoo.model_args({**digits, "image_shape": [8, 8, 1]}, stem="standard").get("stem", "standard") == "standard"
+    assert zoo.chosen_stem("resnet18", [16, 20]) == "small" and zoo.chosen_stem("resnet18", [17, 17]) == "standard"
+    # models whose first layers imgtrain does not change keep their own
+    assert zoo.chosen_stem("vit_b_16", [16, 16]) == zoo.chosen_stem("timm:resnet18", [8, 8]) == "standard"
+    assert "small-image stem for 8x8 images" in zoo.describe(tiny)
+
+
 @pytest.mark.parametrize("meta_args, message", [
     (args("no_such_net"), "no torchvision classification model"),
     (args("vit_b_16", size=28), "multiple of 16"),

@@ -81,10 +81,11 @@ class TrainConfig:
                          "mobilenet_v3_small/large, efficientnet_b0, convnext_tiny, vit_b_16, ...) or ``timm:NAME`` "
                          "(``pip install 'imgtrain[timm]'``). The first layer takes the data set's channels and the "
                          "classifier its classes. The default is the tutorial's ResNet-18.")
-    stem: str = setting("standard", "The model's first layers: ``standard``, or ``small`` for images under about "
-                        "64 px (a 3x3 stride-1 first convolution and no max-pool, as CIFAR ResNets have: more "
-                        "resolution kept, about 16x the compute of a ResNet's standard stem).",
-                        choices=("standard", "small"))
+    stem: str = setting("auto", "The model's first layers: ``standard``; ``small`` for small images (a 3x3 "
+                        "stride-1 first convolution and no max-pool, as CIFAR ResNets have: more resolution kept, "
+                        "about 16x the compute of a ResNet's standard stem); ``auto``: small for images of at most "
+                        "16 px a side, standard otherwise (28x28 MNIST keeps the tutorial's model).",
+                        choices=("auto", "standard", "small"))
     init_from: str | None = setting(None, "Start from these weights: a state-dict file (.pt/.pth/.safetensors, e.g. "
                                     "torchvision's or timm's) or an imgtrain run or checkpoint folder. Tensors are "
                                     "matched by name; the first convolution is adapted to the channels, the "

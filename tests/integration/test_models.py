@@ -134,3 +134,26 @@ def test_pretrained_weights_offline_fail_in_seconds(tiny_data, tmp_path, monkeyp
                    "--model", MODEL, timeout=60)
     assert_one_line_error(proc, f"could not download the weights of {MODEL}", "--init-from FILE")
     assert time.monotonic() - started < 30
+
+
+def test_tiny_images_get_the_small_stem_by_default_and_keep_it_downstream(tmp_path):
+    """scikit-learn's 8x8 digits (another origin and size than MNIST): the standard stem would
+    leave the first block 2x2, so ``--stem auto`` takes the small one, says so, and records it."""
+    import pandas as pd
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    pixels = np.round(digits.images[:300] * 255 / 16).astype(np.uint8)  # [300, 8, 8], 0-16 -> 0-255
+    pd.DataFrame({"image": [p.tolist() for p in pixels], "label": digits.target[:300]}).to_parquet(tmp_path / "d.parquet")
+    data = tmp_path / "digits8"
+    assert run_cli("data", "prepare", "parquet", str(data), "--source", str(tmp_path / "d.parquet")).returncode == 0
+    proc = run_cli("train", "--data", str(data), "--storage", str(tmp_path), "--name", "d8", "--workers", "1",
+                   "--epochs", "1", "--batch-size", "32")
+    assert proc.returncode == 0, proc.stderr
+    assert "model resnet18 (torchvision, small-image stem for 8x8 images" in proc.stdout
+    result = imgtrain.load_run(str(tmp_path), "d8")
+    assert ckpt.read_meta(result.latest_checkpoint)["model_args"]["stem"] == "small"
+    model, _ = load_model("d8", storage=str(tmp_path))
+    assert model.conv1.stride == (1, 1)
+    ev = evaluate("d8", storage=str(tmp_path), options=InferenceOptions(backend="local"))
+    assert ev.accuracy == result.metrics["val_accuracy"].iloc[-1]

@@ -165,7 +165,10 @@ def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
     seconds, before Ray starts; downloads --pretrained weights once for every worker. The
     default model from scratch takes any image size: nothing to check, and no torch import
     (zoo imports it: seconds before anything else shows, so the default is TrainConfig's)."""
-    if cfg.model == TrainConfig.model and cfg.stem == "standard" and not (cfg.init_from or cfg.pretrained):
+    from imgtrain.zoo import chosen_stem  # imports no torch
+
+    stem = chosen_stem(cfg.model, manifest["image_shape"][:2]) if cfg.stem == "auto" else cfg.stem
+    if cfg.model == TrainConfig.model and stem == "standard" and not (cfg.init_from or cfg.pretrained):
         return
     display.phase("checking the model")
     import torch
@@ -186,7 +189,7 @@ def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
     except RuntimeError as e:
         raise ImgtrainError(f"--model {cfg.model} cannot take {h}x{w} images ({str(e).splitlines()[0][:160]}); "
                             "prepare the data with a larger --size or choose another model") from None
-    if cfg.model != zoo.DEFAULT_MODEL or cfg.stem != "standard":
+    if cfg.model != zoo.DEFAULT_MODEL or stem != "standard":
         display.note(zoo.describe(args, suggest=True))
     weights = finetune.initial_weights(cfg)  # --pretrained: downloaded here, or a one-line error
     if weights:
