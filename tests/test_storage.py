@@ -100,6 +100,7 @@ def test_the_mirror_uploads_while_the_block_runs_and_once_more_at_its_end(s3):
             assert time.monotonic() < deadline, "nothing uploaded while the block ran"
             time.sleep(0.05)
         write(run / "status.json", '{"status": "finished!"}')
+        wait_for(lambda: "heartbeat.json" in storage.remote_files(s3, "r"), 30, "a heartbeat")
         first = read_object(s3, "r/heartbeat.json")
         assert (first["host"], first["pid"]) == (socket.gethostname(), os.getpid())
         wait_for(lambda: read_object(s3, "r/heartbeat.json")["time"] > first["time"], 30, "a second heartbeat")

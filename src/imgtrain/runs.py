@@ -6,6 +6,7 @@ Ray Train owns its checkpoint folders and snapshot files there; imgtrain adds
                   history, complete even after Ray deletes old checkpoints
   status.json     running / finished / failed / interrupted, with pid, host and error
   logs/           driver.log and a link to the Ray session's logs
+  heartbeat.json  a run in an object store only: the driver's host, pid and time, every 2 s
   .imgtrain-run   the marker that makes this directory a run (``ownership.py``), and .lock
 
 With ``--storage s3://...`` (``storage.py``) the same files live in the object store, and these
