@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import socket
+import threading
 import time
 
 import pyarrow.fs as pafs
 import pytest
 
-from imgtrain import storage
+from imgtrain import runs, storage
 from imgtrain.data.format import verify_dataset
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops import ownership
+from tests.conftest import wait_for
 
 
 @pytest.fixture
@@ -28,6 +34,16 @@ def write(path, text: str) -> None:
 
 def other_machine(st: storage.Store, tmp_path) -> storage.Store:
     return storage.Store(uri=st.uri, root=st.root, local=tmp_path / "elsewhere")
+
+
+def read_object(st: storage.Store, rel: str):
+    with st.fs.open_input_stream(f"{st.root}/{rel}") as f:
+        return json.loads(f.read())
+
+
+def put_object(st: storage.Store, rel: str, data: bytes) -> None:
+    with st.fs.open_output_stream(f"{st.root}/{rel}") as f:
+        f.write(data)
 
 
 def test_push_then_pull_elsewhere_gives_the_same_files_and_fetches_only_what_changed(s3, tmp_path):
@@ -84,8 +100,12 @@ def test_the_mirror_uploads_while_the_block_runs_and_once_more_at_its_end(s3):
             assert time.monotonic() < deadline, "nothing uploaded while the block ran"
             time.sleep(0.05)
         write(run / "status.json", '{"status": "finished!"}')
-    with s3.fs.open_input_stream(f"{s3.root}/r/status.json") as f:
-        assert json.loads(f.read())["status"] == "finished!"
+        wait_for(lambda: "heartbeat.json" in storage.remote_files(s3, "r"), 30, "a heartbeat")
+        first = read_object(s3, "r/heartbeat.json")
+        assert (first["host"], first["pid"]) == (socket.gethostname(), os.getpid())
+        wait_for(lambda: read_object(s3, "r/heartbeat.json")["time"] > first["time"], 30, "a second heartbeat")
+    assert read_object(s3, "r/status.json")["status"] == "finished!"
+    assert not (run / "heartbeat.json").exists()  # written to the store only
 
 
 def test_a_data_set_in_the_store_is_copied_once_and_checked_against_its_manifest(s3, s3_server, tiny_data):
@@ -107,8 +127,8 @@ def test_a_data_set_in_the_store_is_copied_once_and_checked_against_its_manifest
         if other.is_file() and other.relative_to(tiny_data).as_posix() != rel:
             with s3.fs.open_output_stream(f"{s3.root}/data/bad/{other.relative_to(tiny_data).as_posix()}") as f:
                 f.write(other.read_bytes())
-    with pytest.raises(ImgtrainError, match="sha256"):
-        verify_dataset(storage.stage_dataset(f"{s3.uri}/data/bad"))
+    with pytest.raises(ImgtrainError, match="sha256"):  # on every node, not only by the driver's reader
+        storage.stage_dataset(f"{s3.uri}/data/bad")
 
     with pytest.raises(ImgtrainError, match="not a prepared data set"):
         storage.stage_dataset(f"{s3.uri}/data/nothing-here")
@@ -130,3 +150,202 @@ def test_storage_uris_and_their_errors(s3, monkeypatch):
     with pytest.raises(ImgtrainError, match="IMGTRAIN_S3_ENDPOINT"):
         storage.probe(storage.store("s3://imgtrain/x"))
     assert "testing" not in repr(storage.s3_filesystem().__reduce__())  # no credentials inside: pickled to workers
+
+
+# ---------------------------------------------------------------- a run trained on this machine
+
+
+def trained_here(st: storage.Store, name: str = "r"):
+    """A run whose driver (this process, as far as the working copy can tell) holds its lock,
+    uploaded once, then written to further as a driver does: the store is behind it."""
+    run = st.local / name
+    write(run / ownership.MARKER_FILE, "{}")
+    write(run / "metrics.jsonl", '{"epoch": 0}\n')
+    storage.push(st, name)
+    with open(run / "metrics.jsonl", "a") as f:  # the driver's next record, not uploaded yet
+        f.write('{"epoch": 1}\n')
+    write(run / "checkpoint_epoch_0001" / "model.pt", "weights")  # the local backend's, not uploaded yet
+    return run
+
+
+def test_a_pull_leaves_a_run_trained_on_this_machine_as_its_driver_has_it(s3):
+    run = trained_here(s3)
+    with ownership.locked(run, "trained"):
+        assert storage.pull(s3, "r") == run
+        assert runs.fetch(s3.uri, "r") == run and [r.name for r in runs.list_runs(s3.uri)] == ["r"]
+        assert (run / "metrics.jsonl").read_text().count("epoch") == 2  # not the store's older copy
+        assert (run / "checkpoint_epoch_0001" / "model.pt").is_file()  # not dropped as "deleted in the store"
+
+
+def test_a_pull_never_replaces_a_file_changed_here_since_its_upload(s3):
+    run = trained_here(s3)  # its driver is gone: nobody holds the lock
+    uploaded = storage.remote_files(s3, "r")["metrics.jsonl"][1]
+    os.utime(run / "metrics.jsonl", (uploaded + 2, uploaded + 2))  # written here after the upload
+    storage.pull(s3, "r")
+    assert (run / "metrics.jsonl").read_text().count("epoch") == 2
+
+
+def test_a_second_train_on_this_machine_is_refused_before_it_touches_the_working_copy(s3):
+    from imgtrain.config import TrainConfig
+    from imgtrain.training.driver import _working_copy
+
+    run = trained_here(s3)
+    before = (run / "metrics.jsonl").read_text()
+    cfg = TrainConfig(name="r", storage=s3.uri)
+    with ownership.locked(run, "trained"), contextlib.ExitStack() as held, \
+            pytest.raises(ImgtrainError, match="being trained right now"):
+        _working_copy(cfg, held)
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_what_was_uploaded_or_fetched_here_is_not_fetched_again(s3):
+    run = s3.local / "r"
+    write(run / "config.json", "{}")
+    write(run / "checkpoint_epoch_0000" / "model.pt", "weights")
+    storage.push(s3, "r", everything=True)
+    inodes = {p: p.stat().st_ino for p in run.rglob("*") if p.is_file()}
+    storage.pull(s3, "r")
+    assert {p: p.stat().st_ino for p in inodes} == inodes  # the same files: nothing downloaded
+
+
+def test_the_mirror_sends_nothing_that_a_pull_brought_down_nor_ray_trains_own_record(s3, tmp_path):
+    run = s3.local / "r"
+    write(run / "config.json", "{}")
+    storage.push(s3, "r")
+    put_object(s3, "r/checkpoint_manager_snapshot.json", b'{"checkpoints": []}')
+    there = other_machine(s3, tmp_path)
+    storage.pull(there, "r")
+    put_object(s3, "r/checkpoint_manager_snapshot.json", b'{"checkpoints": ["newer, by Ray Train"]}')
+    before = storage.remote_files(s3, "r")
+    time.sleep(1.1)  # the store's times are in seconds: anything sent again would show
+    with storage.mirrored(there, "r", interval_s=0.1):
+        time.sleep(0.3)
+    after = storage.remote_files(there, "r")
+    assert {k: after[k] for k in before} == before
+    assert read_object(s3, "r/checkpoint_manager_snapshot.json") == {"checkpoints": ["newer, by Ray Train"]}
+
+
+# ---------------------------------------------------------------- a driver on another machine
+
+
+def status_from_elsewhere(run, beat_age: float | None, pid: int = 4242):
+    write(run / runs.STATUS_FILE, json.dumps({"status": "running", "host": "another-machine", "pid": 4242}))
+    (run / storage.HEARTBEAT_FILE).unlink(missing_ok=True)
+    if beat_age is not None:
+        write(run / storage.HEARTBEAT_FILE, json.dumps(
+            {"host": "another-machine", "pid": pid, "time": time.time() - beat_age}))
+
+
+def test_another_machines_driver_is_gone_once_its_heartbeat_is_old(tmp_path):
+    run = tmp_path / "r"
+    status_from_elsewhere(run, beat_age=5)
+    assert runs.read_status(run)["status"] == "running"
+    with pytest.raises(ImgtrainError, match=r"on another-machine \(its heartbeat 5 s ago\); try later"):
+        runs.refuse_if_trained(run, hint="try later")
+
+    status_from_elsewhere(run, beat_age=storage.HEARTBEAT_STALE_S + 30)
+    assert runs.read_status(run)["status"] == "interrupted"
+    runs.refuse_if_trained(run, hint="resumable")  # no error
+
+    status_from_elsewhere(run, beat_age=None)  # no heartbeat (a shared folder): believed
+    assert runs.read_status(run)["status"] == "running"
+    status_from_elsewhere(run, beat_age=storage.HEARTBEAT_STALE_S + 30, pid=1)  # an earlier driver's
+    assert runs.read_status(run)["status"] == "running"
+
+
+# ---------------------------------------------------------------- the mirror when things go wrong
+
+
+def test_the_mirror_skips_a_file_deleted_under_it_and_survives_any_error(s3, monkeypatch):
+    run = s3.local / "r"
+    write(run / "config.json", "{}")
+    listed = storage._mirrored_files
+
+    def with_a_vanished_checkpoint(local):  # retention deleted it between the listing and its upload
+        yield "checkpoint_epoch_0000/model.pt"
+        yield from listed(local)
+
+    monkeypatch.setattr(storage, "_mirrored_files", with_a_vanished_checkpoint)
+    storage.push(s3, "r", everything=True)
+    assert set(storage.remote_files(s3, "r")) == {"config.json"}
+
+    real_push, calls = storage.push, []
+
+    def flaky_push(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in one round")
+        return real_push(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "push", flaky_push)
+    with storage.mirrored(s3, "r", interval_s=0.05):
+        write(run / "metrics.jsonl", "{}\n")
+        wait_for(lambda: "metrics.jsonl" in storage.remote_files(s3, "r"), 30, "a round after the failed one")
+
+
+def test_the_last_rounds_failure_never_hides_the_runs_own(s3, monkeypatch):
+    def broken_push(*args, **kwargs):
+        raise RuntimeError("the bucket went away")
+
+    monkeypatch.setattr(storage, "push", broken_push)
+    with pytest.raises(ValueError, match="training failed"), storage.mirrored(s3, "r", interval_s=0.05):
+        raise ValueError("training failed")
+    with pytest.raises(ImgtrainError, match="the last upload failed: the bucket went away"), \
+            storage.mirrored(s3, "r", interval_s=0.05):
+        pass
+
+
+def test_processes_pulling_one_run_at_once_each_get_it_whole(s3, tmp_path):
+    run = s3.local / "r"
+    payload = os.urandom(10 << 20)  # several chunks: the pulls overlap
+    write(run / "config.json", "{}")
+    (run / "checkpoint_epoch_0000").mkdir()
+    (run / "checkpoint_epoch_0000" / "model.pt").write_bytes(payload)
+    storage.push(s3, "r", everything=True)
+    there = other_machine(s3, tmp_path)
+    errors = []
+
+    def pull():
+        try:
+            storage.pull(there, "r")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=pull) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert (there.local / "r" / "checkpoint_epoch_0000" / "model.pt").read_bytes() == payload
+    assert not [p for p in there.local.rglob("*.part")]
+
+
+def test_a_data_set_file_damaged_on_this_node_is_fetched_again_and_a_checked_one_not_read_again(
+        s3, tiny_data, monkeypatch):
+    uri = f"{s3.uri}/data/tiny"
+    pafs.copy_files(str(tiny_data), uri.removeprefix("s3://"), source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=s3.fs)
+    local = storage.stage_dataset(uri)
+    shard = next(local.rglob("*.parquet"))
+    good = shard.read_bytes()
+    damaged = bytearray(good)
+    damaged[len(damaged) // 2] ^= 0xFF  # the same size
+    shard.write_bytes(bytes(damaged))
+    storage.stage_dataset(uri)
+    assert shard.read_bytes() == good
+
+    hashed = []
+    real = storage.sha256_file
+    monkeypatch.setattr(storage, "sha256_file", lambda path: hashed.append(path) or real(path))
+    storage.stage_dataset(uri)
+    assert hashed == []  # checked once, remembered by size and time
+    verify_dataset(local)
+
+
+def test_store_paths_come_from_pyarrow_and_an_s3_uri_is_a_bucket_and_prefix_only(s3):
+    assert storage.store("abfs://container@acct.dfs.core.windows.net/runs").root == "container/runs"
+    for uri in ("s3://imgtrain/runs?region=eu-west-1", "s3://key:secret@imgtrain/runs"):
+        with pytest.raises(ImgtrainError, match=r"s3://bucket/prefix, nothing more") as e:
+            storage.store(uri)
+        assert "\n" not in str(e.value)

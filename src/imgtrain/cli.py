@@ -137,7 +137,7 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
     requested = {**from_file, **overrides}
     # A resumed run keeps its stored settings; an overwritten one starts from the defaults.
     run_name, run_storage = requested.get("name"), requested.get("storage", TrainConfig.storage)
-    run_dir = runs.fetch(run_storage, run_name) if run_name else None
+    run_dir = runs.fetch(run_storage, run_name, checkpoints=False) if run_name else None  # its config
     stored = runs.read_config(run_dir) if run_dir and not overwrite and ownership.is_run(run_dir) else None
     cfg = resolve(requested, stored)
     if problems:  # the file's problems and the resolved config's, in one message

@@ -6,6 +6,7 @@ Ray Train owns its checkpoint folders and snapshot files there; imgtrain adds
                   history, complete even after Ray deletes old checkpoints
   status.json     running / finished / failed / interrupted, with pid, host and error
   logs/           driver.log and a link to the Ray session's logs
+  heartbeat.json  a run in an object store only: the driver's host, pid and time, every 2 s
   .imgtrain-run   the marker that makes this directory a run (``ownership.py``), and .lock
 
 With ``--storage s3://...`` (``storage.py``) the same files live in the object store, and these
@@ -44,10 +45,12 @@ def run_path(storage: str, name: str) -> Path:
     return storage_root(storage) / name
 
 
-def fetch(storage: str, name: str) -> Path:
-    """``run_path``, with a run in an object store brought down whole into the working copy first."""
+def fetch(storage: str, name: str, checkpoints: bool = True) -> Path:
+    """``run_path``, with a run in an object store brought down into the working copy first:
+    whole, or without the checkpoints' weights. A run that a process on this machine trains is
+    read as that process has it."""
     if remote.is_remote(storage):
-        return remote.pull(remote.store(storage), name)
+        return remote.pull(remote.store(storage), name, checkpoints=checkpoints)
     return run_path(storage, name)
 
 
@@ -112,23 +115,44 @@ def read_status(run_dir: Path) -> dict:
     status = _read_json(path)
     if not isinstance(status, dict):
         return {"status": "damaged", "error": f"{STATUS_FILE} is not valid JSON"}
-    # A driver killed with SIGKILL leaves "running" behind; say what really happened.
-    if status.get("status") == "running" and status.get("host") == socket.gethostname():
-        if not _pid_alive(status.get("pid", -1)):
-            status["status"] = "interrupted"
+    # A driver killed with SIGKILL (or its machine lost) leaves "running" behind; say what really happened.
+    if status.get("status") == "running" and _driver_gone(run_dir, status):
+        status["status"] = "interrupted"
     return status
+
+
+def _driver_gone(run_dir: Path, status: dict) -> bool:
+    """On this host the recorded pid tells. The driver of a run in an object store writes a
+    heartbeat there every few seconds (``storage.mirrored``): one of that driver older than
+    ``HEARTBEAT_STALE_S`` means it is gone. Another host's driver without a heartbeat (a run on
+    a shared folder) cannot be checked: it is believed."""
+    if status.get("host") == socket.gethostname():
+        return not _pid_alive(status.get("pid", -1))
+    age = heartbeat_age(run_dir, status)
+    return age is not None and age > remote.HEARTBEAT_STALE_S
+
+
+def heartbeat_age(run_dir: Path, status: dict) -> float | None:
+    """Seconds since the heartbeat of the driver ``status`` names; None without one."""
+    beat = _read_json(run_dir / remote.HEARTBEAT_FILE)
+    if not isinstance(beat, dict) or [beat.get("host"), beat.get("pid")] != [status.get("host"), status.get("pid")] \
+            or not isinstance(beat.get("time"), (int, float)):
+        return None
+    return time.time() - beat["time"]
 
 
 def refuse_if_trained(run_dir: Path, hint: str, this_host: bool = True, other_hosts: bool = True) -> None:
     """Raise when status.json says a live driver trains the run. On this host a dead pid reads
-    as "interrupted"; another host's record cannot be checked, so it is believed unless
-    ``other_hosts`` is False (``clean --force``). ``this_host`` False: the caller holds the
-    run's lock, which settles it on this host."""
+    as "interrupted", elsewhere a heartbeat that stopped; another host's record is otherwise
+    believed unless ``other_hosts`` is False (``clean --force``). ``this_host`` False: the
+    caller holds the run's lock, which settles it on this host."""
     status = read_status(run_dir)
     here = status.get("host") == socket.gethostname()
     if status.get("status") == "running" and (this_host if here else other_hosts):
+        age = None if here else heartbeat_age(run_dir, status)
+        beat = f" (its heartbeat {age:.0f} s ago)" if age is not None else ""
         raise ImgtrainError(f"run {run_dir.name!r} is being trained right now by process {status.get('pid')} "
-                            f"on {status.get('host')}; {hint}")
+                            f"on {status.get('host')}{beat}; {hint}")
 
 
 def _pid_alive(pid: int) -> bool:

@@ -2,13 +2,14 @@
 
 The store holds the run: Ray Train's workers upload checkpoints there themselves (in the
 background, ``ray.train.report``'s async mode), and the driver mirrors the files it writes
-(config.json, metrics.jsonl, status.json, logs) up every few seconds. Every command works on
-a local *working copy* of the runs it touches, under ``IMGTRAIN_CACHE``
-(``~/.cache/imgtrain/stores/<scheme>/<bucket>/<prefix>``): a run named on the command line is
-brought down whole before it is used (only files whose size or time changed are fetched),
-``runs list`` fetches each run's small files and its checkpoints' meta.json only. So the rest
-of imgtrain keeps reading and writing plain files, and any machine with the credentials can
-resume, evaluate or serve a run another machine trained.
+(config.json, metrics.jsonl, status.json, logs) up every few seconds, with a heartbeat that
+tells other machines it is alive. Every command works on a local *working copy* of the runs it
+touches, under ``IMGTRAIN_CACHE`` (``~/.cache/imgtrain/stores/<scheme>/<bucket>/<prefix>``): a
+run named on the command line is brought down whole before it is used (only files whose size or
+time changed are fetched), ``runs list`` fetches each run's small files and its checkpoints'
+meta.json only. A run that a process on this machine trains (or deletes) is never brought down
+over that process's files. So the rest of imgtrain keeps reading and writing plain files, and
+any machine with the credentials can resume, evaluate or serve a run another machine trained.
 
 Credentials come from the environment as the cloud's own tools read them (``AWS_ACCESS_KEY_ID``
 ..., an instance role, ``GOOGLE_APPLICATION_CREDENTIALS``); they never travel inside a
@@ -20,19 +21,36 @@ so an S3-compatible server (MinIO, moto) is named by ``IMGTRAIN_S3_ENDPOINT`` (o
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
+import logging
 import os
+import socket
+import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from imgtrain.errors import ImgtrainError, one_line
+from imgtrain.ops.files import atomic_write_text, sha256_file
+from imgtrain.ops.ownership import LOCK_FILE, MARKER_FILE
+
+log = logging.getLogger(__name__)
 
 ENDPOINT_VARS = ("IMGTRAIN_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 CACHE_VAR = "IMGTRAIN_CACHE"
 PUSH_INTERVAL_S = 2.0
+# The driver of a run writes {"host", "pid", "time"} here every PUSH_INTERVAL_S; a "running"
+# status from another host whose heartbeat is older than HEARTBEAT_STALE_S is a driver that is
+# gone (runs.read_status). Generous: clocks of two machines differ a little, and a busy store answers late.
+HEARTBEAT_FILE = "heartbeat.json"
+HEARTBEAT_STALE_S = 60.0
 # Never mirrored: the lock is about this machine's processes, logs/ray links to this machine's
 # Ray session, and the checkpoints are uploaded by the workers that write them.
 LOCAL_ONLY = (".lock", "logs/ray")
+# Written straight to the store (by Ray Train; the heartbeat): a copy pulled here is older, never sent back.
+STORE_ONLY = ("checkpoint_manager_snapshot.json", HEARTBEAT_FILE)
 CHECKPOINT_PREFIX = "checkpoint_"
 META_FILE = "meta.json"
 
@@ -47,12 +65,12 @@ class Store:
     """One ``--storage`` URI: its filesystem, the path of its root there, and the working copy."""
 
     uri: str  # as given, without a trailing slash
-    root: str  # "bucket/prefix" for pyarrow
+    root: str  # the path pyarrow's filesystem knows it by: "bucket/prefix" (abfs: "container/prefix")
     local: Path  # the working copy's root
 
     @property
     def fs(self):
-        return _filesystem(self.uri)
+        return _resolve(self.uri)[0]
 
     def run_uri(self, name: str) -> str:
         return f"{self.uri}/{name}"
@@ -63,25 +81,41 @@ def store(storage: str) -> Store:
     scheme, _, rest = uri.partition("://")
     if not rest.strip("/"):
         raise ImgtrainError(f"--storage {storage}: name a bucket, e.g. {scheme}://my-bucket/runs")
-    _filesystem(uri)  # an unknown scheme or a missing client library: said now
-    return Store(uri=uri, root=rest.strip("/"), local=(_cache() / "stores" / scheme / rest.strip("/")).resolve())
+    _plain_s3(uri)
+    _, root = _resolve(uri)  # an unknown scheme or a missing client library: said now
+    # the cache keeps the account of abfs://container@account/... (two accounts, two copies)
+    local = (_cache() / "stores" / scheme / rest.partition("?")[0].strip("/")).resolve()
+    return Store(uri=uri, root=root, local=local)
 
 
 def _cache() -> Path:
     return Path(os.environ.get(CACHE_VAR) or Path.home() / ".cache" / "imgtrain").expanduser()
 
 
-def _filesystem(uri: str):
-    """pyarrow's filesystem for ``uri``; S3 with the endpoint from the environment."""
+def _resolve(uri: str):
+    """(pyarrow's filesystem, the path in it) for ``uri``. S3 gets imgtrain's own client (the
+    endpoint from the environment, no credentials inside); other schemes are pyarrow's, whose
+    path may differ from the URI's text (abfs://container@account.dfs.core.windows.net/runs is
+    "container/runs")."""
     import pyarrow.fs as pafs
 
     if uri.startswith("s3://"):
-        return s3_filesystem()
+        return s3_filesystem(), uri.removeprefix("s3://").strip("/")
     try:
-        return pafs.FileSystem.from_uri(uri)[0]
+        fs, path = pafs.FileSystem.from_uri(uri)
     except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError
         raise ImgtrainError(f"--storage {uri}: {one_line(e)}; use a local path or s3://, gs://, abfs:// "
                             "as pyarrow supports them") from None
+    return fs, path.strip("/")
+
+
+def _plain_s3(uri: str) -> None:
+    """A user's s3:// location names a bucket and a prefix; pyarrow would read options (?region=)
+    or credentials (key:secret@) from more, imgtrain's client takes them from the environment."""
+    if uri.startswith("s3://") and ("?" in uri or "@" in uri):
+        raise ImgtrainError(f"{uri}: write an S3 location as s3://bucket/prefix, nothing more; the region, "
+                            f"endpoint and credentials come from the environment (AWS_REGION, "
+                            f"{ENDPOINT_VARS[0]}, AWS_ACCESS_KEY_ID ...)")
 
 
 def s3_filesystem():
@@ -101,7 +135,7 @@ def s3_filesystem():
 
 def split(uri: str):
     """(filesystem, path in it) of a URI such as s3://bucket/prefix/run/checkpoint_..."""
-    return _filesystem(uri), uri.partition("://")[2]
+    return _resolve(uri.rstrip("/"))
 
 
 def where(error: BaseException, st: Store) -> ImgtrainError:
@@ -131,8 +165,6 @@ def run_names(st: Store) -> list[str]:
     """The names of the folders directly under the store's root that hold a run marker."""
     import pyarrow.fs as pafs
 
-    from imgtrain.ops.ownership import MARKER_FILE
-
     try:
         infos = st.fs.get_file_info(pafs.FileSelector(st.root, allow_not_found=True))
         folders = [i.base_name for i in infos if i.type == pafs.FileType.Directory]
@@ -142,19 +174,61 @@ def run_names(st: Store) -> list[str]:
     return sorted(n for n, m in zip(folders, markers) if m.type == pafs.FileType.File)
 
 
-def pull(st: Store, name: str, checkpoints: bool = True, only_checkpoints: bool = False) -> Path:
+@contextlib.contextmanager
+def turn(st: Store, name: str):
+    """This machine's processes take turns on the working copy of run ``name``: each pull of
+    it, and each taking of its lock (``ownership.locked``: a driver, ``clean``). So a pull that
+    finds the lock free writes before any driver here starts, and its look at the lock never
+    makes a driver's attempt to take it fail. The lock file lies beside the run's folder."""
+    st.local.mkdir(parents=True, exist_ok=True)
+    with open(st.local / f".{name}.pull-lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def in_use_here(local: Path) -> bool:
+    """Whether a process on this machine holds the run's lock (it trains or deletes the run).
+    Asked for a shared lock, given back at once; only in the run's turn."""
+    try:
+        fd = os.open(local / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # no lock file (or no folder): nobody has trained it here
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def pull(st: Store, name: str, checkpoints: bool = True, only_checkpoints: bool = False,
+         owner: bool = False) -> Path:
     """Bring the run ``name`` into the working copy and return its local folder. Files whose
-    size and time match are not fetched again; local checkpoints the store no longer has (Ray
-    Train's retention deleted them) go. ``checkpoints`` False: only each checkpoint's meta.json;
-    ``only_checkpoints``: the checkpoints only (the driver of a run has the newer other files)."""
+    size and time match are not fetched again, nor those changed here since the store's copy
+    (a driver killed before its last upload); local checkpoints the store no longer has (Ray
+    Train's retention deleted them) go. ``checkpoints`` False: only each checkpoint's
+    meta.json; ``only_checkpoints``: the checkpoints only (the driver of a run has the newer
+    other files). A run that another process on this machine trains or deletes is left as that
+    process has it; ``owner``: the caller is that process (it holds the run's lock or turn)."""
+    local = st.local / name
+    if owner:
+        _pull(st, name, local, checkpoints, only_checkpoints)
+        return local
+    with turn(st, name):
+        if not in_use_here(local):
+            _pull(st, name, local, checkpoints, only_checkpoints)
+    return local
+
+
+def _pull(st: Store, name: str, local: Path, checkpoints: bool, only_checkpoints: bool) -> None:
     import shutil
 
-    local = st.local / name
     wanted = remote_files(st, name)
     if not wanted and not only_checkpoints:  # no such run in the store (any more): nor its working copy
         if local.is_dir() and not local.is_symlink():
             shutil.rmtree(local, ignore_errors=True)
-        return local
+        return
     if not checkpoints:
         wanted = {p: v for p, v in wanted.items() if not _in_checkpoint(p) or p.endswith("/" + META_FILE)}
     if only_checkpoints:
@@ -162,12 +236,11 @@ def pull(st: Store, name: str, checkpoints: bool = True, only_checkpoints: bool 
     fs = st.fs
     for rel, (size, mtime) in wanted.items():
         target = local / rel
-        if _same(target, size, mtime):
+        if _same(target, size, mtime) or _changed_here(target, mtime):
             continue
         _copy_down(fs, f"{st.root}/{name}/{rel}", target, st)
         os.utime(target, (mtime, mtime))
     _drop_local_extras(local, set(wanted))
-    return local
 
 
 def _in_checkpoint(rel: str) -> bool:
@@ -180,6 +253,15 @@ def _same(path: Path, size: int, mtime: float) -> bool:
     except OSError:
         return False
     return stat.st_size == size and abs(stat.st_mtime - mtime) < 1e-3
+
+
+def _changed_here(path: Path, mtime: float) -> bool:
+    """The local file is newer than the store's copy: written here after its last upload (a
+    sent or fetched file carries the store's time, push and pull set it)."""
+    try:
+        return path.stat().st_mtime > mtime + 1e-3
+    except OSError:
+        return False
 
 
 def _drop_local_extras(local: Path, wanted: set[str]) -> None:
@@ -201,35 +283,76 @@ def push(st: Store, name: str, sent: dict[str, tuple[int, int]] | None = None, e
     place), or only those ``under`` one folder (a report). Checkpoints only with ``everything``
     (the local backend writes them here, and
     deletes old ones: so does the store then); a checkpoint's meta.json goes last, so the store
-    never lists a checkpoint whose files are not all there."""
+    never lists a checkpoint whose files are not all there. A file deleted meanwhile is skipped."""
     sent = {} if sent is None else sent
     local = st.local / name
     fs = st.fs
     new_checkpoint = False
-    for path in sorted(local.rglob("*"), key=lambda p: (p.name == META_FILE, str(p))):
-        rel = path.relative_to(local).as_posix()
-        if path.is_symlink() or not path.is_file() or rel.endswith((".part", ".tmp")) or ".tmp/" in rel or any(
-                rel == x or rel.startswith(x + "/") for x in LOCAL_ONLY):
-            continue
+    for rel in sorted(_mirrored_files(local), key=lambda r: (r.rsplit("/", 1)[-1] == META_FILE, r)):
         if _in_checkpoint(rel) and not everything or under and not rel.startswith(under + "/"):
             continue
-        stat = path.stat()
-        if sent.get(rel) == (stat.st_size, stat.st_mtime_ns):
-            continue
-        try:
-            with open(path, "rb") as src, fs.open_output_stream(f"{st.root}/{name}/{rel}") as dst:
-                while chunk := src.read(8 << 20):
-                    dst.write(chunk)
-        except OSError as e:
-            raise where(e, st) from None
-        sent[rel] = (stat.st_size, stat.st_mtime_ns)
-        new_checkpoint = new_checkpoint or _in_checkpoint(rel)
+        stamp = _upload(fs, local / rel, f"{st.root}/{name}/{rel}", sent.get(rel), st)
+        if stamp:
+            sent[rel] = stamp
+            new_checkpoint = new_checkpoint or _in_checkpoint(rel)
     if new_checkpoint:  # the local backend's retention may have deleted older ones
         gone = {rel.split("/", 1)[0] for rel in remote_files(st, name) if _in_checkpoint(rel)}
         for folder in sorted(gone - {p.name for p in local.glob(CHECKPOINT_PREFIX + "*")}):
             delete(st, name, folder)
             for rel in [r for r in sent if r.startswith(folder + "/")]:
                 del sent[rel]
+
+
+def _mirrored_files(local: Path):
+    """The paths (relative to the run) of the working copy's files that belong in the store:
+    not links, not files being written, not this machine's own, not those written straight there."""
+    for folder, _, files in os.walk(local):  # a folder deleted meanwhile is skipped, links not followed
+        for file in files:
+            path = os.path.join(folder, file)
+            rel = Path(path).relative_to(local).as_posix()
+            if os.path.islink(path) or rel.endswith((".part", ".tmp")) or ".tmp/" in rel or rel in STORE_ONLY \
+                    or any(rel == x or rel.startswith(x + "/") for x in LOCAL_ONLY):
+                continue
+            yield rel
+
+
+def _upload(fs, path: Path, target: str, sent: tuple[int, int] | None, st: Store) -> tuple[int, int] | None:
+    """One file to the store unless it is as ``sent``; returns what was sent (size, mtime in ns),
+    None for nothing. The local file then takes the object's time, so that a pull on this
+    machine does not fetch it back."""
+    try:
+        with open(path, "rb") as src:
+            before = os.fstat(src.fileno())
+            if (before.st_size, before.st_mtime_ns) == sent:
+                return None
+            try:
+                with fs.open_output_stream(target) as dst:
+                    while chunk := src.read(8 << 20):
+                        dst.write(chunk)
+                stored = fs.get_file_info(target).mtime
+            except OSError as e:  # the store's
+                raise where(e, st) from None
+        now = os.stat(path)
+    except FileNotFoundError:  # deleted since it was listed (the local backend's retention)
+        return None
+    if stored is None or (now.st_ino, now.st_size, now.st_mtime_ns) != (before.st_ino, before.st_size,
+                                                                         before.st_mtime_ns):
+        return before.st_size, before.st_mtime_ns  # changed while it went up: sent again next round
+    ns = round(stored.timestamp() * 1e9)
+    os.utime(path, ns=(ns, ns))
+    return before.st_size, ns
+
+
+def in_store(st: Store, name: str) -> dict[str, tuple[int, int]]:
+    """``push``'s record for the working copy's files that are the same as the store's (a
+    pull brought them down): the mirror does not send them again."""
+    sent = {}
+    for rel, (size, mtime) in remote_files(st, name).items():
+        path = st.local / name / rel
+        if _same(path, size, mtime):
+            stat = path.stat()
+            sent[rel] = (stat.st_size, stat.st_mtime_ns)
+    return sent
 
 
 def delete(st: Store, name: str, rel: str = "") -> None:
@@ -242,15 +365,29 @@ def delete(st: Store, name: str, rel: str = "") -> None:
         raise where(e, st) from None
 
 
+def beat(st: Store, name: str) -> None:
+    """Write the run's heartbeat to the store: its driver (this process) is alive."""
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+    try:
+        with st.fs.open_output_stream(f"{st.root}/{name}/{HEARTBEAT_FILE}") as f:
+            f.write(json.dumps(record).encode())
+    except OSError as e:
+        raise where(e, st) from None
+
+
 @contextlib.contextmanager
 def mirrored(st: Store | None, name: str, interval_s: float = PUSH_INTERVAL_S, everything: bool = False):
-    """While the block runs, upload the driver's files of the run every ``interval_s``; once
-    more when it ends, however it ends. A failing upload is retried on the next round; the last
-    one's failure is raised unless the block itself failed."""
+    """While the block runs, upload the driver's files of the run every ``interval_s`` and
+    write its heartbeat (in a thread of its own: a long upload does not delay it); upload once
+    more when the block ends, however it ends. A failing round is logged and retried on the
+    next one; the last one's failure is raised unless the block itself failed."""
     if st is None:
         yield
         return
-    sent: dict[str, tuple[int, int]] = {}
+    try:
+        sent = in_store(st, name)  # what the pull brought down is there already
+    except ImgtrainError:
+        sent = {}
     stop, lock = threading.Event(), threading.Lock()
     failure: list[BaseException] = []
 
@@ -259,26 +396,46 @@ def mirrored(st: Store | None, name: str, interval_s: float = PUSH_INTERVAL_S, e
             try:
                 push(st, name, sent, everything)
                 failure.clear()
-            except ImgtrainError as e:
+            except Exception as e:  # whatever it is, the mirror goes on: the next round retries
+                if not failure or str(failure[0]) != str(e):  # once, not every 2 s
+                    log.warning("uploading run %s to %s failed: %s", name, st.uri, one_line(e),
+                                exc_info=not isinstance(e, ImgtrainError))
                 failure[:] = [e]
 
-    def loop():
-        round_()  # at once: a run that fails in its first seconds is in the store too
-        while not stop.wait(interval_s):
-            round_()
+    def heartbeat():
+        try:
+            beat(st, name)
+        except Exception as e:  # noqa: BLE001 - retried; one older than HEARTBEAT_STALE_S says "gone"
+            log.warning("the heartbeat of run %s failed: %s", name, one_line(e))
 
-    thread = threading.Thread(target=loop, name="imgtrain-mirror", daemon=True)
-    thread.start()
+    threads = [_every(interval_s, stop, round_, "imgtrain-mirror"),
+               _every(interval_s, stop, heartbeat, "imgtrain-heartbeat")]
     ok = False
     try:
         yield
         ok = True
     finally:
         stop.set()
-        thread.join()
-        round_()
+        for thread in threads:
+            thread.join()
+        round_()  # never raises: a failure of the block stays the one told
         if ok and failure:
-            raise failure[0]
+            error = failure[0]
+            if isinstance(error, ImgtrainError):
+                raise error
+            raise ImgtrainError(f"storage {st.uri}: the last upload failed: {one_line(error)}") from error
+
+
+def _every(interval_s: float, stop: threading.Event, work, name: str) -> threading.Thread:
+    """``work()`` at once, then every ``interval_s`` until ``stop`` is set, in a thread."""
+    def loop():
+        work()  # at once: a run that fails in its first seconds is in the store too
+        while not stop.wait(interval_s):
+            work()
+
+    thread = threading.Thread(target=loop, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 def probe(st: Store) -> None:
@@ -316,21 +473,21 @@ def local_data(data: str) -> str:
 
 def stage_dataset(uri: str) -> Path:
     """A prepared data set in an object store (``imgtrain data prepare`` output uploaded as it
-    is), copied to this node's cache: its manifest.json and the Parquet files it lists. A file
-    already there with the store's size is kept (readers check every file's sha256 against the
-    manifest). Several processes of one node copy it once: they take turns on a lock file.
-    Each node holds one copy on disk; training then streams it as from any local folder."""
-    import fcntl
-    import json
-
+    is), copied to this node's cache: its manifest.json and the Parquet files it lists, each
+    checked against the manifest's sha256 (a file already there that fails is fetched again;
+    one that passed is remembered with its size and time, so it is not read again). Several
+    processes of one node copy it once: they take turns on a lock file. Each node holds one
+    copy on disk; training then streams it as from any local folder."""
     from imgtrain.data.format import MANIFEST
 
     uri = uri.rstrip("/")
+    _plain_s3(uri)
     fs, root = split(uri)
     scheme = uri.partition("://")[0]
     local = (_cache() / "data" / scheme / root).resolve()
     local.mkdir(parents=True, exist_ok=True)
     st = Store(uri=uri, root=root, local=local)
+    checked_file = local.parent / f".{local.name}.checked.json"
     with open(local.parent / f".{local.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         _download(fs, f"{root}/{MANIFEST}", local / MANIFEST, st, missing=(
@@ -339,13 +496,40 @@ def stage_dataset(uri: str) -> Path:
         try:
             manifest = json.loads((local / MANIFEST).read_text())
             files = [rel for split_ in manifest["splits"].values() for rel in split_["files"]]
+            hashes = dict(manifest.get("sha256") or {})  # a file without one fails its check below
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ImgtrainError(f"{uri}/{MANIFEST} is not a valid manifest; prepare the data set again") from None
+        checked = _read_checked(checked_file)
         for rel in files:
             if rel.startswith("/") or ".." in rel.split("/"):  # a manifest stays inside its folder
                 raise ImgtrainError(f"{uri}/{MANIFEST} lists {rel!r}, outside the data set; prepare it again")
-            _download(fs, f"{root}/{rel}", local / rel, st, missing=f"{uri}/{rel} is missing; upload the data set again")
+            checked[rel] = _stage_file(fs, st, rel, hashes.get(rel), checked.get(rel))
+        atomic_write_text(checked_file, json.dumps(checked))
     return local
+
+
+def _read_checked(path: Path) -> dict:
+    try:
+        checked = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return checked if isinstance(checked, dict) else {}
+
+
+def _stage_file(fs, st: Store, rel: str, sha256: str | None, checked) -> list:
+    """One file of a data set on this node, matching ``sha256``; returns what to remember of
+    it: [size, mtime in ns, sha256]."""
+    target = st.local / rel
+    with contextlib.suppress(OSError):
+        stat = target.stat()
+        if checked == [stat.st_size, stat.st_mtime_ns, sha256] or sha256_file(target) == sha256:
+            return [stat.st_size, stat.st_mtime_ns, sha256]
+    _download(fs, f"{st.root}/{rel}", target, st, missing=f"{st.uri}/{rel} is missing; upload the data set again")
+    if sha256_file(target) != sha256:
+        raise ImgtrainError(f"{st.uri}/{rel} does not match its sha256 in the manifest (modified or corrupt); "
+                            "upload the data set again, as `imgtrain data prepare` made it")
+    stat = target.stat()
+    return [stat.st_size, stat.st_mtime_ns, sha256]
 
 
 def _download(fs, source: str, target: Path, st: Store, missing: str) -> None:
@@ -357,20 +541,20 @@ def _download(fs, source: str, target: Path, st: Store, missing: str) -> None:
         raise where(e, st) from None
     if info.type != pafs.FileType.File:
         raise ImgtrainError(missing)
-    if target.is_file() and target.stat().st_size == info.size and target.name != "manifest.json":
-        return
     _copy_down(fs, source, target, st)
 
 
 def _copy_down(fs, source: str, target: Path, st: Store) -> None:
-    """One object to a local file, complete or not at all."""
+    """One object to a local file, complete or not at all: written under a name of its own
+    (two processes fetching the same file never share one), then renamed into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".part")
+    fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
     try:
-        with fs.open_input_stream(source) as src, open(partial, "wb") as dst:
+        with fs.open_input_stream(source) as src, os.fdopen(fd, "wb") as dst:
             while chunk := src.read(8 << 20):
                 dst.write(chunk)
+        os.replace(partial, target)
     except OSError as e:
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
         raise where(e, st) from None
-    os.replace(partial, target)

@@ -49,6 +49,16 @@ def snapshot(env: dict, run: str) -> str:
         return ""
 
 
+def read_object(env: dict, rel: str) -> dict:
+    with bucket(env).open_input_stream(f"{BUCKET}/{rel}") as f:
+        return json.loads(f.read())
+
+
+def write_object(env: dict, rel: str, record: dict) -> None:
+    with bucket(env).open_output_stream(f"{BUCKET}/{rel}") as f:
+        f.write(json.dumps(record).encode())
+
+
 def machine(env: dict, tmp_path: Path, name: str) -> dict:
     """The environment of a process on another machine: same bucket, an empty cache of its own."""
     cache = tmp_path / f"cache-{name}"
@@ -142,10 +152,25 @@ def test_a_driver_killed_mid_run_resumes_from_the_bucket_on_another_machine(s3_s
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
 
+    # as if the lost machine were another host: only its heartbeat can tell that its driver is gone
+    status = read_object(s3_server, "runs/killed/status.json")
+    assert status["status"] == "running"
+    status["host"] = "another-machine"
+    write_object(s3_server, "runs/killed/status.json", status)
+    write_object(s3_server, "runs/killed/heartbeat.json", {"host": "another-machine", "pid": status["pid"],
+                                                            "time": time.time()})
     env = machine(s3_server, tmp_path, "second")
+    refused = cli(env, *args)
+    assert refused.returncode == 2 and "another-machine (its heartbeat" in refused.stderr, refused.stderr
+    time.sleep(1.1)  # the bucket's times are whole seconds: the new heartbeat is seen as changed
+    write_object(s3_server, "runs/killed/heartbeat.json", {"host": "another-machine", "pid": status["pid"],
+                                                            "time": time.time() - 120})
     again = cli(env, *args)
     assert again.returncode == 0, again.stderr
     assert "resuming run 'killed' at epoch" in again.stdout
+    copy = Path(env["IMGTRAIN_CACHE"]) / "stores" / "s3" / BUCKET / "runs" / "killed"
+    last = copy / "checkpoint_epoch_0002"  # the run's end brings down its checkpoints' records only
+    assert (last / "meta.json").is_file() and not (last / "model.pt").exists()
     shown = json.loads(cli(env, "runs", "show", "killed", "--storage", RUNS, "--json").stdout)
     assert shown["status"] == "finished"
     assert [m["epoch"] for m in shown["metrics"]] == [0, 1, 2]  # each epoch once, none lost

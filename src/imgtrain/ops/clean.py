@@ -14,6 +14,7 @@ followed, so nothing outside the run's own directory is touched. A run in an obj
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -104,10 +105,13 @@ def remove(removal: Removal) -> None:
     if removal.kind == "run":
         if not _is_run(removal.path):  # checked again: it may have changed since the plan
             raise ImgtrainError(f"{removal.path} is no longer an imgtrain run; not deleting it")
-        with ownership.locked(removal.path, "deleted"):  # a driver that started since: refused
+        store = remote.store(removal.store) if removal.store else None
+        # a run in an object store: locked in its turn, as a driver locks it (storage.turn)
+        with remote.turn(store, removal.path.name) if store else contextlib.nullcontext(), \
+                ownership.locked(removal.path, "deleted"):  # a driver that started since: refused
             _refuse_if_running(removal.path, removal.force)
-            if removal.store:  # the store first: a working copy left behind is only a cache
-                remote.delete(remote.store(removal.store), removal.path.name)
+            if store:  # the store first: a working copy left behind is only a cache
+                remote.delete(store, removal.path.name)
             shutil.rmtree(removal.path)  # removes links inside as links, never what they point to
         return
     for path in removal.files:

@@ -19,7 +19,7 @@ from imgtrain import runs
 from imgtrain import storage as remote
 from imgtrain.config import TrainConfig, changed_fields, steps_per_epoch, validate
 from imgtrain.data import stream
-from imgtrain.errors import ImgtrainError
+from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops import ownership
 from imgtrain.ops.files import check_writable
@@ -67,17 +67,18 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool) -> runs.
     if remote.is_remote(cfg.storage) and overwrite:
         raise ImgtrainError(f"--overwrite is not offered for runs in an object store ({cfg.storage}): delete the run "
                             f"with `imgtrain clean runs {cfg.name} --storage {cfg.storage}`, then train it again")
-    run_dir = runs.fetch(cfg.storage, cfg.name)  # a run in an object store: its working copy, up to date
     with contextlib.ExitStack() as held:  # the run's lock, held until training ends
-        plan = _plan(cfg, run_dir, overwrite, display, held)
+        run_dir, locked = _working_copy(cfg, held)
+        plan = _plan(cfg, run_dir, overwrite, display, held, locked)
         replaced = ownership.Replacement(run_dir) if plan.replace else None
         if replaced:
             display.note(f"replacing the previous run {cfg.name!r} and starting afresh; the old run is deleted "
                          "once this run has its first checkpoint")
         try:
             if not ownership.is_run(run_dir):  # a new run (or the old one just moved aside)
-                ownership.claim(run_dir)
-                held.enter_context(ownership.locked(run_dir, "trained"))
+                with _turn(cfg.storage, cfg.name):  # no pull here finds it made but not locked
+                    ownership.claim(run_dir)
+                    held.enter_context(ownership.locked(run_dir, "trained"))
             _probe_storage(run_dir, cfg.storage)
             store = remote.store(cfg.storage) if remote.is_remote(cfg.storage) else None
             # the driver's files go up every few seconds; the workers upload the checkpoints
@@ -87,6 +88,29 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool) -> runs.
             if replaced and not replaced.done:  # the new run failed before its first checkpoint
                 replaced.rollback()
                 display.note(f"the previous run {cfg.name!r} was restored ({run_dir})")
+
+
+def _working_copy(cfg: TrainConfig, held: contextlib.ExitStack) -> tuple[Path, bool]:
+    """(the run's folder, whether its lock is taken). A run in an object store is brought up to
+    date here first, and its lock is taken before that when this machine has a copy: a run
+    trained here right now is refused before its files are touched."""
+    run_dir = runs.run_path(cfg.storage, cfg.name)
+    if not remote.is_remote(cfg.storage):
+        return run_dir, False
+    st = remote.store(cfg.storage)
+    with remote.turn(st, cfg.name):
+        known = ownership.is_run(run_dir)
+        if known:
+            held.enter_context(ownership.locked(run_dir, "trained"))
+        remote.pull(st, cfg.name, owner=True)
+        if not known and ownership.is_run(run_dir):  # first brought to this machine just now
+            held.enter_context(ownership.locked(run_dir, "trained"))
+    return run_dir, ownership.is_run(run_dir)  # a run here is locked (one the store no longer has is gone)
+
+
+def _turn(storage: str, name: str):
+    """The run's turn on this machine's working copy (``storage.turn``); nothing for a folder."""
+    return remote.turn(remote.store(storage), name) if remote.is_remote(storage) else contextlib.nullcontext()
 
 
 @dataclasses.dataclass
@@ -101,8 +125,9 @@ class _Plan:
     complete: bool = False  # every epoch is trained already: only its history is put right
 
 
-def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: contextlib.ExitStack) -> _Plan:
-    """Every check that can fail, before anything is written."""
+def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: contextlib.ExitStack,
+          locked: bool = False) -> _Plan:
+    """Every check that can fail, before anything is written. ``locked``: the run's lock is held already."""
     from imgtrain.data.format import verify_dataset
 
     exists = ownership.is_run(run_dir)
@@ -111,9 +136,9 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
                             "imgtrain does not write into other folders: choose another --name or --storage")
     stored, resume = None, Resume()
     if exists:
-        held.enter_context(ownership.locked(run_dir, "trained"))  # refuses a run in use on this machine
-        runs.refuse_if_trained(run_dir, this_host=False, hint="wait for it or stop it (if that process is gone, "
-                               f"delete {run_dir / runs.STATUS_FILE})")
+        if not locked:
+            held.enter_context(ownership.locked(run_dir, "trained"))  # refuses a run in use on this machine
+        runs.refuse_if_trained(run_dir, this_host=False, hint=_busy_hint(cfg, run_dir))
         if not ownership.is_marked(run_dir):
             ownership.mark(run_dir)  # a run made before markers: adopted
         if overwrite and not cfg.data:
@@ -141,7 +166,8 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
     if not cfg.data:
         raise ImgtrainError("--data is required for a new run (a directory made by `imgtrain data prepare`)")
     display.phase("checking the data set")
-    manifest = verify_dataset(remote.local_data(cfg.data))  # one in an object store: copied here first
+    # one in an object store: copied here first, each file checked against its sha256 as it came
+    manifest = verify_dataset(remote.local_data(cfg.data), check_hashes=not remote.is_remote(cfg.data))
     n_train = manifest["splits"]["train"]["num_samples"]
     if steps_per_epoch(n_train, cfg.batch_size) == 0:
         raise ImgtrainError(
@@ -157,6 +183,13 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
     if stored is None:
         _check_model(cfg, manifest, display)
     return _Plan(cfg, manifest, stored, exists and overwrite, resume)
+
+
+def _busy_hint(cfg: TrainConfig, run_dir: Path) -> str:
+    if remote.is_remote(cfg.storage):  # the status comes from the store: deleting the copy here is undone
+        return (f"wait for it or stop it; if that driver is gone, its heartbeat has stopped and the run counts "
+                f"as interrupted {remote.HEARTBEAT_STALE_S:.0f} s after the last one: run this again then")
+    return f"wait for it or stop it (if that process is gone, delete {run_dir / runs.STATUS_FILE})"
 
 
 def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
@@ -249,13 +282,24 @@ def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacemen
         raise
     if replaced:
         replaced.commit()
-    if remote.is_remote(cfg.storage) and cfg.backend == "ray":  # the checkpoints the workers uploaded
-        remote.pull(remote.store(cfg.storage), cfg.name, only_checkpoints=True)
+    if remote.is_remote(cfg.storage) and cfg.backend == "ray":
+        _checkpoint_records(cfg, display)
     result = runs.read_run(run_dir, cfg.storage)
     runs.write_status(run_dir, "finished", val_accuracy=result.final_accuracy)
     records.finish("finished", result.best_checkpoint)
     result.status = "finished"
     return result
+
+
+def _checkpoint_records(cfg: TrainConfig, display) -> None:
+    """The meta.json of each checkpoint the workers uploaded (the best and the latest are read
+    from them; the weights stay in the store until a command needs them). Training is over: a
+    store failing now is a warning, and the run is still recorded as finished."""
+    try:
+        remote.pull(remote.store(cfg.storage), cfg.name, checkpoints=False, only_checkpoints=True, owner=True)
+    except Exception as e:  # noqa: BLE001 - whatever it is, the run's status is written next
+        display.note(f"warning: the checkpoints' records could not be read from the store ({one_line(e)}); "
+                     f"`imgtrain runs show {cfg.name} --storage {cfg.storage}` reads them later")
 
 
 class Records:

@@ -84,7 +84,7 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> No
         store = remote.store(cfg.storage) if remote.is_remote(cfg.storage) else None
         try:
             if store:  # what the workers uploaded, to be judged here
-                remote.pull(store, cfg.name, only_checkpoints=True)
+                remote.pull(store, cfg.name, only_checkpoints=True, owner=True)  # this driver holds the lock
             removed = ckpt.remove_incomplete(run_dir, keep=resume.damaged)
             for name in removed if store else ():
                 remote.delete(store, cfg.name, name)
