@@ -117,9 +117,9 @@ class TrainConfig:
                           "zoom, shift), ``photos`` (random resized crop and horizontal flip; resize and centre crop "
                           "for evaluation), or ``auto``: the data set's own (digits for small grayscale images).",
                           choices=("auto", "digits", "photos"))
-    max_rotate_deg: float = setting(10.0, "Largest random rotation, degrees.", range="[0, 180]")
+    max_rotate_deg: float = setting(15.0, "Largest random rotation, degrees.", range="[0, 180]")
     max_shift: float = setting(0.1, "Largest random shift, as a fraction of the image size.", range="[0, 1]")
-    max_scale: float = setting(0.1, "Largest random zoom in or out, as a fraction.", range="[0, 1)")
+    max_scale: float = setting(0.15, "Largest random zoom in or out, as a fraction.", range="[0, 1)")
     crop_min_area: float = setting(0.6, "Photos: the smallest share of the image a random crop keeps (the largest "
                                    "is all of it). ImageNet recipes use 0.08, for long training on a million images; "
                                    "from scratch on a few thousand, 0.08 and 0.35 lost 45 and 18 points against 0.6 "
@@ -134,6 +134,11 @@ class TrainConfig:
                                  "define 0.01, for 600-epoch ImageNet runs: in a run of a few hundred steps their "
                                  "statistics lag so far behind the weights that evaluation predicted one class for "
                                  "every image (docs/NOTES.md). 0 keeps each model's own.", range="[0, 1]")
+    bn_calibration: int = setting(512, "Before each validation, recompute every BatchNorm layer's statistics "
+                                  "in the evaluated model from this many training images, preprocessed as for "
+                                  "evaluation (no augmentation); model.pt keeps them. The statistics gathered "
+                                  "during training come from augmented images, which evaluation never sees "
+                                  "(docs/NOTES.md). 0 keeps those.", range="[0, 1000000]")
     seed: int = setting(0, "Seeds model init, shuffling and augmentation.", range="[0, 4294967295]")
 
     channels_last: bool = setting(True, "NHWC memory layout for convolutions: measured 5-10% faster on CPU here, "

@@ -84,3 +84,17 @@ def test_parts_split_or_merged_in_transit_still_come_out_in_order(data):
             yield {k: np.concatenate([p[k] for p in group]) for k in group[0]}
 
     assert rows(data, 2, 1, parts=regrouped) == rows(data, 2, 1)
+
+
+def test_calibration_rows_are_the_splits_first_rows_each_once_shared_by_every_rank():
+    blocks = [("a.parquet", 0, 300), ("a.parquet", 1, 300), ("b.parquet", 0, 1000)]
+
+    def rows(tasks):
+        return {(t["file"], t["group"], t["first"] + k) for t in tasks for k in range(t["count"])}
+
+    shares = [stream.eval_tasks(blocks, 2, rank, limit=1024) for rank in (0, 1)]
+    first = rows(stream.eval_tasks(blocks, 1, 0, limit=100_000))
+    assert len(first) == 1600  # a limit past the split: all of it
+    ordered = sorted(first, key=lambda r: ([b[:2] for b in blocks].index(r[:2]), r[2]))
+    assert rows(shares[0]) | rows(shares[1]) == set(ordered[:1024])  # the first 1,024 rows in file order
+    assert not rows(shares[0]) & rows(shares[1]) and all(shares)  # each once, every rank some

@@ -81,9 +81,9 @@ class Reader:
     rank: int = 0
     train: bool = True  # training order and augmentation; False: every row, evaluation transform
     augment: bool = True
-    max_rotate_deg: float = 10.0  # the digits' affine
+    max_rotate_deg: float = 15.0  # the digits' affine (TrainConfig's defaults)
     max_shift: float = 0.1
-    max_scale: float = 0.1
+    max_scale: float = 0.15
     crop_min_area: float = images.CROP_MIN_AREA  # the photos' random resized crop
 
     @staticmethod
@@ -153,10 +153,21 @@ def train_tasks(windows: list[dict], reader: Reader) -> list[dict]:
     return tasks
 
 
-def eval_tasks(split_blocks: list, world: int, rank: int) -> list[dict]:
-    """Rank ``rank``'s rows for validation: every world-th row group, in file order, in parts."""
-    return [{"file": f, "group": g, "first": a, "count": min(TASK_ROWS, rows - a)}
-            for i, (f, g, rows) in enumerate(split_blocks) if i % world == rank for a in range(0, rows, TASK_ROWS)]
+def eval_tasks(split_blocks: list, world: int, rank: int, limit: int = 0) -> list[dict]:
+    """Rank ``rank``'s rows for validation: every world-th row group, in file order, in parts.
+    ``limit``: only the split's first ``limit`` rows, every world-th part of them."""
+    if not limit:
+        return [{"file": f, "group": g, "first": a, "count": min(TASK_ROWS, rows - a)}
+                for i, (f, g, rows) in enumerate(split_blocks) if i % world == rank for a in range(0, rows, TASK_ROWS)]
+    size = min(TASK_ROWS, -(-limit // world))  # parts small enough that every rank gets some
+    parts = []
+    for f, g, rows in split_blocks:
+        for a in range(0, rows, size):
+            if limit <= 0:
+                return parts[rank::world]
+            parts.append({"file": f, "group": g, "first": a, "count": min(size, rows - a, limit)})
+            limit -= parts[-1]["count"]
+    return parts[rank::world]
 
 
 # ---------------------------------------------------------------- one task: some rows of a row group

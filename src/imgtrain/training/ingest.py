@@ -76,13 +76,26 @@ def streamed_val_batches(cfg: TrainConfig, manifest: dict, rank: int, world: int
     """``val_batches()``: this rank's rows of the validation split (every world-th row group)."""
     split = fmt.eval_split(manifest)
     tasks = stream.eval_tasks(stream.blocks(cfg.data, manifest, split), world, rank)
+    return _eval_batches(cfg, manifest, tasks, world, device, how)
+
+
+def streamed_calibration_batches(cfg: TrainConfig, manifest: dict, rank: int, world: int, device,
+                                 how: str) -> Callable[[], Iterable[dict]]:
+    """``calibration_batches()``: this rank's share of the first ``cfg.bn_calibration`` rows of
+    the training split, preprocessed as for evaluation. Files are written in a seeded random
+    order, so the first rows are a sample of every class."""
+    tasks = stream.eval_tasks(stream.blocks(cfg.data, manifest, "train"), world, rank, cfg.bn_calibration)
+    return _eval_batches(cfg, manifest, tasks, world, device, how)
+
+
+def _eval_batches(cfg: TrainConfig, manifest: dict, tasks: list, world: int, device, how: str):
     reader = stream.Reader.for_data(cfg.data, manifest, preset=stream.preset(cfg, manifest),
                                     train=False, augment=False)
 
-    def val_batches():
+    def batches():
         yield from _batches(tasks, reader, cfg.eval_batch_size, device, how, preprocess_cpus(cfg, world))
 
-    return val_batches
+    return batches
 
 
 def _batches(tasks: list, reader: stream.Reader, size: int, device, how: str, cpus: int, windows=None):
@@ -136,10 +149,14 @@ def _unchanged(part: dict) -> dict:
 # ---------------------------------------------------------------- validation batches, in memory
 
 
-def in_memory_val_batches(cfg: TrainConfig, manifest: dict, rank: int, world: int, device) -> Callable[[], Iterable[dict]]:
-    """``val_batches()`` over the validation split read once into memory; this rank keeps the
-    rows with ``id % world == rank``: each row once, whatever order they arrive in."""
-    ids, images, labels = map(torch.from_numpy, fmt.read_split(cfg.data, fmt.eval_split(manifest)))
+def in_memory_val_batches(cfg: TrainConfig, manifest: dict, rank: int, world: int, device,
+                          split: str | None = None, rows: int = 0) -> Callable[[], Iterable[dict]]:
+    """``val_batches()`` over the validation split (or ``split``'s first ``rows`` rows) read once
+    into memory; this rank keeps the rows with ``id % world == rank``: each row once, whatever
+    order they arrive in."""
+    ids, images, labels = map(torch.from_numpy, fmt.read_split(cfg.data, split or fmt.eval_split(manifest)))
+    if rows:  # written in a seeded random order: the first rows are a sample of every class
+        ids, images, labels = ids[:rows], images[:rows], labels[:rows]
     mine = ids % world == rank
     ids, images, labels = ids[mine], images[mine], labels[mine]
 

@@ -45,10 +45,14 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
         train_batches = ordered_batches(rows, cfg.seed, cfg.batch_size, ingest.steps(cfg, manifest), world_size=1,
                                         rank=0, device=device, on_device=cfg.data_on_device)
         val_batches = ingest.in_memory_val_batches(data_cfg, manifest, 0, 1, device)
+        calibration = ingest.in_memory_val_batches(data_cfg, manifest, 0, 1, device, "train", cfg.bn_calibration) \
+            if cfg.bn_calibration else None
     else:  # streamed: the same tasks as on Ray, in a DataLoader's worker processes (or here)
         how = "torch" if cfg.ingest == "torch" else "local"
         train_batches = ingest.streamed_train_batches(data_cfg, manifest, 0, 1, device, how)
         val_batches = ingest.streamed_val_batches(data_cfg, manifest, 0, 1, device, how)
+        calibration = ingest.streamed_calibration_batches(data_cfg, manifest, 0, 1, device, how) \
+            if cfg.bn_calibration else None
 
     fault = faults.parse(os.environ.get(faults.ENV_VAR))
 
@@ -76,6 +80,7 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
     backend = Backend(
         rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device), damaged=resume.damaged,
         train_batches=train_batches, val_batches=val_batches, augment_in_step=in_memory,
+        calibration_batches=calibration,
         **single_process_collectives(), restored_checkpoint=restored_checkpoint, report=report, send=records.send,
         run_dir=run_dir, fault=fault,
     )

@@ -54,11 +54,11 @@ def train_loop_per_worker(config: dict) -> None:
 
     if rank == 0:
         send(phase_record("loading data"))
-    train_batches, val_batches = _batches(cfg, manifest, rank, world, device)
+    train_batches, val_batches, calibration = _batches(cfg, manifest, rank, world, device)
     backend = Backend(
         rank=rank, world_size=world, device=device,
         prepare_model=_model_preparation(cfg, device), train_batches=train_batches, val_batches=val_batches,
-        augment_in_step=stream.in_memory(cfg, manifest),
+        augment_in_step=stream.in_memory(cfg, manifest), calibration_batches=calibration,
         **(_collectives(world, device) if world > 1 else single_process_collectives()),
         restored_checkpoint=restored_checkpoint, report=report, send=send,
         damaged=resume.get("damaged") or [], progress=progress,
@@ -119,18 +119,22 @@ def _report_async(metrics: dict, save_dir: str | None, name: str) -> None:
 
 
 def _batches(cfg: TrainConfig, manifest: dict, rank: int, world: int, device):
-    """(training batches, validation batches) of this rank. They read the data set's folder on
-    this node (one in an object store is copied here first); run_loop and the checkpoints keep
-    the data set as the user named it."""
+    """(training, validation, BatchNorm calibration or None) batches of this rank. They read the
+    data set's folder on this node (one in an object store is copied here first); run_loop and
+    the checkpoints keep the data set as the user named it."""
     data_cfg = dataclasses.replace(cfg, data=storage.local_data(cfg.data))
     if stream.in_memory(cfg, manifest):
         ingest_fn = _torch_ingest if cfg.ingest == "torch" else _ray_data_ingest
+        calibration = (ingest.in_memory_val_batches(data_cfg, manifest, rank, world, device, "train",
+                                                    cfg.bn_calibration) if cfg.bn_calibration else None)
         return (ingest_fn(data_cfg, manifest, rank, world, device),
-                ingest.in_memory_val_batches(data_cfg, manifest, rank, world, device))
+                ingest.in_memory_val_batches(data_cfg, manifest, rank, world, device), calibration)
     if cfg.ingest == "ray-data":
         stream.warm_decoders(ingest.preprocess_cpus(data_cfg, world))
+    calibration = (ingest.streamed_calibration_batches(data_cfg, manifest, rank, world, device, cfg.ingest)
+                   if cfg.bn_calibration else None)
     return (ingest.streamed_train_batches(data_cfg, manifest, rank, world, device, cfg.ingest),
-            ingest.streamed_val_batches(data_cfg, manifest, rank, world, device, cfg.ingest))
+            ingest.streamed_val_batches(data_cfg, manifest, rank, world, device, cfg.ingest), calibration)
 
 
 def _model_preparation(cfg: TrainConfig, device):
