@@ -66,6 +66,36 @@ def machine(env: dict, tmp_path: Path, name: str) -> dict:
     return {**os.environ, **env, "IMGTRAIN_CACHE": str(cache), "COLUMNS": "200"}
 
 
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL a process and all its descendants. Not its process group alone: Ray's workers
+    have groups of their own, and, orphaned, they trained on and uploaded the run's last
+    checkpoint to the bucket while the test resumed it."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:  # found before any dies: a dead parent's children go to init
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    for each in tree:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return tree
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def cli(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "imgtrain.cli", *args], capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, timeout=timeout, env=env)
@@ -146,8 +176,9 @@ def test_a_driver_killed_mid_run_resumes_from_the_bucket_on_another_machine(s3_s
     try:  # Ray Train has registered the first epoch's checkpoint: its upload to the bucket is complete
         wait_for(lambda: "checkpoint_epoch_0000" in snapshot(s3_server, "killed"), 240,
                  "the first checkpoint in the bucket", first, poll_s=0.2)
-        os.killpg(first.pid, signal.SIGKILL)  # the driver and the Ray cluster it started: a lost machine
+        killed = kill_tree(first.pid)  # the driver and the Ray cluster it started: a lost machine
         first.wait(timeout=30)
+        wait_for(lambda: not any(map(running, killed)), 30, "every process of the first machine gone")
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)

@@ -129,7 +129,9 @@ def test_predict_streams_a_large_folder_in_bounded_memory(photos, tmp_path):
     # A model of 96x96 RGB photos; 6,000 128x128 photos would take 166 MB held as its input (more
     # decoded at their own size): predict's peak memory must not grow with the folder. Measured
     # here (anonymous memory): 2,000 -> 505 MB, 6,000 -> 508 MB; pipeline buffers fill up to
-    # about 2,000 images (100 -> about 430 MB), so both sizes are past that.
+    # about 2,000 images (100 -> about 430 MB), so both sizes are past that. Small batches: with
+    # 64 images a forward pass's activations come and go by about 100 MB, and the 3 times longer
+    # run samples their top more often (once 2,000 -> 573 MB, 6,000 -> 622 MB).
     src = tmp_path / "train-src"
     make_photos(src, per_class=10, size=96)
     prepare("folder", tmp_path / "data96", source_path=src, size=(96, 96))
@@ -141,7 +143,7 @@ def test_predict_streams_a_large_folder_in_bounded_memory(photos, tmp_path):
         folder = tmp_path / f"in-{n}"
         make_photos(folder, per_class=n // 4, size=128, seed=n)
         peaks[n] = peak_rss_of(["predict", "m96", str(folder), "--out", str(tmp_path / f"p{n}.parquet"),
-                                "--storage", str(tmp_path / "runs"), "--backend", "local"])
+                                "--storage", str(tmp_path / "runs"), "--backend", "local", "--batch-size", "8"])
     held = 6000 * 96 * 96 * 3
     assert peaks[6000] - peaks[2000] < held * 0.25, (peaks, held)  # far under what holding them would take
     import pandas as pd
