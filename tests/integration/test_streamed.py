@@ -128,10 +128,9 @@ def test_a_streamed_run_resumes_exactly_with_another_world_size(ray_cluster, pho
 def test_predict_streams_a_large_folder_in_bounded_memory(photos, tmp_path):
     # A model of 96x96 RGB photos; 6,000 128x128 photos would take 166 MB held as its input (more
     # decoded at their own size): predict's peak memory must not grow with the folder. Measured
-    # here (anonymous memory): 2,000 -> 505 MB, 6,000 -> 508 MB; pipeline buffers fill up to
-    # about 2,000 images (100 -> about 430 MB), so both sizes are past that. Small batches: with
-    # 64 images a forward pass's activations come and go by about 100 MB, and the 3 times longer
-    # run samples their top more often (once 2,000 -> 573 MB, 6,000 -> 622 MB).
+    # here (anonymous memory, batches of 8): 2,000 -> 485 MB, 6,000 -> 476-480 MB. Small batches:
+    # with 64 images a forward pass's activations come and go by about 100 MB, and the 3 times
+    # longer run samples their top more often (once 2,000 -> 573 MB, 6,000 -> 622 MB).
     src = tmp_path / "train-src"
     make_photos(src, per_class=10, size=96)
     prepare("folder", tmp_path / "data96", source_path=src, size=(96, 96))
