@@ -66,6 +66,11 @@ def machine(env: dict, tmp_path: Path, name: str) -> dict:
     return {**os.environ, **env, "IMGTRAIN_CACHE": str(cache), "COLUMNS": "200"}
 
 
+def stat_fields(stat: Path) -> list[str]:
+    """/proc/PID/stat after the command's name (which may hold spaces): state, ppid, ..."""
+    return stat.read_text().rsplit(")", 1)[1].split()
+
+
 def kill_tree(pid: int) -> list[int]:
     """SIGKILL a process and all its descendants. Not its process group alone: Ray's workers
     have groups of their own, and, orphaned, they trained on and uploaded the run's last
@@ -73,10 +78,10 @@ def kill_tree(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parent = int(stat_fields(stat)[1])
         except OSError:  # gone meanwhile
             continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        children.setdefault(parent, []).append(int(stat.parent.name))
     tree, todo = [], [pid]
     while todo:  # found before any dies: a dead parent's children go to init
         tree.append(todo.pop())
@@ -91,7 +96,7 @@ def kill_tree(pid: int) -> list[int]:
 
 def running(pid: int) -> bool:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return stat_fields(Path(f"/proc/{pid}/stat"))[0] != "Z"  # a zombie is dead
     except OSError:
         return False
 
