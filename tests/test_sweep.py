@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from ray import tune
 
 from imgtrain.config import TrainConfig
@@ -127,3 +128,37 @@ def test_a_sweep_in_an_object_store_is_refused_in_one_message():
                        search=parse_all(["lr=loguniform(1e-4,1e-2)"]))
     with pytest.raises(ImgtrainError, match="local or shared storage"):
         check(req)
+
+
+def test_a_stopped_trials_epochs_come_back_from_its_latest_whole_checkpoint(tmp_path):
+    # Tune hears of an epoch once its checkpoint is reported; ASHA can stop the trial on that
+    # result before rank 0's epoch record reaches the trial's metrics.jsonl (seen in CI).
+    from types import SimpleNamespace
+
+    from imgtrain import checkpoint as ckpt
+    from imgtrain import runs
+    from imgtrain.ops import ownership
+    from imgtrain.sweep import state as st
+    from imgtrain.sweep.driver import _mark_stopped
+
+    sweep_dir = tmp_path / "s"
+    run_dir = sweep_dir / st.TRIALS_DIR / "trial-00001"
+    run_dir.mkdir(parents=True)
+    ownership.claim(run_dir)
+    st.write(sweep_dir, {"trials": {"trial-00001": {"status": "stopped", "epochs_done": 1}}})
+    runs.MetricsLog(run_dir).append({"kind": "start", "step": 0})
+    epochs = [{"kind": "epoch", "epoch": e, "step": 4 * (e + 1), "val_accuracy": 0.1 + e,
+               "checkpoint": f"checkpoint_epoch_000{e}"} for e in range(2)]
+    for e, record in enumerate(epochs):
+        ckpt.save(run_dir / record["checkpoint"], {"w": torch.zeros(2)}, {}, {
+            "epoch": e, "step": record["step"], "metrics": record, ckpt.HISTORY_KEY: epochs[:e + 1]})
+    with open(run_dir / epochs[1]["checkpoint"] / ckpt.MODEL_FILE, "ab") as f:
+        f.write(b"torn")  # the newest is damaged: its record must not come back
+
+    _mark_stopped(sweep_dir, SimpleNamespace(scheduler="asha", base=SimpleNamespace(epochs=2)))
+
+    assert [(r["epoch"], r["recovered_from"]) for r in runs.epoch_history(run_dir)] == [(0, "checkpoint_epoch_0000")]
+    status = runs.read_status(run_dir)
+    assert status["status"] == "stopped" and "ASHA after epoch 1 of 2" in status["reason"]
+    _mark_stopped(sweep_dir, SimpleNamespace(scheduler="asha", base=SimpleNamespace(epochs=2)))
+    assert len(runs.epoch_history(run_dir)) == 1  # once

@@ -19,6 +19,7 @@ from pathlib import Path
 from ray.tune.schedulers import AsyncHyperBandScheduler, TrialScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
+from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.config import TrainConfig, validate
 from imgtrain.errors import ImgtrainError, one_line
@@ -278,13 +279,29 @@ class Trials(BasicVariantGenerator):
 
 def _mark_stopped(sweep_dir: Path, req: SweepRequest) -> None:
     """Trials the scheduler stopped early: their runs say so (the trial's process was ended
-    mid-run, its status.json still says running, or failed when it noticed its workers go)."""
+    mid-run, its status.json still says running, or failed when it noticed its workers go),
+    and their metrics.jsonl holds every epoch their checkpoints hold."""
     state = st.read(sweep_dir)
     for name, entry in state["trials"].items():
         run_dir = sweep_dir / st.TRIALS_DIR / name
         if entry.get("status") == "stopped" and ownership.is_run(run_dir):
+            _recover_history(run_dir)
             runs.write_status(run_dir, "stopped", reason=f"stopped early by {req.scheduler.upper()} after epoch "
                               f"{entry.get('epochs_done')} of {req.base.epochs}")
+
+
+def _recover_history(run_dir: Path) -> None:
+    """Tune hears of an epoch from Ray Train's controller as soon as its checkpoint is
+    reported; rank 0 sends the epoch's record to the trial's driver only after that. A scheduler
+    that stops the trial on that result can end the driver before the record arrives (seen
+    in CI): the run's latest checkpoint carries the record, as for a killed driver."""
+    for path, meta in reversed(ckpt.listing(run_dir)):  # the newest whose files are whole
+        try:
+            ckpt.verify(path)
+        except ckpt.CheckpointError:
+            continue
+        runs.MetricsLog(run_dir).reconcile(meta.get("step", 0), ckpt.history(meta), path.name)
+        return
 
 
 SWEEP_KEYS = {"trials": int, "scheduler": str, "metric": str, "mode": str, "max_concurrent": int}
