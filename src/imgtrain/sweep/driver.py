@@ -295,13 +295,10 @@ def _recover_history(run_dir: Path) -> None:
     reported; rank 0 sends the epoch's record to the trial's driver only after that. A scheduler
     that stops the trial on that result can end the driver before the record arrives (seen
     in CI): the run's latest checkpoint carries the record, as for a killed driver."""
-    for path, meta in reversed(ckpt.listing(run_dir)):  # the newest whose files are whole
-        try:
-            ckpt.verify(path)
-        except ckpt.CheckpointError:
-            continue
-        runs.MetricsLog(run_dir).reconcile(meta.get("step", 0), ckpt.history(meta), path.name)
-        return
+    latest = next(reversed(ckpt.verified(run_dir)[0]), None)  # the newest whose files are whole
+    if latest:
+        meta = ckpt.read_meta(latest)
+        runs.MetricsLog(run_dir).reconcile(meta.get("step", 0), ckpt.history(meta), latest.name)
 
 
 SWEEP_KEYS = {"trials": int, "scheduler": str, "metric": str, "mode": str, "max_concurrent": int}
