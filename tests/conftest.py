@@ -82,6 +82,31 @@ def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subpro
     )
 
 
+def cli_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The real CLI (``imgtrain.cli.main`` with these arguments) in this process: for what it
+    says and does before anything trains, without the seconds a new Python process costs."""
+    import warnings
+
+    from imgtrain import cli
+
+    saved = sys.argv, warnings.showwarning, os.environ.get("COLUMNS")
+    sys.argv, os.environ["COLUMNS"] = ["imgtrain", *args], "200"
+    code = 0
+    try:
+        with warnings.catch_warnings():  # main() shows imgtrain's warnings its own way: for this call only
+            cli.main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv, warnings.showwarning = saved[0], saved[1]
+        if saved[2] is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = saved[2]
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["imgtrain", *args], code, out, err)
+
+
 def peak_rss_of(args: list[str]) -> int:
     """Peak anonymous resident memory (bytes) of the real CLI, sampled from /proc every 20 ms
     while it runs. Anonymous only: the resident pages of torch's shared libraries (counted in

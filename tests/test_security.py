@@ -396,3 +396,26 @@ def test_a_checkpoint_claiming_a_huge_model_is_refused_before_building_it(tmp_pa
     ckpt.save(tmp_path / "ck", {}, {}, {"model_args": args, "data": {"classes": ["a"]}})
     with pytest.raises(ImgtrainError, match="holds a model imgtrain cannot build"):
         load_checkpoint(tmp_path / "ck")
+
+
+def test_text_from_a_runs_files_reaches_the_terminal_as_text(tmp_path, capsys):
+    from tests.conftest import cli_here
+
+    hostile = "\x1b[2J\x1b]0;owned\x07\x1b]8;;http://evil.example\x1b\\click\x1b]8;;\x1b\\\u202eevil"
+    run = tmp_path / "r"
+    ownership.claim(run)
+    runs.write_config(run, {"name": "r", "data": hostile, "model": hostile, "epochs": 1})
+    runs.write_status(run, "failed", error=hostile)
+    good = {"kind": "epoch", "epoch": 0, "step": 1, "train_loss": 0.5, "train_accuracy": 0.5, "val_loss": 0.5,
+            "val_accuracy": 0.5, "images_per_s": 10.0, "epoch_time_s": 1.0, "checkpoint": hostile}
+    damaged = {"kind": "epoch", "epoch": "1", "val_accuracy": hostile}  # skipped, as a line cut short is
+    (run / runs.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in (good, damaged, [hostile])))
+    for args in (("runs", "show", "r"), ("runs", "list"), ("config", "show", "--run", "r")):
+        shown = cli_here(capsys, *args, "--storage", str(tmp_path))
+        assert shown.returncode == 0, shown.stderr
+        printed = shown.stdout + shown.stderr
+        assert "\x1b" not in printed and "\x07" not in printed and "\u202e" not in printed, (args, printed)
+    shown = cli_here(capsys, "runs", "show", "r", "--storage", str(tmp_path)).stdout
+    assert "\\x1b[2J" in shown and "epoch   1/1" in shown  # shown, escaped; the well-formed epoch only
+    refused = cli_here(capsys, "runs", "show", "no\x1b[2Jsuch", "--storage", str(tmp_path))
+    assert refused.returncode == 2 and "\x1b" not in refused.stderr

@@ -47,6 +47,10 @@ EMA_STEPS_KEY = "ema_steps"
 # meta.json: the epoch records of every epoch up to this checkpoint (its own included), so the
 # run's history can be rebuilt from the checkpoint a run resumes from
 HISTORY_KEY = "history"
+# meta.json is parsed whole, and it is untrusted (its own sha256 is in no table). Its largest
+# parts are the data set's manifest (a few MB for millions of images) and one record per epoch
+# (about 300 bytes; at most 100,000 epochs: 30 MB).
+MAX_META_BYTES = 64 << 20
 
 
 class CheckpointError(ImgtrainError):
@@ -75,10 +79,17 @@ def read_meta(directory: str | os.PathLike) -> dict:
     path = d / META_FILE
     if not path.is_file():
         raise CheckpointError(f"{d} is not a complete imgtrain checkpoint: {META_FILE} is missing")
+    size = path.stat().st_size
+    if size > MAX_META_BYTES:  # refused before it is read
+        raise CheckpointError(f"{path} is {size:,} bytes, over the {MAX_META_BYTES:,} a {META_FILE} can be; "
+                              "use another checkpoint")
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is corrupt ({e}); use another checkpoint") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} is corrupt (not a JSON object); use another checkpoint")
+    return meta
 
 
 def history(meta: dict) -> list[dict]:
@@ -93,12 +104,21 @@ def history(meta: dict) -> list[dict]:
 
 
 def verify(directory: str | os.PathLike) -> dict:
-    """Check every file against the sha256 in meta.json; return the meta or raise naming the file."""
+    """Check every file against the sha256 in meta.json, and the model meta.json describes against
+    the bounds of what imgtrain builds; return the meta or raise naming the file."""
+    from imgtrain.zoo import args_problems  # imports no torch
+
     d = Path(directory)
     meta = read_meta(d)
     hashes = meta.get("sha256") or {}
     if not isinstance(hashes, dict):
         raise CheckpointError(f"{d / META_FILE} is corrupt (sha256 is not a table); use another checkpoint")
+    # Before the hashes (seconds for a large model.pt): the table is meta.json's own word, and a
+    # model_args.image_size of 65,536 would have every reader allocate 51 GB for one ViT.
+    problems = args_problems(meta["model_args"]) if "model_args" in meta else []
+    if problems:
+        raise CheckpointError(f"checkpoint {d} holds a model imgtrain cannot build ({d / META_FILE} model_args: "
+                              f"{'; '.join(problems)}); use another checkpoint")
     for name in dict.fromkeys([MODEL_FILE, TRAIN_STATE_FILE, *hashes]):  # the two always, then the shards
         expected = hashes.get(name)
         if not expected:

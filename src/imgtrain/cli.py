@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from imgtrain.console import SafeConsole
 from imgtrain.errors import ImgtrainError, ImgtrainWarning
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -28,8 +28,8 @@ clean_app = typer.Typer(no_args_is_help=True, help="Delete runs or prepared data
 for group, group_name in ((data_app, "data"), (runs_app, "runs"), (config_app, "config"), (clean_app, "clean")):
     app.add_typer(group, name=group_name)
 # Messages hold paths and errors: never rich markup, never rich's colouring of numbers and paths.
-console = Console(markup=False, highlight=False)
-err_console = Console(stderr=True, markup=False, highlight=False)
+console = SafeConsole()
+err_console = SafeConsole(stderr=True)
 
 STORAGE_HELP = "Where runs live: a local or shared path, or an object store (s3://bucket/prefix)."
 
@@ -208,7 +208,7 @@ def runs_list(storage: str = typer.Option("./runs", help=STORAGE_HELP),
 def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP),
               json_out: bool = typer.Option(False, "--json", help="Print JSON.")):
     """Show one run: status, per-epoch metrics, checkpoints."""
-    from imgtrain.runs import load_run
+    from imgtrain.runs import is_number, load_run
     from imgtrain.training.progress import epoch_line
 
     r = load_run(storage, name)
@@ -226,10 +226,11 @@ def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP
     for rec in r.history:
         console.print(epoch_line(rec, cfg.get("epochs", 0)), soft_wrap=True)
     last = r.history[-1] if r.history else {}
-    if last.get("rank_step_time_s"):  # is any rank starved by data?
-        per_rank = "; ".join(
+    steps, waits = last.get("rank_step_time_s"), last.get("rank_data_wait_s")
+    if isinstance(steps, list) and isinstance(waits, list) and all(map(is_number, steps + waits)) and steps:
+        per_rank = "; ".join(  # is any rank starved by data?
             f"rank {rank}: {step:.3f} s/step, {wait * 1000:.1f} ms waiting for data ({wait / max(step, 1e-9):.0%})"
-            for rank, (step, wait) in enumerate(zip(last["rank_step_time_s"], last["rank_data_wait_s"])))
+            for rank, (step, wait) in enumerate(zip(steps, waits)))
         console.print(f"last epoch per rank: {per_rank}", soft_wrap=True)
     console.print(f"best checkpoint:   {r.best_checkpoint}", soft_wrap=True)
     console.print(f"latest checkpoint: {r.latest_checkpoint}", soft_wrap=True)
@@ -257,7 +258,7 @@ def tune_cmd(ctx: typer.Context, config: Optional[Path] = None, search: Optional
         overrides["min_workers"], overrides["workers"] = parse_workers(overrides["workers"])
     req = request_from(config, overrides, search or [], {"trials": trials, "scheduler": scheduler, "metric": metric,
                                                          "mode": mode, "max_concurrent": max_concurrent})
-    terminal = Console(file=sys.stdout, markup=False, highlight=False)  # held: Ray's output goes to the logs
+    terminal = SafeConsole(file=sys.stdout)  # held: Ray's output goes to the logs
     try:
         summary = tune(req, say=lambda line: None if json_out else terminal.print(line, soft_wrap=True))
     except KeyboardInterrupt:  # said here, with the sweep's own hint; sys.exit: main() would say it again
@@ -410,10 +411,26 @@ def evaluate_cmd(
     for name, s in result.per_class.items():
         table.add_row(name, f"{s['precision']:.3f}", f"{s['recall']:.3f}", f"{s['f1']:.3f}", str(s["support"]))
     console.print(table)
-    cm = Table("true \\ pred", *result.classes, title="confusion matrix")
-    for name, row in zip(result.classes, result.confusion_matrix):
-        cm.add_row(name, *(str(v) for v in row))
-    console.print(cm)
+    console.print(_confusion_table(result))
+
+
+CONFUSION_TABLE_MAX_CLASSES = 20  # wider, a terminal's matrix is unreadable: the most confused pairs instead
+
+
+def _confusion_table(result) -> Table:
+    """The confusion matrix for a few classes; for more, the 20 commonest mistakes."""
+    if len(result.classes) <= CONFUSION_TABLE_MAX_CLASSES:
+        from imgtrain.inference.batch import dense_confusion
+
+        cm = Table("true \\ pred", *result.classes, title="confusion matrix")
+        for name, row in zip(result.classes, dense_confusion(result.confusion, len(result.classes))):
+            cm.add_row(name, *(str(v) for v in row))
+        return cm
+    mistakes = sorted((row for row in result.confusion.tolist() if row[0] != row[1]), key=lambda r: -r[2])[:20]
+    table = Table("true", "predicted", "count", title=f"most confused pairs (of {len(result.classes)} classes)")
+    for true, predicted, count in mistakes:
+        table.add_row(result.classes[true], result.classes[predicted], str(count))
+    return table
 
 
 @app.command("predict")
@@ -474,6 +491,8 @@ def serve_cmd(
     max_batch_images: int = typer.Option(64, help="Most images in one request."),
     request_timeout: float = typer.Option(30.0, help="Seconds before an unanswered request gets 504 "
                                           "with Retry-After."),
+    body_timeout: float = typer.Option(5.0, help="Seconds for a request's whole body to arrive; a slower one "
+                                       "gets 408 (a client trickling bytes holds no place for longer)."),
     max_queued_requests: int = typer.Option(100, help="Requests waiting per replica (besides the batch being "
                                             "computed) before new ones get 503 with Retry-After, at once."),
     max_batch_size: int = typer.Option(32, help="Most images per forward pass, gathered from concurrent "
@@ -494,7 +513,7 @@ def serve_cmd(
     from imgtrain.inference.serve import Limits, run_server
 
     limits = Limits(max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels,
-                    max_batch_images=max_batch_images, request_timeout_s=request_timeout,
+                    max_batch_images=max_batch_images, request_timeout_s=request_timeout, body_timeout_s=body_timeout,
                     max_queued_requests=max_queued_requests, max_batch_size=max_batch_size,
                     batch_wait_ms=batch_wait_ms)
     run_server(run, checkpoint=checkpoint, storage=storage, host=host, port=port, limits=limits,

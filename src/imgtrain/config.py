@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field
 
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops import ownership
 
 
 def setting(default, doc: str, *, flag: str | None = None, choices: tuple = (), range: str | None = None,
@@ -283,8 +284,8 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
     issues = list(problems)
     if not cfg.name:
         issues.append("--name is required (the run is stored under {storage}/{name})")
-    elif "/" in cfg.name or cfg.name.startswith(".") or "\0" in cfg.name:
-        issues.append(f"--name {cfg.name!r} must be a plain name without '/' or a leading '.'")
+    elif problem := ownership.name_problem(cfg.name):
+        issues.append(f"--name {cfg.name[:80]!r} {problem}")
     for s in settings():
         value = getattr(cfg, s.name)
         if s.choices and value not in s.choices:

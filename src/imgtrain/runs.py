@@ -25,7 +25,7 @@ from pathlib import Path
 from imgtrain import checkpoint as ckpt
 from imgtrain import storage as remote
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import ownership
+from imgtrain.ops import ownership, process
 from imgtrain.ops.files import atomic_write_text
 
 CONFIG_FILE = ownership.CONFIG_FILE
@@ -42,7 +42,7 @@ def storage_root(storage: str) -> Path:
 
 
 def run_path(storage: str, name: str) -> Path:
-    return storage_root(storage) / name
+    return storage_root(storage) / ownership.check_name(name)  # one folder inside the storage, never outside
 
 
 def fetch(storage: str, name: str, checkpoints: bool = True) -> Path:
@@ -127,7 +127,7 @@ def _driver_gone(run_dir: Path, status: dict) -> bool:
     ``HEARTBEAT_STALE_S`` means it is gone. Another host's driver without a heartbeat (a run on
     a shared folder) cannot be checked: it is believed."""
     if status.get("host") == socket.gethostname():
-        return not _pid_alive(status.get("pid", -1))
+        return not process.pid_alive(status.get("pid", -1))
     age = heartbeat_age(run_dir, status)
     return age is not None and age > remote.HEARTBEAT_STALE_S
 
@@ -155,16 +155,6 @@ def refuse_if_trained(run_dir: Path, hint: str, this_host: bool = True, other_ho
                             f"on {status.get('host')}{beat}; {hint}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 # ---------------------------------------------------------------- metrics history
 
 
@@ -190,7 +180,8 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> list[dict]:
         """Drop the records past ``step`` (trained again after a restart); returns those kept."""
-        kept = [r for r in read_metrics(self.path.parent) if r.get("kind") == "start" or r.get("step", 0) <= step]
+        kept = [r for r in read_metrics(self.path.parent)
+                if r.get("kind") == "start" or is_number(r.get("step", 0)) and r.get("step", 0) <= step]
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         return kept
 
@@ -198,7 +189,7 @@ class MetricsLog:
         """Keep the records up to ``step`` and add each epoch of ``history`` (the epoch records a
         checkpoint carries) that is missing, marked ``recovered_from``; returns those added."""
         kept = self.truncate_after(step)
-        have = {r["epoch"] for r in kept if r.get("kind") == "epoch"}
+        have = {r.get("epoch") for r in kept if r.get("kind") == "epoch"}
         recovered = [dict(r, recovered_from=source) for r in history
                      if r.get("kind") == "epoch" and r.get("epoch") not in have and r.get("step", 0) <= step]
         if recovered:
@@ -215,9 +206,11 @@ def read_jsonl(path: Path) -> list[dict]:
     records = []
     for line in path.read_text().splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
 
 
@@ -225,9 +218,26 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return read_jsonl(run_dir / METRICS_FILE)
 
 
+# The numbers an epoch record holds (``loop.end_epoch``). metrics.jsonl is input like any file of
+# a run (a bucket's, a copied folder's): a record whose epoch is not a count, or with anything but
+# a number under one of these keys, is skipped, as a line cut short is; readers of the history
+# rely on the types (a record may lack a key: one an older imgtrain wrote).
+EPOCH_NUMBERS = ("step", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "images_per_s", "epoch_time_s",
+                 "lr", "data_wait_fraction")
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_epoch_record(r: dict) -> bool:
+    return (r.get("kind") == "epoch" and isinstance(r.get("epoch"), int) and not isinstance(r["epoch"], bool)
+            and r["epoch"] >= 0 and all(is_number(r[k]) for k in EPOCH_NUMBERS if k in r))
+
+
 def epoch_history(run_dir: Path) -> list[dict]:
     """The per-epoch records, one per epoch (the last one written wins)."""
-    by_epoch = {r["epoch"]: r for r in read_metrics(run_dir) if r.get("kind") == "epoch"}
+    by_epoch = {r["epoch"]: r for r in read_metrics(run_dir) if is_epoch_record(r)}
     return [by_epoch[e] for e in sorted(by_epoch)]
 
 
@@ -257,7 +267,7 @@ class RunResult:
 
     @property
     def final_accuracy(self) -> float | None:
-        return self.history[-1]["val_accuracy"] if self.history else None
+        return self.history[-1].get("val_accuracy") if self.history else None
 
     @property
     def validation_split(self) -> str:
@@ -274,7 +284,7 @@ class RunResult:
             "metrics": [{k: r.get(k) for k in keep} for r in self.history],
             "best_checkpoint": str(self.best_checkpoint) if self.best_checkpoint else None,
             "latest_checkpoint": str(self.latest_checkpoint) if self.latest_checkpoint else None,
-            "best_val_accuracy": max((r["val_accuracy"] for r in self.history), default=None),
+            "best_val_accuracy": max((r["val_accuracy"] for r in self.history if "val_accuracy" in r), default=None),
             "config": self.config, "error": self.error,
         }
 

@@ -29,10 +29,13 @@ import socket
 import tempfile
 import threading
 import time
+import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from imgtrain.errors import ImgtrainError, one_line
+from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
+from imgtrain.ops import ownership, process
 from imgtrain.ops.files import atomic_write_text, sha256_file
 from imgtrain.ops.ownership import LOCK_FILE, MARKER_FILE
 
@@ -48,7 +51,10 @@ HEARTBEAT_FILE = "heartbeat.json"
 HEARTBEAT_STALE_S = 60.0
 # Never mirrored: the lock is about this machine's processes, logs/ray links to this machine's
 # Ray session, and the checkpoints are uploaded by the workers that write them.
-LOCAL_ONLY = (".lock", "logs/ray")
+# In the working copy, never mirrored: the names of the run's checkpoints this machine has seen in
+# the store (``_record_synced``). Inside the run's folder: it goes with the folder.
+SYNCED_FILE = ".imgtrain-synced.json"
+LOCAL_ONLY = (".lock", "logs/ray", SYNCED_FILE)
 # Written straight to the store (by Ray Train; the heartbeat): a copy pulled here is older, never sent back.
 STORE_ONLY = ("checkpoint_manager_snapshot.json", HEARTBEAT_FILE)
 CHECKPOINT_PREFIX = "checkpoint_"
@@ -84,12 +90,21 @@ def store(storage: str) -> Store:
     _plain_s3(uri)
     _, root = _resolve(uri)  # an unknown scheme or a missing client library: said now
     # the cache keeps the account of abfs://container@account/... (two accounts, two copies)
-    local = (_cache() / "stores" / scheme / rest.partition("?")[0].strip("/")).resolve()
-    return Store(uri=uri, root=root, local=local)
+    return Store(uri=uri, root=root, local=_cache_dir("stores", uri, rest.partition("?")[0]))
 
 
 def _cache() -> Path:
     return Path(os.environ.get(CACHE_VAR) or Path.home() / ".cache" / "imgtrain").expanduser()
+
+
+def _cache_dir(kind: str, uri: str, path: str) -> Path:
+    """This machine's copy of the store's location ``uri`` (``path``: bucket/prefix) under the
+    cache. Its segments are plain names: ``s3://b/x/../../DIR`` would put the copy in DIR."""
+    segments = path.strip("/").split("/")
+    if any(s in ("", ".", "..") or any(ord(c) < 32 for c in s) for s in segments) or "\\" in path:
+        raise ImgtrainError(f"{one_line(uri, 200)}: a location in an object store is a bucket and a prefix of plain "
+                            "names, without '.', '..', '//' or control characters")
+    return (_cache() / kind / uri.partition("://")[0]).resolve().joinpath(*segments)
 
 
 def _resolve(uri: str):
@@ -145,31 +160,78 @@ def where(error: BaseException, st: Store) -> ImgtrainError:
     return ImgtrainError(f"storage {st.uri}: {one_line(error, 300)}; {hint}")
 
 
+# ---------------------------------------------------------------- keys and local paths
+
+
+class UnsafeKey(ImgtrainError):
+    """A key in the store that must not become a file here (it would leave the working copy)."""
+
+
+def check_key(rel: str) -> str:
+    """``rel`` (a key relative to a run or a data set) when it is a path of plain names; an
+    error otherwise. A bucket is someone else's input: ``..``, an empty segment (``//``), a
+    backslash or a control character never reaches a local path, nor pyarrow (which fails on
+    ``//`` with ArrowInvalid)."""
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts) or "\\" in rel or any(ord(c) < 32 or ord(c) == 127 for c in rel):
+        raise UnsafeKey(f"the store holds a key imgtrain will not copy here: {rel[:200]!r} (it is not a path of "
+                        "plain names); delete it with the store's own tools")
+    return rel
+
+
+def local_file(folder: Path, rel: str) -> Path:
+    """The one way a key of the store becomes a local path: ``folder/rel`` when the key is a path
+    of plain names and no link on the way (``logs/ray`` links to this machine's Ray session)
+    leads out of ``folder``; an error otherwise."""
+    path = folder.joinpath(*check_key(rel).split("/"))
+    step = folder
+    for part in rel.split("/"):
+        step = step / part
+        if step.is_symlink():
+            raise UnsafeKey(f"the store's key {rel!r} leads through the link {step} here; it is not copied")
+    return path
+
+
+def _local_only(rel: str) -> bool:
+    return any(rel == x or rel.startswith(x + "/") for x in LOCAL_ONLY)
+
+
 # ---------------------------------------------------------------- the working copy
 
 
 def remote_files(st: Store, name: str) -> dict[str, tuple[int, float]]:
-    """{path relative to the run: (size, mtime)} of every file of the run in the store."""
+    """{path relative to the run: (size, mtime)} of every file of the run in the store. A key
+    that could not be a file of the working copy is left out, with a warning."""
     import pyarrow.fs as pafs
 
-    base = f"{st.root}/{name}"
+    base = f"{st.root}/{ownership.check_name(name)}"
     try:
         infos = st.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-    except OSError as e:
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
         raise where(e, st) from None
-    return {i.path[len(base) + 1:]: (i.size, i.mtime.timestamp() if i.mtime else 0.0)
-            for i in infos if i.type == pafs.FileType.File}
+    files = {}
+    for info in infos:
+        rel = info.path[len(base) + 1:]
+        if info.type != pafs.FileType.File or _local_only(rel):
+            continue
+        try:
+            files[check_key(rel)] = (info.size, info.mtime.timestamp() if info.mtime else 0.0)
+        except UnsafeKey as e:
+            warnings.warn(f"run {name!r} in {st.uri}: {e}", ImgtrainWarning, stacklevel=2)
+    return files
 
 
 def run_names(st: Store) -> list[str]:
-    """The names of the folders directly under the store's root that hold a run marker."""
+    """The names of the folders directly under the store's root that hold a run marker (and
+    could name a run: a folder called ``..`` or ``\\x1b[2J`` is not listed)."""
     import pyarrow.fs as pafs
 
     try:
         infos = st.fs.get_file_info(pafs.FileSelector(st.root, allow_not_found=True))
-        folders = [i.base_name for i in infos if i.type == pafs.FileType.Directory]
+        folders = [i.base_name for i in infos
+                   if i.type == pafs.FileType.Directory and not ownership.name_problem(i.base_name)]
         markers = st.fs.get_file_info([f"{st.root}/{n}/{MARKER_FILE}" for n in folders])
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise where(e, st) from None
     return sorted(n for n, m in zip(folders, markers) if m.type == pafs.FileType.File)
 
@@ -181,7 +243,7 @@ def turn(st: Store, name: str):
     finds the lock free writes before any driver here starts, and its look at the lock never
     makes a driver's attempt to take it fail. The lock file lies beside the run's folder."""
     st.local.mkdir(parents=True, exist_ok=True)
-    with open(st.local / f".{name}.pull-lock", "w") as lock:
+    with open(st.local / f".{ownership.check_name(name)}.pull-lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield
 
@@ -206,41 +268,149 @@ def pull(st: Store, name: str, checkpoints: bool = True, only_checkpoints: bool 
          owner: bool = False) -> Path:
     """Bring the run ``name`` into the working copy and return its local folder. Files whose
     size and time match are not fetched again, nor those changed here since the store's copy
-    (a driver killed before its last upload); local checkpoints the store no longer has (Ray
-    Train's retention deleted them) go. ``checkpoints`` False: only each checkpoint's
-    meta.json; ``only_checkpoints``: the checkpoints only (the driver of a run has the newer
-    other files). A run that another process on this machine trains or deletes is left as that
-    process has it; ``owner``: the caller is that process (it holds the run's lock or turn)."""
-    local = st.local / name
+    (a driver that lost the store before its last upload). A local checkpoint the store no
+    longer lists goes only when it had been there (Ray Train's retention deleted it); one that
+    never got there is kept and, by a reader, uploaded with the files changed here
+    (``_send_back``). ``checkpoints`` False: only each checkpoint's meta.json;
+    ``only_checkpoints``: the checkpoints only (the driver of a run has the newer other files).
+    A run that another process on this machine trains or deletes is left as that process has
+    it; ``owner``: the caller is that process (it holds the run's lock or turn, and its mirror
+    uploads)."""
+    local = st.local / ownership.check_name(name)
     if owner:
         _pull(st, name, local, checkpoints, only_checkpoints)
         return local
     with turn(st, name):
         if not in_use_here(local):
-            _pull(st, name, local, checkpoints, only_checkpoints)
+            if _pull(st, name, local, checkpoints, only_checkpoints):
+                _send_back(st, name, local)
     return local
 
 
-def _pull(st: Store, name: str, local: Path, checkpoints: bool, only_checkpoints: bool) -> None:
+def _pull(st: Store, name: str, local: Path, checkpoints: bool, only_checkpoints: bool) -> bool:
+    """The pull itself; True when the working copy holds what the store lacks (checkpoints that
+    never got there, files changed here since their upload)."""
     import shutil
 
-    wanted = remote_files(st, name)
-    if not wanted and not only_checkpoints:  # no such run in the store (any more): nor its working copy
-        if local.is_dir() and not local.is_symlink():
+    listed = remote_files(st, name)
+    if set(listed) <= {HEARTBEAT_FILE}:  # not a run yet: a driver has just taken its lease
+        listed = {}
+    known = _synced(local)
+    if not listed and not only_checkpoints and known is not None and not _never_sent(local, set(), known):
+        if local.is_dir() and not local.is_symlink():  # deleted from the store (`clean` elsewhere): here too
             shutil.rmtree(local, ignore_errors=True)
-        return
+        return False
+    wanted = listed
     if not checkpoints:
         wanted = {p: v for p, v in wanted.items() if not _in_checkpoint(p) or p.endswith("/" + META_FILE)}
     if only_checkpoints:
         wanted = {p: v for p, v in wanted.items() if _in_checkpoint(p)}
-    fs = st.fs
+    changed_here = False
     for rel, (size, mtime) in wanted.items():
-        target = local / rel
-        if _same(target, size, mtime) or _changed_here(target, mtime):
+        try:
+            target = local_file(local, rel)
+        except UnsafeKey as e:
+            warnings.warn(f"run {name!r} in {st.uri}: {e}", ImgtrainWarning, stacklevel=3)
             continue
-        _copy_down(fs, f"{st.root}/{name}/{rel}", target, st)
+        if _same(target, size, mtime):
+            continue
+        if _changed_here(target, mtime):
+            changed_here = True
+            continue
+        _copy_down(st.fs, f"{st.root}/{name}/{rel}", target, st)
         os.utime(target, (mtime, mtime))
-    _drop_local_extras(local, set(wanted))
+    if not local.is_dir():
+        return False
+    in_store = {rel.split("/", 1)[0] for rel in listed if _in_checkpoint(rel)}
+    whole_there = {f for f in in_store if f"{f}/{META_FILE}" in listed}  # meta.json goes up last
+    gone = _gone_from_store(local, in_store, known)
+    for folder in gone:
+        shutil.rmtree(local / folder, ignore_errors=True)
+    _record_synced(local, add=whole_there, drop=gone)
+    return changed_here or bool(_never_sent(local, whole_there, _synced(local) or set()))
+
+
+# ---------------------------------------------------------------- which checkpoints reached the store
+
+# SYNCED_FILE names the run's checkpoints that this machine has seen in the store (uploaded from
+# here, or listed there). A pull deletes a local checkpoint the store no longer lists only when it
+# is named there: it was in the store, so Ray Train's (or the local backend's) retention deleted
+# it. One that never got there (written while the store could not be reached) is kept and
+# uploaded instead.
+_ledger = threading.Lock()  # the driver's mirror thread and its own pulls write it
+
+
+def _synced(local: Path) -> set[str] | None:
+    """The run's checkpoints known to have been in the store; None: no record (a working copy
+    made before the record was kept)."""
+    try:
+        names = json.loads((local / SYNCED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return {n for n in names if isinstance(n, str)} if isinstance(names, list) else None
+
+
+def _record_synced(local: Path, add=(), drop=()) -> None:
+    with _ledger:
+        known = _synced(local)
+        now = ((known or set()) | set(add)) - set(drop)
+        if now != known and local.is_dir() and not local.is_symlink():
+            atomic_write_text(local / SYNCED_FILE, json.dumps(sorted(now)))
+
+
+def _local_checkpoints(local: Path) -> list[Path]:
+    if not local.is_dir():
+        return []
+    return [d for d in local.iterdir() if d.name.startswith(CHECKPOINT_PREFIX) and d.is_dir() and not d.is_symlink()]
+
+
+def _step(folder: Path) -> int | None:
+    try:
+        step = json.loads((folder / META_FILE).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def _gone_from_store(local: Path, in_store: set[str], known: set[str] | None) -> list[str]:
+    """The local checkpoints the store deleted: not listed there any more, and recorded as once
+    there (without a record, the working copy of an older imgtrain: any not newer than the
+    store's newest). One newer than every checkpoint the store lists is never among them."""
+    newest = max((s for s in (_step(local / n) for n in in_store) if s is not None), default=None)
+    gone = []
+    for folder in _local_checkpoints(local):
+        step = _step(folder)
+        newer = step is not None and (newest is None or step > newest)
+        if folder.name not in in_store and not newer and (known is None or folder.name in known):
+            gone.append(folder.name)
+    return gone
+
+
+def _never_sent(local: Path, whole_there: set[str], known: set[str]) -> list[str]:
+    """Complete local checkpoints (a meta.json) that the store has never had whole."""
+    return [d.name for d in _local_checkpoints(local)
+            if d.name not in whole_there and d.name not in known and (d / META_FILE).is_file()]
+
+
+def _send_back(st: Store, name: str, local: Path) -> None:
+    """Upload what the working copy holds and the store lacks: checkpoints made while the store
+    could not be reached, files changed here since their last upload. Not while a driver on
+    another machine holds the run (its lease): the run has moved on there, and what is here
+    stays here, with a warning."""
+    holder = lease_holder(_read_json_file(local / HEARTBEAT_FILE))
+    if holder:
+        warnings.warn(f"run {name!r}: this machine has files of it that {st.uri} lacks ("
+                      f"{', '.join(_never_sent(local, set(), _synced(local) or set())) or 'newer records'}); "
+                      f"they stay in {local} while {holder} trains the run", ImgtrainWarning, stacklevel=3)
+        return
+    push(st, name, _sent_record(local, remote_files(st, name)), everything=True, prune=False)
+
+
+def _read_json_file(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _in_checkpoint(rel: str) -> bool:
@@ -264,43 +434,34 @@ def _changed_here(path: Path, mtime: float) -> bool:
         return False
 
 
-def _drop_local_extras(local: Path, wanted: set[str]) -> None:
-    """Checkpoint folders the store no longer has: Ray Train deleted them (retention)."""
-    import shutil
-
-    if not local.is_dir():
-        return
-    kept = {rel.split("/", 1)[0] for rel in wanted}
-    for folder in local.iterdir():
-        if folder.name.startswith(CHECKPOINT_PREFIX) and folder.name not in kept and folder.is_dir() \
-                and not folder.is_symlink():
-            shutil.rmtree(folder, ignore_errors=True)
-
-
 def push(st: Store, name: str, sent: dict[str, tuple[int, int]] | None = None, everything: bool = False,
-         under: str | None = None) -> None:
+         under: str | None = None, prune: bool = True) -> None:
     """Upload the run's files from the working copy that changed since ``sent`` (updated in
     place), or only those ``under`` one folder (a report). Checkpoints only with ``everything``
-    (the local backend writes them here, and
-    deletes old ones: so does the store then); a checkpoint's meta.json goes last, so the store
-    never lists a checkpoint whose files are not all there. A file deleted meanwhile is skipped."""
+    (the local backend writes them here, and deletes old ones: with ``prune``, so does the
+    store then); a checkpoint's meta.json goes last, so the store never lists a checkpoint
+    whose files are not all there. A file deleted meanwhile is skipped."""
     sent = {} if sent is None else sent
-    local = st.local / name
+    local = st.local / ownership.check_name(name)
     fs = st.fs
-    new_checkpoint = False
+    uploaded = set()
     for rel in sorted(_mirrored_files(local), key=lambda r: (r.rsplit("/", 1)[-1] == META_FILE, r)):
         if _in_checkpoint(rel) and not everything or under and not rel.startswith(under + "/"):
             continue
         stamp = _upload(fs, local / rel, f"{st.root}/{name}/{rel}", sent.get(rel), st)
         if stamp:
             sent[rel] = stamp
-            new_checkpoint = new_checkpoint or _in_checkpoint(rel)
-    if new_checkpoint:  # the local backend's retention may have deleted older ones
+            if _in_checkpoint(rel) and rel.endswith("/" + META_FILE):
+                uploaded.add(rel.split("/", 1)[0])
+    _record_synced(local, add=uploaded)
+    if uploaded and prune:  # the local backend's retention may have deleted older ones
         gone = {rel.split("/", 1)[0] for rel in remote_files(st, name) if _in_checkpoint(rel)}
-        for folder in sorted(gone - {p.name for p in local.glob(CHECKPOINT_PREFIX + "*")}):
+        gone -= {p.name for p in local.glob(CHECKPOINT_PREFIX + "*")}
+        for folder in sorted(gone):
             delete(st, name, folder)
             for rel in [r for r in sent if r.startswith(folder + "/")]:
                 del sent[rel]
+        _record_synced(local, drop=gone)
 
 
 def _mirrored_files(local: Path):
@@ -311,7 +472,7 @@ def _mirrored_files(local: Path):
             path = os.path.join(folder, file)
             rel = Path(path).relative_to(local).as_posix()
             if os.path.islink(path) or rel.endswith((".part", ".tmp")) or ".tmp/" in rel or rel in STORE_ONLY \
-                    or any(rel == x or rel.startswith(x + "/") for x in LOCAL_ONLY):
+                    or _local_only(rel):
                 continue
             yield rel
 
@@ -346,9 +507,13 @@ def _upload(fs, path: Path, target: str, sent: tuple[int, int] | None, st: Store
 def in_store(st: Store, name: str) -> dict[str, tuple[int, int]]:
     """``push``'s record for the working copy's files that are the same as the store's (a
     pull brought them down): the mirror does not send them again."""
+    return _sent_record(st.local / name, remote_files(st, name))
+
+
+def _sent_record(local: Path, listed: dict[str, tuple[int, float]]) -> dict[str, tuple[int, int]]:
     sent = {}
-    for rel, (size, mtime) in remote_files(st, name).items():
-        path = st.local / name / rel
+    for rel, (size, mtime) in listed.items():
+        path = local / rel  # listed keys are plain paths (remote_files)
         if _same(path, size, mtime):
             stat = path.stat()
             sent[rel] = (stat.st_size, stat.st_mtime_ns)
@@ -358,29 +523,104 @@ def in_store(st: Store, name: str) -> dict[str, tuple[int, int]]:
 def delete(st: Store, name: str, rel: str = "") -> None:
     """Delete a run (or one folder of it, e.g. a damaged checkpoint) from the store."""
     try:
-        st.fs.delete_dir(f"{st.root}/{name}" + (f"/{rel}" if rel else ""))
+        st.fs.delete_dir(f"{st.root}/{ownership.check_name(name)}" + (f"/{check_key(rel)}" if rel else ""))
     except FileNotFoundError:
         pass
+    except (OSError, ValueError) as e:
+        raise where(e, st) from None
+
+
+# ---------------------------------------------------------------- the driver's heartbeat, its lease on the run
+
+# The driver of a run writes {"host", "pid", "time", "token"} to HEARTBEAT_FILE every
+# PUSH_INTERVAL_S, and {"released": true} with them when it ends. That object is the run's lease:
+# while it is held (not released, and fresh: a driver on this host that still runs, another
+# host's beat younger than HEARTBEAT_STALE_S) no other driver starts the run. pyarrow's
+# filesystems offer no conditional put, so two drivers that start at the same moment settle it
+# as leader elections on eventually quiet registers do: each writes its token, waits, and reads
+# the lease back; the last writer's token is there for both, and only its driver goes on. This
+# holds while either driver's read and write of the lease are less than LEASE_SETTLE_S apart.
+LEASE_SETTLE_S = 3.0
+_held: set[str] = set()  # the tokens of the leases this process holds
+
+
+def lease_holder(record) -> str | None:
+    """'process PID on HOST (its heartbeat N s ago)' while the heartbeat ``record`` holds the
+    run; None when it is released, stale, or no heartbeat at all."""
+    if not isinstance(record, dict) or record.get("released") or not isinstance(record.get("time"), (int, float)):
+        return None
+    host, pid = record.get("host"), record.get("pid")
+    if host == socket.gethostname():
+        # this process (a notebook, a test) holds a lease only inside ``leased``
+        if not process.pid_alive(pid) or pid == os.getpid() and record.get("token") not in _held:
+            return None
+    elif time.time() - record["time"] > HEARTBEAT_STALE_S:
+        return None
+    return f"process {pid} on {host} (its heartbeat {max(0.0, time.time() - record['time']):.0f} s ago)"
+
+
+def read_beat(st: Store, name: str):
+    """The run's heartbeat in the store (None: none, or not JSON)."""
+    try:
+        with st.fs.open_input_stream(f"{st.root}/{ownership.check_name(name)}/{HEARTBEAT_FILE}") as f:
+            return json.loads(f.read(1 << 16))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None
     except OSError as e:
         raise where(e, st) from None
 
 
-def beat(st: Store, name: str) -> None:
-    """Write the run's heartbeat to the store: its driver (this process) is alive."""
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+def beat(st: Store, name: str, token: str | None = None, released: bool = False) -> None:
+    """Write the run's heartbeat to the store: its driver (this process) is alive (or is done)."""
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "token": token}
+    if released:
+        record["released"] = True
     try:
-        with st.fs.open_output_stream(f"{st.root}/{name}/{HEARTBEAT_FILE}") as f:
+        with st.fs.open_output_stream(f"{st.root}/{ownership.check_name(name)}/{HEARTBEAT_FILE}") as f:
             f.write(json.dumps(record).encode())
     except OSError as e:
         raise where(e, st) from None
 
 
 @contextlib.contextmanager
-def mirrored(st: Store | None, name: str, interval_s: float = PUSH_INTERVAL_S, everything: bool = False):
+def leased(st: Store | None, name: str, hint: str = "wait for it or stop it"):
+    """Hold the run's lease while the block runs (a driver); yields its token (None without a
+    store). Refused, before anything of the run is written, while another driver holds it, or
+    when another one took it at the same moment."""
+    if st is None:
+        yield None
+        return
+    holder = lease_holder(read_beat(st, name))
+    if holder:
+        raise ImgtrainError(f"run {name!r} is being trained right now by {holder}; {hint}")
+    token = uuid.uuid4().hex
+    started = time.monotonic()
+    beat(st, name, token)
+    time.sleep(max(LEASE_SETTLE_S, 4 * (time.monotonic() - started)))  # a slow store: a longer window
+    now = read_beat(st, name)
+    if not isinstance(now, dict) or now.get("token") != token:
+        raise ImgtrainError(f"run {name!r} was started at the same moment by {lease_holder(now) or 'another driver'}; "
+                            f"that one trains it, this one stopped before writing anything: {hint}")
+    _held.add(token)
+    try:
+        yield token
+    finally:
+        _held.discard(token)
+        with contextlib.suppress(Exception):  # a store gone now: the heartbeat goes stale instead
+            if (read_beat(st, name) or {}).get("token") == token:
+                beat(st, name, token, released=True)
+
+
+@contextlib.contextmanager
+def mirrored(st: Store | None, name: str, interval_s: float = PUSH_INTERVAL_S, everything: bool = False,
+             token: str | None = None):
     """While the block runs, upload the driver's files of the run every ``interval_s`` and
-    write its heartbeat (in a thread of its own: a long upload does not delay it); upload once
-    more when the block ends, however it ends. A failing round is logged and retried on the
-    next one; the last one's failure is raised unless the block itself failed."""
+    write its heartbeat with the lease's ``token`` (in a thread of its own: a long upload does
+    not delay it); upload once more when the block ends, however it ends. A failing round is
+    logged and retried on the next one; the last one's failure is raised unless the block
+    itself failed."""
     if st is None:
         yield
         return
@@ -404,7 +644,7 @@ def mirrored(st: Store | None, name: str, interval_s: float = PUSH_INTERVAL_S, e
 
     def heartbeat():
         try:
-            beat(st, name)
+            beat(st, name, token)
         except Exception as e:  # noqa: BLE001 - retried; one older than HEARTBEAT_STALE_S says "gone"
             log.warning("the heartbeat of run %s failed: %s", name, one_line(e))
 
@@ -436,6 +676,17 @@ def _every(interval_s: float, stop: threading.Event, work, name: str) -> threadi
     thread = threading.Thread(target=loop, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def upload_staging(run_uri: str, rank: int) -> Path:
+    """Where rank ``rank`` of the run at ``run_uri`` stages its checkpoints for Ray's upload, on
+    its node. Ray deletes a staged checkpoint once uploaded; one whose upload failed (the store
+    could not be reached: the attempt fails with it) stays until the rank's next attempt on this
+    node or the driver's end clears the folder (``ray_backend``): 180 MB each for a ResNet-18.
+    In the user's own cache, not a shared /tmp where another user could put a link in its way."""
+    import hashlib
+
+    return _cache() / "uploads" / hashlib.sha256(run_uri.encode()).hexdigest()[:16] / f"rank-{rank}"
 
 
 def probe(st: Store) -> None:
@@ -482,9 +733,8 @@ def stage_dataset(uri: str) -> Path:
 
     uri = uri.rstrip("/")
     _plain_s3(uri)
+    local = _cache_dir("data", uri, uri.partition("://")[2])
     fs, root = split(uri)
-    scheme = uri.partition("://")[0]
-    local = (_cache() / "data" / scheme / root).resolve()
     local.mkdir(parents=True, exist_ok=True)
     st = Store(uri=uri, root=root, local=local)
     checked_file = local.parent / f".{local.name}.checked.json"
@@ -501,9 +751,12 @@ def stage_dataset(uri: str) -> Path:
             raise ImgtrainError(f"{uri}/{MANIFEST} is not a valid manifest; prepare the data set again") from None
         checked = _read_checked(checked_file)
         for rel in files:
-            if rel.startswith("/") or ".." in rel.split("/"):  # a manifest stays inside its folder
-                raise ImgtrainError(f"{uri}/{MANIFEST} lists {rel!r}, outside the data set; prepare it again")
-            checked[rel] = _stage_file(fs, st, rel, hashes.get(rel), checked.get(rel))
+            try:  # a manifest stays inside its folder
+                target = local_file(local, rel if isinstance(rel, str) else "..")
+            except UnsafeKey:
+                raise ImgtrainError(f"{uri}/{MANIFEST} lists {str(rel)[:200]!r}, outside the data set; prepare it "
+                                    "again") from None
+            checked[rel] = _stage_file(fs, st, rel, target, hashes.get(rel), checked.get(rel))
         atomic_write_text(checked_file, json.dumps(checked))
     return local
 
@@ -516,10 +769,9 @@ def _read_checked(path: Path) -> dict:
     return checked if isinstance(checked, dict) else {}
 
 
-def _stage_file(fs, st: Store, rel: str, sha256: str | None, checked) -> list:
-    """One file of a data set on this node, matching ``sha256``; returns what to remember of
-    it: [size, mtime in ns, sha256]."""
-    target = st.local / rel
+def _stage_file(fs, st: Store, rel: str, target: Path, sha256: str | None, checked) -> list:
+    """One file of a data set on this node (``target``), matching ``sha256``; returns what to
+    remember of it: [size, mtime in ns, sha256]."""
     with contextlib.suppress(OSError):
         stat = target.stat()
         if checked == [stat.st_size, stat.st_mtime_ns, sha256] or sha256_file(target) == sha256:
@@ -554,7 +806,7 @@ def _copy_down(fs, source: str, target: Path, st: Store) -> None:
             while chunk := src.read(8 << 20):
                 dst.write(chunk)
         os.replace(partial, target)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
         with contextlib.suppress(OSError):
             os.unlink(partial)
         raise where(e, st) from None

@@ -49,16 +49,13 @@ def chosen_stem(model: str, size) -> str:
 
 
 def build_from_args(args: dict) -> nn.Module:
-    """The model ``args`` (from a checkpoint's meta.json: untrusted) describe. Raises ValueError."""
-    name, channels, classes = args.get("architecture"), args.get("in_channels"), args.get("num_classes")
+    """The model ``args`` (from a checkpoint's meta.json: untrusted) describe. Raises ValueError,
+    before anything is built, for args out of their bounds (``args_problems``)."""
+    problems = args_problems(args)
+    if problems:
+        raise ValueError("; ".join(problems))
+    name, channels, classes = args["architecture"], args["in_channels"], args["num_classes"]
     stem, size = args.get("stem", "standard"), args.get("image_size") or [224, 224]
-    # a meta.json claiming 10^9 classes would otherwise allocate a 2-TB output layer
-    if channels not in (1, 3) or not isinstance(classes, int) or not 2 <= classes <= 100_000:
-        raise ValueError(f"in_channels {channels!r} / num_classes {classes!r} out of range")
-    if stem not in STEMS or not (isinstance(size, list) and len(size) == 2 and all(isinstance(s, int) for s in size)):
-        raise ValueError(f"stem {stem!r} / image_size {size!r} not understood")
-    if not isinstance(name, str):
-        raise ValueError(f"architecture {name!r} is not a model name")
     if name == DEFAULT_MODEL and stem == "standard":
         from imgtrain.model import build_resnet18
 
@@ -66,6 +63,39 @@ def build_from_args(args: dict) -> nn.Module:
     if name.startswith(TIMM_PREFIX):
         return _timm(name.removeprefix(TIMM_PREFIX), channels, classes, stem)
     return _torchvision(name, channels, classes, stem, size)
+
+
+def args_problems(args) -> list[str]:
+    """Every way model ``args`` are malformed or out of their bounds, each naming the field, its
+    value and the bound. They size what is built: the classifier by num_classes, a ViT's
+    position embeddings by image_size squared (65,536 px: a 51-GB tensor). No torch
+    needed: checkpoint.verify asks before any model is built."""
+    from imgtrain.data.format import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, short_repr
+    from imgtrain.data.sources import MAX_CLASSES
+
+    if not isinstance(args, dict):
+        return [f"model_args {short_repr(args)} is not an object"]
+    name, channels, classes = args.get("architecture"), args.get("in_channels"), args.get("num_classes")
+    stem, size = args.get("stem", "standard"), args.get("image_size") or None  # none: 224x224
+    issues = []
+    if not isinstance(name, str) or not name:
+        issues.append(f"architecture {short_repr(name)} is not a model name")
+    # a data set's channels (format.manifest_problems), what every model's first convolution takes
+    if channels not in (1, 3) or not isinstance(channels, int) or isinstance(channels, bool):
+        issues.append(f"in_channels {short_repr(channels)} out of range: 1 or 3")
+    # a data set's classes, and a classifier needs two (10^9 classes: a 2-TB output layer)
+    if not isinstance(classes, int) or isinstance(classes, bool) or not 2 <= classes <= MAX_CLASSES:
+        issues.append(f"num_classes {short_repr(classes)} out of range: 2 to {MAX_CLASSES:,}")
+    if stem not in STEMS:
+        issues.append(f"stem {short_repr(stem)} not understood: {' or '.join(STEMS)}")
+    if size is not None:  # a data set's image shape, held to the same bounds
+        if not (isinstance(size, list) and len(size) == 2
+                and all(isinstance(s, int) and not isinstance(s, bool) for s in size)):
+            issues.append(f"image_size {short_repr(size)} not understood: [height, width]")
+        elif not all(1 <= s <= MAX_IMAGE_SIDE for s in size) or size[0] * size[1] > MAX_IMAGE_PIXELS:
+            issues.append(f"image_size {size} out of range: 1 to {MAX_IMAGE_SIDE} px a side and "
+                          f"{MAX_IMAGE_PIXELS:,} pixels in all (the largest image imgtrain decodes)")
+    return issues
 
 
 def check_name(name: str, stem: str) -> None:

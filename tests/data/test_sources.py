@@ -241,6 +241,20 @@ def test_folder_mixed_sizes_train_at_the_median_or_resize(tmp_path):
         sources.parse_size("6by4")
 
 
+def test_a_size_no_reader_accepts_is_refused_before_anything_is_written(tmp_path):
+    from imgtrain.data.format import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
+
+    make_folder(tmp_path / "src", classes=("a", "b"), per_class=3)
+    # 8193x1 would upsample cheaply, and every reader would refuse the manifest it wrote
+    with pytest.raises(ImgtrainError, match=f"8193x1 is over the bound of {MAX_IMAGE_SIDE} px a side") as e:
+        prepare("folder", tmp_path / "out", source_path=tmp_path / "src", size=(MAX_IMAGE_SIDE + 1, 1))
+    assert "--size" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ImgtrainError, match=f"{MAX_IMAGE_PIXELS:,} pixels in all"):  # each side within
+        sources.check_channels_size(3, (MAX_IMAGE_SIDE, MAX_IMAGE_SIDE))
+    sources.check_channels_size(3, (MAX_IMAGE_SIDE, MAX_IMAGE_PIXELS // MAX_IMAGE_SIDE))  # the largest
+
+
 def test_folder_unreadable_files_are_skipped_and_listed_or_fail(tmp_path):
     src = tmp_path / "src"
     make_folder(src, classes=("a", "b"), per_class=3)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import time
+import tracemalloc
+
 import numpy as np
 import pytest
 from PIL import Image
 
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.batch import (
+    DENSE_CONFUSION_MAX_CLASSES,
     InferenceOptions,
-    confusion_matrix,
+    confusion_counts,
+    confusion_json,
     per_class_scores,
 )
 from imgtrain.inference.inputs import ERROR_KEY, conform
@@ -19,19 +25,44 @@ from tests.conftest_data_helpers import read_inputs_whole
 def test_confusion_matrix_rows_are_true_classes():
     labels = np.array([0, 0, 1, 2, 2, 2])
     preds = np.array([0, 1, 1, 2, 2, 0])
-    cm = confusion_matrix(labels, preds, 3)
-    assert cm.tolist() == [[1, 1, 0], [0, 1, 0], [1, 0, 2]]
+    counts = confusion_counts(labels, preds, 3)
+    assert counts.tolist() == [[0, 0, 1], [0, 1, 1], [1, 1, 1], [2, 0, 1], [2, 2, 2]]  # pairs that occur
+    assert confusion_json(counts, 3) == [[1, 1, 0], [0, 1, 0], [1, 0, 2]]  # dense, as it always was
+
+
+def test_the_confusion_of_many_classes_costs_what_is_evaluated_not_k_squared():
+    # A checkpoint's class count is its owner's choice, up to sources.MAX_CLASSES: dense, its
+    # confusion matrix was 80 GB. 5,000 samples must cost about 5,000 samples.
+    k, rng = 100_000, np.random.default_rng(0)
+    labels = rng.integers(0, k, 5_000)
+    preds = np.where(rng.random(5_000) < 0.5, labels, rng.integers(0, k, 5_000))
+    tracemalloc.start()
+    started = time.monotonic()
+    try:
+        counts = confusion_counts(labels, preds, k)
+        cm = confusion_json(counts, k)
+        scores = per_class_scores(counts, [f"c{i}" for i in range(k)])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.monotonic() - started < 10 and peak < 50 << 20, peak
+    assert cm["shape"] == [k, k] and sum(n for _, _, n in cm["entries"]) == 5_000
+    assert json.loads(json.dumps(cm)) == cm  # what evaluate --json prints
+    first = cm["entries"][0]
+    assert first == [int(labels.min()), int(preds[labels == labels.min()][0]), 1]
+    assert sum(s["support"] for s in scores.values()) == 5_000
+    assert confusion_json(confusion_counts(labels % 7, preds % 7, DENSE_CONFUSION_MAX_CLASSES), 1_000)[6][6] > 0
 
 
 def test_per_class_scores_match_hand_computed_values():
-    cm = np.array([[1, 1, 0], [0, 1, 0], [1, 0, 2]])
+    cm = confusion_counts(np.array([0, 0, 1, 2, 2, 2]), np.array([0, 1, 1, 2, 2, 0]), 3)
     scores = per_class_scores(cm, ["a", "b", "c"])
     assert scores["a"] == {"precision": 0.5, "recall": 0.5, "f1": 0.5, "support": 2}
     assert scores["b"]["precision"] == 0.5 and scores["b"]["recall"] == 1.0
     assert scores["b"]["f1"] == pytest.approx(2 / 3)
     assert scores["c"]["precision"] == 1.0 and scores["c"]["recall"] == pytest.approx(2 / 3)
     # A class never predicted and never present scores 0, not NaN.
-    empty = per_class_scores(np.zeros((2, 2), dtype=int), ["x", "y"])
+    empty = per_class_scores(confusion_counts(np.zeros(0, int), np.zeros(0, int), 2), ["x", "y"])
     assert empty["x"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "support": 0}
 
 

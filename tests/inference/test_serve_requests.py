@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 
 import numpy as np
 import pytest
@@ -27,7 +28,16 @@ def request(body: bytes, headers: dict | None = None, chunk: int = 7) -> Request
 
 
 def read(body: bytes, limit: int, headers: dict | None = None) -> bytes:
-    return asyncio.run(read_body(request(body, headers), limit))
+    return asyncio.run(read_body(request(body, headers), limit, timeout_s=10))
+
+
+def trickled(byte_every_s: float) -> Request:
+    """A request announcing 100 bytes whose body then comes one byte per ``byte_every_s``."""
+    async def receive():
+        await asyncio.sleep(byte_every_s)
+        return {"type": "http.request", "body": b"x", "more_body": True}
+
+    return Request({"type": "http", "method": "POST", "headers": [(b"content-length", b"100")]}, receive)
 
 
 def test_read_body_counts_the_stream_as_well_as_content_length():
@@ -44,6 +54,18 @@ def test_read_body_counts_the_stream_as_well_as_content_length():
         assert e.value.status == status
     with pytest.raises(RequestError, match="empty body"):
         read(b"", limit=50)
+
+
+def test_a_body_trickling_in_gets_408_at_the_deadline_for_the_whole_body():
+    # A byte every 20 ms: a per-read timeout of 0.3 s would never fire; the whole-body deadline does.
+    started = time.monotonic()
+    with pytest.raises(RequestError) as slow:
+        asyncio.run(read_body(trickled(0.02), limit=1000, timeout_s=0.3))
+    assert 0.29 < time.monotonic() - started < 2  # the loop may wake a clock tick early
+    assert slow.value.status == 408 and slow.value.headers == {"Connection": "close"}
+    assert str(slow.value) == "the request body did not arrive whole within 0.3 s; send it at once"
+    assert Limits().body_timeout_s == 5 and Limits(body_timeout_s=0).problems() == [
+        "--body-timeout must be a positive number, got 0"]
 
 
 def test_json_pixels_in_every_form_and_every_malformed_body_is_a_400():
@@ -71,6 +93,16 @@ def test_the_default_image_cap_follows_the_model_input_and_limits_are_checked():
                         "--max-batch-size must be a positive number, got 0"]
     assert Limits(batch_wait_ms=0).problems() == []  # no waiting: batches of what is already queued
     assert Limits(batch_wait_ms=-1).problems() == ["--batch-wait-ms must be 0 or a positive number, got -1"]
+
+
+def test_the_image_cap_never_exceeds_what_is_decoded_anywhere_else():
+    from imgtrain.data.images import MAX_DECODE_PIXELS
+
+    # 64 x a 8192x6103 input (the largest a data set may declare) would be 3.2 gigapixels
+    assert Limits().image_pixels((8192, 6103, 3)) == MAX_DECODE_PIXELS
+    assert Limits().image_pixels((1024, 1024, 3)) == MAX_DECODE_PIXELS  # 64 MP asked
+    assert Limits(max_image_pixels=10**12).image_pixels((28, 28, 1)) == MAX_DECODE_PIXELS
+    assert Limits().image_pixels((800, 800, 3)) == 64 * 800 * 800  # 41 MP: under the cap, as it was
 
 
 def test_direct_ingress_where_it_works_and_a_clear_refusal_where_not():

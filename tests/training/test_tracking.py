@@ -1,20 +1,30 @@
 """The trackers against a real MLflow sqlite store and real TensorBoard event files."""
 
 import json
+import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 import torch
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import runs
 from imgtrain.config import TrainConfig
+from imgtrain.errors import ImgtrainError
 from imgtrain.training.tracking import (
     MLFLOW_RUN_FILE,
     MLflowTracker,
     TensorBoardTracker,
     metrics_of,
+    open_trackers,
+    public_config,
+    scrub,
 )
 
 MANIFEST = {"name": "tiny", "splits": {"train": {"num_samples": 256}, "test": {"num_samples": 100}}}
@@ -94,6 +104,123 @@ def test_an_unusable_mlflow_uri_fails_at_once_with_the_uri_named(run_dir):
     cfg = TrainConfig(name="t", data="/d", mlflow="nosuchscheme://x")
     with pytest.raises(ImgtrainError, match="cannot log to MLflow at nosuchscheme://x"):
         MLflowTracker(cfg, run_dir, MANIFEST)
+
+
+PASSWORD = "s3cretPassw0rd"
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server (sqlite store, artifacts proxied to a folder) on a free
+    127.0.0.1 port, started once for the module; yields its URI. It has no authentication: the
+    credentials of a URI are sent to it and ignored. A failure under CI=true, a skip elsewhere."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri = f"http://127.0.0.1:{port}"
+    # its own session: SIGTERM reaches the uvicorn worker it starts; no job runner (needs huey)
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    with open(root / "server.log", "wb") as log:
+        server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                                   "--backend-store-uri", f"sqlite:///{root / 'ml.db'}",
+                                   "--artifacts-destination", str(root / "artifacts"), "--workers", "1"],
+                                  stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while server.poll() is None and time.monotonic() < deadline:
+            try:
+                NO_PROXY.open(f"{uri}/health", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.25)
+        else:
+            tail = (root / "server.log").read_text(errors="replace")[-1500:]
+            why = f"the MLflow tracking server did not answer {uri}/health (exit code {server.poll()}):\n{tail}"
+            if os.environ.get("CI", "").lower() == "true":  # CI must check it, never skip it
+                pytest.fail(why)
+            pytest.skip(why)
+        yield uri
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def files_holding(run_dir, secret: str) -> list[str]:
+    return [str(p.relative_to(run_dir)) for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and secret.encode() in p.read_bytes()]
+
+
+def test_a_password_in_an_http_mlflow_uri_is_never_printed_nor_stored_and_the_server_gets_the_run(
+        mlflow_server, run_dir, capfd, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    # The user asked MLflow for its "View run ... at: URL" line: with a password in the URL, not granted.
+    monkeypatch.setenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "false")
+    uri = mlflow_server.replace("http://", f"http://someuser:{PASSWORD}@")
+    cfg = TrainConfig(name="t", data="/d", epochs=1, mlflow=uri, mlflow_experiment="exp")
+    runs.write_config(run_dir, public_config(cfg))  # as the driver writes config.json
+    notes = []
+    (tracker,) = open_trackers(cfg, run_dir, MANIFEST, notes.append)
+    for r in records(0, 4):
+        tracker.log(r)
+    tracker.finish("finished", best_checkpoint(run_dir))
+
+    assert notes == []  # nothing failed on the way
+    assert os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] == "false"  # the user's setting is back
+    printed = capfd.readouterr()  # file descriptors 1 and 2: what a terminal or a CI log would show
+    assert PASSWORD not in printed.out + printed.err
+    assert files_holding(run_dir, PASSWORD) == []  # config.json, mlflow.json, logs/tracking.log, ...
+    assert json.loads((run_dir / runs.CONFIG_FILE).read_text())["mlflow"] == mlflow_server
+
+    run_id = json.loads((run_dir / MLFLOW_RUN_FILE).read_text())["run_id"]
+    client = MlflowClient(mlflow_server)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "t"
+    assert run.data.params["lr"] == str(cfg.lr) and run.data.params["data_train_samples"] == "256"
+    assert run.data.params["mlflow"] == mlflow_server
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "step/loss")] == [(2, 0.5), (4, 0.25)]
+    assert sorted(a.path for a in client.list_artifacts(run_id, "model")) == ["model/meta.json", "model/model.pt"]
+
+
+def test_credentials_stay_out_of_errors_and_of_mlflow_log_lines(run_dir, tmp_path, capfd, monkeypatch):
+    # A password holding "@" (requests reads up to the authority's last one)
+    assert scrub("API request to http://u:p@ss@host:5000/api failed; see http://h/x") == \
+        "API request to http://host:5000/api failed; see http://h/x"
+    # Nothing listens on the port: the first request fails, with MLflow's message quoting the URL.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ImgtrainError) as failed:
+        MLflowTracker(TrainConfig(name="t", data="/d", mlflow=f"http://someuser:{PASSWORD}@127.0.0.1:{port}"),
+                      run_dir, MANIFEST)
+    assert f"cannot log to MLflow at http://127.0.0.1:{port}:" in str(failed.value)
+    assert PASSWORD not in str(failed.value)
+
+    # MLflow's warnings quote the failed request (http_artifact_repo's multipart upload, with the
+    # exception): they go to logs/tracking.log, which is mirrored with the run.
+    cfg = TrainConfig(name="t", data="/d", mlflow=f"sqlite:///{tmp_path / 'm.db'}")
+    tracker = MLflowTracker(cfg, run_dir, MANIFEST)
+    try:
+        raise RuntimeError(f"API request to http://someuser:{PASSWORD}@host/api/2.0/mlflow-artifacts failed")
+    except RuntimeError:
+        logging.getLogger("mlflow.store.artifact.http_artifact_repo").warning(
+            "Failed to upload file %s using multipart upload: %s", "model.pt",
+            f"http://someuser:{PASSWORD}@host/api", exc_info=True)
+    tracker.close()
+    log = (run_dir / "logs" / "tracking.log").read_text()
+    assert "Failed to upload file model.pt using multipart upload: http://host/api" in log
+    assert "RuntimeError: API request to http://host/api/2.0/mlflow-artifacts failed" in log
+    assert files_holding(run_dir, PASSWORD) == []
+    printed = capfd.readouterr()
+    assert PASSWORD not in printed.out + printed.err
 
 
 def scalars(directory, tag):

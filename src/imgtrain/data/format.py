@@ -27,6 +27,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from imgtrain.data import tables
+from imgtrain.data.images import MAX_DECODE_PIXELS
+from imgtrain.data.sources import MAX_CLASSES
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops.files import sha256_file
 
@@ -46,13 +48,29 @@ _REQUIRED_KEYS = ("format_version", "name", "source", "classes", "num_classes", 
                   "channels", "splits", "class_counts", "normalize", "sha256", "created")
 PathLike = Union[str, Path]
 
+# Bounds on the sizes a manifest declares. A data set is untrusted input and every reader sizes
+# allocations and loops by these numbers: a training resolution of 50,000 px made `train` try to
+# allocate 224 GiB, a listed row group of 10^9 rows 7.5 GiB, while `doctor` said ok.
+# Each side of the image shape (the stored shape, or the training resolution), in px: the bound a
+# checkpoint's image shape is held to when inference loads it (predictor.py), so a data set
+# within it trains a model that can be served.
+MAX_IMAGE_SIDE = 8192
+# Its height x width: no image with more pixels is decoded anywhere (images.MAX_DECODE_PIXELS:
+# prepare, predict, training), so a larger resolution could only be an upsampling. One decoded
+# RGB image is then at most 150 MiB.
+MAX_IMAGE_PIXELS = MAX_DECODE_PIXELS
+# manifest.json itself is parsed whole: row groups and hashes of a data set of millions of
+# images take a few MB.
+MAX_MANIFEST_BYTES = 64 << 20
+
 
 # ----------------------------------------------------------------------------------------------
 # Reading and checking
 
 
 def load_manifest(data_dir: PathLike) -> dict:
-    """The parsed manifest.json of a dataset directory, after a structural sanity check."""
+    """The parsed manifest.json of a dataset directory, after a structural sanity check that also
+    holds every size it declares to its bound (``manifest_problems``)."""
     data_dir = Path(data_dir)
     hint = "create one with `imgtrain data prepare mnist-sample DIR`"
     if not data_dir.is_dir():
@@ -60,6 +78,10 @@ def load_manifest(data_dir: PathLike) -> dict:
     path = data_dir / MANIFEST
     if not path.is_file():
         raise ImgtrainError(f"{data_dir} is not a prepared data set (no {MANIFEST}); {hint}")
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:  # refused before it is read, let alone parsed
+        raise ImgtrainError(f"{path} is {size:,} bytes, over the {MAX_MANIFEST_BYTES:,} a manifest can be; "
+                            "prepare the data set again")
     try:
         manifest = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
@@ -71,27 +93,105 @@ def load_manifest(data_dir: PathLike) -> dict:
         raise ImgtrainError(f"{path} lacks {', '.join(missing)}; prepare the data set again")
     if manifest["format_version"] not in READABLE_VERSIONS:
         raise ImgtrainError(
-            f"{path} has format_version {manifest['format_version']!r}, this imgtrain reads "
+            f"{path} has format_version {short_repr(manifest['format_version'])}, this imgtrain reads "
             f"{', '.join(map(str, READABLE_VERSIONS))}; prepare the data set again or upgrade imgtrain"
         )
     manifest.setdefault("storage", "tensor")  # format 1
-    manifest.setdefault("preset", default_preset(manifest.get("image_shape")))
-    try:
-        ok = (len(manifest["classes"]) == manifest["num_classes"]
-              and len(manifest["image_shape"]) == 3
-              and manifest["image_shape"][2] == manifest["channels"]
-              and manifest["storage"] in STORAGES and manifest["preset"] in PRESETS
-              and all(s in manifest["splits"] for s in SPLITS)
-              and set(manifest["splits"]) <= set(ALL_SPLITS)
-              and all(isinstance(v["files"], list) and isinstance(v["num_samples"], int)
-                      for v in manifest["splits"].values()))
-    except (TypeError, KeyError):
-        ok = False
-    if not ok:
-        raise ImgtrainError(
-            f"{path} is inconsistent (classes, image_shape or splits); prepare the data set again"
-        )
+    problems = manifest_problems(manifest)
+    if problems:
+        raise ImgtrainError(f"{path}: {'; '.join(problems)}; prepare the data set again")
+    manifest.setdefault("preset", default_preset(manifest["image_shape"]))
     return manifest
+
+
+def manifest_problems(manifest: dict) -> list[str]:
+    """Every way the manifest's fields are malformed, inconsistent or out of their bounds, each
+    naming the field, its value and the bound: reported together, checked before any reader
+    sizes anything by them."""
+    issues = []
+    classes, k = manifest["classes"], manifest["num_classes"]
+    if not _is_int(k) or not 1 <= k <= MAX_CLASSES:  # the classifier's output layer and every per-class table
+        issues.append(f"num_classes {short_repr(k)} is not between 1 and {MAX_CLASSES:,} (sources.MAX_CLASSES)")
+    elif not (isinstance(classes, list) and len(classes) == k and all(isinstance(c, str) for c in classes)):
+        issues.append(f"classes is not a list of {k} names (num_classes)")
+    shape, channels = manifest["image_shape"], manifest["channels"]
+    if not _is_int(channels) or channels not in (1, 3):  # every model's first convolution takes 1 or 3
+        issues.append(f"channels {short_repr(channels)} is not 1 or 3")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(_is_int(v) for v in shape)):
+        issues.append(f"image_shape {short_repr(shape)} is not [height, width, channels]")
+    else:
+        h, w, c = shape
+        if not (1 <= h <= MAX_IMAGE_SIDE and 1 <= w <= MAX_IMAGE_SIDE) or h * w > MAX_IMAGE_PIXELS:
+            issues.append(f"image_shape {shape} is outside the bound of 1 to {MAX_IMAGE_SIDE} px a side and "
+                          f"{MAX_IMAGE_PIXELS:,} pixels in all (the largest image imgtrain decodes)")
+        if c != channels:
+            issues.append(f"image_shape {shape} does not end in its channels, {short_repr(channels)}")
+    if manifest["storage"] not in STORAGES:
+        issues.append(f"storage {short_repr(manifest['storage'])} is not one of {', '.join(STORAGES)}")
+    if manifest.get("preset", "digits") not in PRESETS:
+        issues.append(f"preset {short_repr(manifest['preset'])} is not one of {', '.join(PRESETS)}")
+    # every batch is normalised by them, per channel, after pixels are scaled to [0, 1]
+    norm = manifest["normalize"]
+    if not (isinstance(norm, dict) and _numbers(norm.get("mean"), channels, 0.0, 1.0)
+            and _numbers(norm.get("std"), channels, 0.0, 1.0) and 0 not in norm["std"]):
+        issues.append(f"normalize {short_repr(norm)} is not a mean in [0, 1] and a std in (0, 1] per channel")
+    if not isinstance(manifest["sha256"], dict):
+        issues.append("sha256 is not a table of files")
+    splits = manifest["splits"]
+    if not (isinstance(splits, dict) and all(s in splits for s in SPLITS) and set(splits) <= set(ALL_SPLITS)):
+        return issues + [f"splits names {short_repr(list(splits) if isinstance(splits, dict) else splits)}, "
+                         f"not {', '.join(SPLITS)} and optionally val"]
+    counts = manifest["class_counts"]
+    for name, split in splits.items():
+        issues += [f"splits.{name}.{problem}" for problem in _split_problems(split)]
+        if not (isinstance(counts, dict) and isinstance(counts.get(name), list) and _is_int(k)
+                and len(counts[name]) == k and all(_is_int(v) and v >= 0 for v in counts[name])):
+            issues.append(f"class_counts.{name} is not a count per class")
+    return issues
+
+
+def _split_problems(split) -> list[str]:
+    """A split's files and row counts: the streamed reader plans an epoch by them (a permutation
+    of every listed row, a decoded buffer per row group) before it reads a file."""
+    from imgtrain.data.writer import ROW_GROUP_ROWS  # here: the writer imports this module
+
+    if not isinstance(split, dict):
+        return [f"is not an object ({short_repr(split)})"]
+    files, n, groups = split.get("files"), split.get("num_samples"), split.get("row_groups")
+    issues = []
+    if not (isinstance(files, list) and all(isinstance(f, str) for f in files)):
+        return [f"files is not a list of paths ({short_repr(files)})"]
+    if not _is_int(n) or n < 0:
+        issues.append(f"num_samples {short_repr(n)} is not a count")
+    if groups is None:  # format 1: read from the files' footers
+        return issues
+    # the writer never puts more than ROW_GROUP_ROWS rows in a row group, nor an empty one
+    if not (isinstance(groups, list) and len(groups) == len(files)
+            and all(isinstance(g, list) and all(_is_int(r) for r in g) for g in groups)):
+        issues.append(f"row_groups is not a list of row counts per file ({short_repr(groups)})")
+    elif any(not 1 <= r <= ROW_GROUP_ROWS for g in groups for r in g):
+        bad = next(r for g in groups for r in g if not 1 <= r <= ROW_GROUP_ROWS)
+        issues.append(f"row_groups lists a row group of {short_repr(bad)} rows, outside 1 to {ROW_GROUP_ROWS:,} "
+                      "(the writer's largest)")
+    elif _is_int(n) and sum(map(sum, groups)) != n:
+        issues.append(f"row_groups add up to {sum(map(sum, groups)):,} rows, num_samples says {n:,}")
+    return issues
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _numbers(values, count, lo: float, hi: float) -> bool:
+    """``count`` numbers in [lo, hi] (NaN is in no range)."""
+    return (isinstance(values, list) and len(values) == count
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi for v in values))
+
+
+def short_repr(value, limit: int = 60) -> str:
+    """A value from an untrusted file, short enough for a one-line error."""
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def default_preset(image_shape) -> str:
@@ -181,8 +281,9 @@ def _tensor_field_shape(field: pa.Field) -> list[int] | None:
     return shape
 
 
-def _check_file(path: Path, rel: str, manifest: dict) -> int:
-    """Schema, image shape and label range of one Parquet file; returns its row count."""
+def _check_file(path: Path, rel: str, manifest: dict) -> list[int]:
+    """Schema, image shape and label range of one Parquet file; returns the rows of each of its
+    row groups (from its footer)."""
     try:
         pf = pq.ParquetFile(path)
         schema = pf.schema_arrow
@@ -192,7 +293,7 @@ def _check_file(path: Path, rel: str, manifest: dict) -> int:
     shape = check_split_schema(schema, rel, manifest["storage"])
     if manifest["storage"] == "tensor" and shape != list(manifest["image_shape"]):
         raise ImgtrainError(
-            f"{rel} holds images of shape {shape}, the manifest says {manifest['image_shape']}; "
+            f"{rel} holds images of shape {short_repr(shape)}, the manifest says {manifest['image_shape']}; "
             "prepare the data set again"
         )
     try:
@@ -205,7 +306,7 @@ def _check_file(path: Path, rel: str, manifest: dict) -> int:
             f"{rel} has label {bad[0]} outside [0, {manifest['num_classes']}); "
             "prepare the data set again"
         )
-    return pf.metadata.num_rows
+    return [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
 
 
 def verify_dataset(data_dir: PathLike, check_hashes: bool = True) -> dict:
@@ -220,8 +321,9 @@ def verify_dataset(data_dir: PathLike, check_hashes: bool = True) -> dict:
         files = split_files(data_dir, manifest, split)
         if not files or manifest["splits"][split]["num_samples"] <= 0:
             raise ImgtrainError(f"split {split!r} of {data_dir} is empty; prepare the data set again")
+        listed = manifest["splits"][split].get("row_groups")
         rows = 0
-        for rel, path in zip(manifest["splits"][split]["files"], files):
+        for i, (rel, path) in enumerate(zip(manifest["splits"][split]["files"], files)):
             if not path.is_file():
                 raise ImgtrainError(f"{data_dir / rel} is missing; prepare the data set again")
             if check_hashes and sha256_file(path) != manifest["sha256"].get(rel):
@@ -229,13 +331,25 @@ def verify_dataset(data_dir: PathLike, check_hashes: bool = True) -> dict:
                     f"{data_dir / rel} does not match its sha256 in the manifest (modified or "
                     "corrupt); prepare the data set again"
                 )
-            rows += _check_file(path, str(data_dir / rel), manifest)
+            groups = _check_file(path, str(data_dir / rel), manifest)
+            if listed is not None:
+                _check_listed_groups(data_dir, split, rel, listed[i], groups)
+            rows += sum(groups)
         if rows != manifest["splits"][split]["num_samples"]:
             raise ImgtrainError(
                 f"split {split!r} of {data_dir} has {rows} rows, the manifest says "
                 f"{manifest['splits'][split]['num_samples']}; prepare the data set again"
             )
     return manifest
+
+
+def _check_listed_groups(data_dir: Path, split: str, rel: str, listed: list[int], found: list[int]) -> None:
+    """The manifest's row counts of a file must be its footer's: readers plan by the former."""
+    if listed != found:
+        raise ImgtrainError(
+            f"{data_dir / MANIFEST}: splits.{split}.row_groups lists {short_repr(listed)} rows for {rel}, "
+            f"its Parquet footer says {short_repr(found)}; prepare the data set again"
+        )
 
 
 def read_split_file(path: Path, storage: str = "tensor") -> pa.Table:
@@ -251,13 +365,20 @@ def read_split_file(path: Path, storage: str = "tensor") -> pa.Table:
 
 def row_groups(data_dir: Path, manifest: dict, split: str) -> list[tuple[Path, int, int]]:
     """Every (file, row group index, rows) of a split, in file order: the blocks the streamed
-    reader works in. Format 1 data sets do not list them: read from the files' footers."""
+    reader works in. Read from the files' footers (cheap), and where the manifest lists them
+    (format 2) they must agree: not every reader verifies the data set first (predict, report)."""
     files = split_files(Path(data_dir), manifest, split)
     listed = manifest["splits"][split].get("row_groups")
-    if listed is None:
-        listed = [[pq.ParquetFile(f).metadata.row_group(g).num_rows for g in range(pq.ParquetFile(f).num_row_groups)]
-                  for f in files]
-    return [(f, g, rows) for f, groups in zip(files, listed) for g, rows in enumerate(groups)]
+    found = []
+    for i, f in enumerate(files):
+        try:
+            meta = pq.read_metadata(f)
+        except (pa.ArrowException, OSError) as e:
+            raise ImgtrainError(f"cannot read {f} ({one_line(e, 120)}); prepare the data set again") from None
+        found.append([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+        if listed is not None:
+            _check_listed_groups(Path(data_dir), split, manifest["splits"][split]["files"][i], listed[i], found[-1])
+    return [(f, g, rows) for f, groups in zip(files, found) for g, rows in enumerate(groups)]
 
 
 def read_row_group(path: Path, group: int, storage: str) -> pa.Table:

@@ -11,6 +11,8 @@ became 99.5 % white).
 from __future__ import annotations
 
 import io
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,11 @@ FORMATS = ("PNG", "JPEG")
 # Above this a file is refused rather than decoded (prepare, predict): 50 MP is a large
 # camera photo, ~150 MiB as RGB. The server uses a much smaller cap (serve.py).
 MAX_DECODE_PIXELS = 50_000_000
+# Above this an image file is refused from its size, before it is read (prepare, predict): 8 bytes
+# a pixel at the pixel cap is a 16-bit RGBA PNG stored uncompressed, the largest an image the cap
+# lets through can be, plus 16 MiB of metadata. A larger file only pads (a 6 GiB sparse .png,
+# read whole, ended prepare in a MemoryError).
+MAX_FILE_BYTES = MAX_DECODE_PIXELS * 8 + (16 << 20)
 # PIL modes with a single colour channel ('LA' = gray + alpha).
 GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 _SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})
@@ -51,6 +58,34 @@ def open_image(src: bytes | bytearray | str | Path, max_pixels: int = MAX_DECODE
         im.close()
         raise ImageTooLarge(f"{w}x{h} pixels is over the limit of {max_pixels:,} pixels")
     return im
+
+
+def read_image_file(path) -> bytes:
+    """The bytes of an image file a user named. Raises ImageRejected for a path that is not a
+    regular file (a FIFO blocks its reader, a device never ends: neither is opened), for a file
+    over MAX_FILE_BYTES (refused from its size, never read whole) and for a read error."""
+    try:
+        _check_regular(os.stat(path))  # follows links, as open does: a linked image is read
+        # O_NONBLOCK and fstat: a FIFO put in its place since the stat cannot block the open
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            _check_regular(os.fstat(f.fileno()))
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise ImageRejected(f"cannot be read ({e.strerror or type(e).__name__})") from None
+    if len(data) > MAX_FILE_BYTES:  # it grew since the stat
+        raise ImageRejected(f"larger than the limit of {MAX_FILE_BYTES:,} bytes for an image file")
+    return data
+
+
+_NOT_REGULAR = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+                stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
+
+
+def _check_regular(info: os.stat_result) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise ImageRejected(f"not a regular file ({_NOT_REGULAR.get(stat.S_IFMT(info.st_mode), 'special')})")
+    if info.st_size > MAX_FILE_BYTES:
+        raise ImageRejected(f"{info.st_size:,} bytes is over the limit of {MAX_FILE_BYTES:,} bytes for an image file")
 
 
 def oriented_size(im) -> tuple[int, int]:
@@ -122,9 +157,9 @@ def _chunk_bytes(chunk):
                 yield ImageRejected("not a .png/.jpg/.jpeg file")
                 continue
             try:
-                yield Path(path).read_bytes()
-            except OSError as e:
-                yield ImageRejected(f"cannot be read ({e.strerror or type(e).__name__})")
+                yield read_image_file(path)
+            except ImageRejected as e:
+                yield e
         return
     import pyarrow.compute as pc
     import pyarrow.parquet as pq

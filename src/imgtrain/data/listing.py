@@ -102,10 +102,11 @@ def _class_dirs(root: Path) -> list[Path]:
 
 
 def _image_files(class_dir: Path) -> list[Path]:
-    """Every non-hidden file under ``class_dir`` (non-images are reported, not skipped). rglob
-    does not follow linked folders: a link to a parent cannot make it walk in circles."""
+    """Every non-hidden file under ``class_dir`` (non-images are reported, not skipped), FIFOs and
+    other special files too: they are reported unread (``images.read_image_file``). rglob does not
+    follow linked folders: a link to a parent cannot make it walk in circles."""
     return [p for p in class_dir.rglob("*")
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(class_dir).parts)
+            if not p.is_dir() and not any(part.startswith(".") for part in p.relative_to(class_dir).parts)
             and p.name.lower() not in _JUNK_FILES]
 
 

@@ -398,3 +398,17 @@ def check_channels_size(channels, size) -> None:
         len(size) == 2 and all(isinstance(v, (int, np.integer)) and v > 0 for v in size)
     ):
         raise ImgtrainError(f"size must be (height, width) in pixels, e.g. 28x28, got {size!r}")
+    if size is not None:
+        check_image_size(size, "pass a smaller --size")
+
+
+def check_image_size(size, hint: str) -> None:
+    """A training resolution (H, W) every reader accepts: prepare must not write a data set whose
+    manifest ``format.manifest_problems`` refuses."""
+    # here, not at the top: format imports this module (MAX_CLASSES)
+    from imgtrain.data.format import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
+
+    h, w = size
+    if max(h, w) > MAX_IMAGE_SIDE or h * w > MAX_IMAGE_PIXELS:
+        raise ImgtrainError(f"size {h}x{w} is over the bound of {MAX_IMAGE_SIDE} px a side and "
+                            f"{MAX_IMAGE_PIXELS:,} pixels in all (the largest image imgtrain decodes); {hint}")

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from imgtrain.data.format import FORMAT_VERSION, MANIFEST, load_manifest
+from imgtrain.data.format import FORMAT_VERSION, MANIFEST, load_manifest, manifest_problems
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops.files import sha256_file
 
@@ -172,6 +172,10 @@ class DatasetWriter:
                 "sha256": {rel: sha256_file(self.tmp / rel) for rels in files.values() for rel in rels},
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             }
+            problems = manifest_problems(manifest)  # what every reader would refuse: said now, nothing written
+            if problems:
+                raise ImgtrainError(f"the data set would not be readable: {'; '.join(problems)}; for large images "
+                                    "pass --size to train at a smaller resolution")
             (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
             _move_into_place(self.tmp, self.out_dir)
         except OSError as e:  # permissions, full disk, ...

@@ -23,6 +23,10 @@ from imgtrain.inference.predictor import (
 from imgtrain.ops import process
 
 DEFAULT_BATCH_SIZE = 500
+# evaluate's confusion matrix is the dense K x K list of lists (rows: true class) up to this many
+# classes; above, only the pairs that occur (``confusion_json``). A checkpoint's K is its owner's
+# choice, up to sources.MAX_CLASSES = 100,000: dense, 80 GB.
+DENSE_CONFUSION_MAX_CLASSES = 1_000
 
 
 # ---------------------------------------------------------------- running it over many images
@@ -133,13 +137,14 @@ class EvalResult:
     accuracy: float
     num_samples: int
     classes: list[str]
-    confusion_matrix: list[list[int]]  # rows: true class, columns: predicted class
+    confusion_matrix: list[list[int]] | dict  # rows: true class, columns: predicted class (confusion_json)
     per_class: dict[str, dict]  # class -> precision, recall, f1, support
     checkpoint: str
     split: str
     data: str
     recorded_val_accuracy: float | None = None  # what training measured for this checkpoint
     predictions: object = field(default=None, repr=False)  # DataFrame: id, label, pred_*, top-k
+    confusion: np.ndarray | None = field(default=None, repr=False)  # confusion_counts: [E, 3]
 
     def to_json(self) -> dict:
         keys = ("accuracy", "num_samples", "classes", "per_class", "confusion_matrix", "checkpoint",
@@ -147,17 +152,37 @@ class EvalResult:
         return {k: getattr(self, k) for k in keys}
 
 
-def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_classes: int) -> np.ndarray:
-    """int64 [K, K], rows = true class, columns = predicted class."""
-    return np.bincount(labels * num_classes + preds, minlength=num_classes * num_classes).reshape(
-        num_classes, num_classes
-    )
+def confusion_counts(labels: np.ndarray, preds: np.ndarray, num_classes: int) -> np.ndarray:
+    """int64 [E, 3]: (true class, predicted class, count) of each pair that occurs, sorted by true
+    then predicted class. Memory follows the samples, never K x K."""
+    codes = np.asarray(labels, np.int64) * num_classes + np.asarray(preds, np.int64)  # < K^2 = 10^10
+    pairs, counts = np.unique(codes, return_counts=True)
+    return np.stack([pairs // num_classes, pairs % num_classes, counts], axis=1)
 
 
-def per_class_scores(cm: np.ndarray, classes) -> dict[str, dict]:
-    """Precision, recall and F1 per class from a confusion matrix (0 where undefined)."""
-    tp = np.diag(cm).astype(float)
-    predicted, actual = cm.sum(0).astype(float), cm.sum(1).astype(float)
+def confusion_json(counts: np.ndarray, num_classes: int) -> list[list[int]] | dict:
+    """``evaluate --json``'s ``confusion_matrix``: the dense [K, K] list of lists (rows: true class)
+    up to DENSE_CONFUSION_MAX_CLASSES classes; above, ``{"shape": [K, K], "entries": [[true,
+    predicted, count], ...]}`` listing only the pairs that occur, every other cell being 0."""
+    if num_classes <= DENSE_CONFUSION_MAX_CLASSES:
+        return dense_confusion(counts, num_classes).tolist()
+    return {"shape": [num_classes, num_classes], "entries": counts.tolist()}
+
+
+def dense_confusion(counts: np.ndarray, num_classes: int) -> np.ndarray:
+    """int64 [K, K] of ``confusion_counts``; for a K known to be small."""
+    cm = np.zeros((num_classes, num_classes), np.int64)
+    cm[counts[:, 0], counts[:, 1]] = counts[:, 2]
+    return cm
+
+
+def per_class_scores(counts: np.ndarray, classes) -> dict[str, dict]:
+    """Precision, recall and F1 per class from ``confusion_counts`` (0 where undefined)."""
+    k, (true, pred, n) = len(classes), counts.T
+    hit = true == pred
+    # float: the quotients are written into zeros_like(tp), and bincount of no rows is int
+    tp, predicted, actual = (np.bincount(c, w, minlength=k).astype(float)
+                             for c, w in ((true[hit], n[hit]), (pred, n), (true, n)))
     precision = np.divide(tp, predicted, out=np.zeros_like(tp), where=predicted > 0)
     recall = np.divide(tp, actual, out=np.zeros_like(tp), where=actual > 0)
     denom = precision + recall
@@ -190,21 +215,21 @@ def evaluate(
         raise ImgtrainError(f"data set {data_dir} has no split {split!r}; it has {', '.join(manifest['splits'])}")
     if manifest["splits"][split]["num_samples"] == 0:
         raise ImgtrainError(f"split {split!r} of {data_dir} is empty; nothing to evaluate")
-    k = len(loaded.preprocess.classes)
-    cm, parts = np.zeros((k, k), np.int64), []
+    parts = []
     for frame in predictions(loaded, list_inputs(str(data_dir), split), opts, on_error="fail"):
-        cm += confusion_matrix(frame["label"].to_numpy(), frame["pred_index"].to_numpy(), k)
         # one small row per image (no pixels): what the report shows and the caller may inspect
         parts.append(frame.drop(columns=[ERROR_KEY, CONVERTED_KEY, ROW_KEY], errors="ignore"))
     import pandas as pd
 
+    rows, classes = pd.concat(parts, ignore_index=True), list(loaded.preprocess.classes)
+    counts = confusion_counts(rows["label"].to_numpy(), rows["pred_index"].to_numpy(), len(classes))
+    right = int(counts[counts[:, 0] == counts[:, 1], 2].sum())
     return EvalResult(
-        accuracy=float(np.trace(cm) / cm.sum()), num_samples=int(cm.sum()),
-        classes=list(loaded.preprocess.classes), confusion_matrix=cm.tolist(),
-        per_class=per_class_scores(cm, loaded.preprocess.classes), checkpoint=str(loaded.path),
-        split=split, data=str(Path(data_dir).resolve()),
+        accuracy=right / len(rows), num_samples=len(rows), classes=classes,
+        confusion_matrix=confusion_json(counts, len(classes)), per_class=per_class_scores(counts, classes),
+        checkpoint=str(loaded.path), split=split, data=str(Path(data_dir).resolve()),
         recorded_val_accuracy=loaded.recorded_val_accuracy if split == eval_split(manifest) and not data else None,
-        predictions=pd.concat(parts, ignore_index=True),
+        predictions=rows, confusion=counts,
     )
 
 

@@ -16,6 +16,7 @@ and skipped (``on_error="skip"``) or stop the command (``on_error="fail"``; noth
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from imgtrain.data.images import (
     ImageRejected,
     conform_image,
     open_image,
+    read_image_file,
 )
 from imgtrain.errors import ImgtrainError, one_line
 
@@ -111,7 +113,7 @@ def _image_paths(spec: str) -> list[Path]:
         return _visible(base, base.glob(str(Path(*path.parts[first:]))))
     if path.is_dir():
         return _visible(path, path.rglob("*"))
-    if path.is_file():
+    if path.exists():  # a FIFO or a device too: rejected unread, with the reason (read_image_file)
         return [path]
     raise ImgtrainError(
         f"input {spec} does not exist; pass a prepared data set, a Parquet file, an image folder, a glob or an image"
@@ -119,8 +121,10 @@ def _image_paths(spec: str) -> list[Path]:
 
 
 def _visible(base: Path, found) -> list[Path]:
-    """Files among ``found`` (paths under ``base``), hidden ones (.DS_Store, .git) left out."""
-    return sorted(p for p in found if p.is_file() and not any(part.startswith(".") for part in p.relative_to(base).parts))
+    """Files among ``found`` (paths under ``base``), hidden ones (.DS_Store, .git) left out; special
+    files (FIFOs, sockets) are kept, to be reported unread like any file that cannot be used."""
+    return sorted(p for p in found
+                  if not p.is_dir() and not any(part.startswith(".") for part in p.relative_to(base).parts))
 
 
 # ---------------------------------------------------------------- reading one task
@@ -187,7 +191,7 @@ def _convert(item, shape, preset: str) -> tuple[np.ndarray, bool]:
         raise item
     if isinstance(item, np.ndarray):
         return conform_array(item, shape, preset), item.shape != tuple(shape)
-    with open_image(item if isinstance(item, (bytes, bytearray)) else Path(item)) as im:
+    with open_image(item if isinstance(item, (bytes, bytearray)) else read_image_file(item)) as im:
         return conform_image(im, shape, preset)
 
 
@@ -236,6 +240,21 @@ def check_output(out, overwrite: bool = False) -> Path:
     return out
 
 
+# A spreadsheet runs a cell that starts with one of these as a formula (=HYPERLINK(...)), and class
+# names and paths come from users' folders. OWASP's CSV-injection advice: a leading ' makes it text.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_safe(frame):
+    """``frame`` with every text cell that a spreadsheet would run as a formula prefixed with a
+    single quote. For CSV only: Parquet (and JSON) keep the exact value."""
+    def safe(value):
+        return "'" + value if isinstance(value, str) and value.startswith(FORMULA_STARTS) else value
+
+    text = frame.select_dtypes(include=["object", "string"]).columns
+    return frame.assign(**{c: frame[c].map(safe) for c in text})
+
+
 class TableWriter:
     """Predictions appended batch by batch (Parquet or CSV by extension) to a temporary file
     that replaces ``out`` only when ``commit`` is called: written whole, or not at all."""
@@ -251,7 +270,9 @@ class TableWriter:
 
         try:
             if self.out.suffix.lower() == ".csv":
-                frame.to_csv(self.tmp, index=False, mode="a", header=self.rows == 0)
+                # text quoted too (OWASP's advice as well): a CR inside a cell would start a new row
+                csv_safe(frame).to_csv(self.tmp, index=False, mode="a", header=self.rows == 0,
+                                       quoting=csv.QUOTE_NONNUMERIC)
             else:
                 table = pa.Table.from_pandas(frame, preserve_index=False)
                 if self.writer is None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
-from imgtrain.data.format import default_preset
+from imgtrain.data.format import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, default_preset, short_repr
 from imgtrain.errors import ImgtrainError, one_line
 
 DEFAULT_TOP_K = 3
@@ -109,7 +109,8 @@ def load_checkpoint(
         with torch.random.fork_rng(devices=[]):  # its random initial weights are overwritten: the caller's RNG is left alone
             model = build_from_args(args)
     except (ValueError, KeyError, TypeError) as e:
-        raise ImgtrainError(f"checkpoint {path} holds a model imgtrain cannot build (model_args {args}): {e}") from None
+        raise ImgtrainError(f"checkpoint {path} holds a model imgtrain cannot build "
+                            f"(model_args {short_repr(args, 300)}): {one_line(e)}") from None
     state = ckpt.load_model_state(path)
     try:
         model.load_state_dict(state)
@@ -120,16 +121,17 @@ def load_checkpoint(
             f"with {args.get('in_channels')} channel(s) and {args.get('num_classes')} classes "
             f"(another architecture or class count?): {detail}"
         ) from None
-    classes = tuple(str(c) for c in data.get("classes") or range(args["num_classes"]))
-    if len(classes) != args["num_classes"]:
-        raise ImgtrainError(
-            f"checkpoint {path} names {len(classes)} classes but its model has {args['num_classes']} outputs"
-        )
-    norm = data.get("normalize") or {"mean": [0.5] * args["in_channels"], "std": [0.5] * args["in_channels"]}
-    image_shape = tuple(int(v) for v in data.get("image_shape") or (28, 28, args["in_channels"]))
-    if len(image_shape) != 3 or image_shape[2] != args["in_channels"] or not all(0 < v <= 8192 for v in image_shape):
-        raise ImgtrainError(f"checkpoint {path} records an image shape of {list(image_shape)}, which its "
-                            f"{args['in_channels']}-channel model cannot take; use another checkpoint")
+    channels, k = args["in_channels"], args["num_classes"]
+    if not isinstance(data, dict):
+        raise ImgtrainError(f"checkpoint {path}: {ckpt.META_FILE} data is not an object; use another checkpoint")
+    classes = data.get("classes") or [str(i) for i in range(k)]
+    norm = data.get("normalize") or {"mean": [0.5] * channels, "std": [0.5] * channels}
+    image_shape = data.get("image_shape") or [28, 28, channels]
+    problems = _data_problems(classes, norm, image_shape, channels, k)
+    if problems:
+        raise ImgtrainError(f"checkpoint {path}: {ckpt.META_FILE} {'; '.join(problems)}; use another checkpoint")
+    image_shape = tuple(image_shape)
+    classes = tuple(str(c) for c in classes)
     preprocess = Preprocess(
         image_shape=image_shape,
         mean=tuple(norm["mean"]), std=tuple(norm["std"]), classes=classes,
@@ -140,6 +142,31 @@ def load_checkpoint(
     if preprocess.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return LoadedCheckpoint(model, preprocess, path, meta)
+
+
+def _data_problems(classes, norm, image_shape, channels: int, k: int) -> list[str]:
+    """What meta.json says of the data (untrusted), held to a data set's own bounds
+    (``format.manifest_problems``): the server sizes its pixel cap and every batch by the image shape."""
+    issues = []
+    if not isinstance(classes, list) or len(classes) != k:
+        issues.append(f"data.classes names {len(classes) if isinstance(classes, list) else 'no'} classes "
+                      f"but its model has {k} outputs")
+    if not (isinstance(norm, dict) and all(isinstance(norm.get(key), list) and len(norm[key]) == channels
+                                           and all(_unit_number(v) for v in norm[key]) for key in ("mean", "std"))
+            and 0 not in norm["std"]):
+        issues.append(f"data.normalize {short_repr(norm)} is not a mean in [0, 1] and a std in (0, 1] "
+                      f"for each of its model's {channels} channel(s)")
+    ints = isinstance(image_shape, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in image_shape)
+    if (not ints or len(image_shape) != 3 or image_shape[2] != channels
+            or not all(1 <= v <= MAX_IMAGE_SIDE for v in image_shape[:2])
+            or image_shape[0] * image_shape[1] > MAX_IMAGE_PIXELS):
+        issues.append(f"data.image_shape {short_repr(image_shape)} is not one its {channels}-channel model can "
+                      f"take (1 to {MAX_IMAGE_SIDE} px a side, {MAX_IMAGE_PIXELS:,} pixels in all)")
+    return issues
+
+
+def _unit_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
 
 
 def preprocess_preset(checkpoint_dir: Path) -> str:

@@ -36,6 +36,9 @@ GRID_SIDE = 4  # the tutorial shows 3x3; 4x4 shows more mistakes at the same gla
 WRONG = "#c62828"
 RIGHT = "#2e7d32"
 DPI = 100
+# Above batch.DENSE_CONFUSION_MAX_CLASSES the confusion plot shows this many classes, those with the
+# most errors: all of them would be a K x K image (100,000 classes: 80 GB), unreadable long before.
+CONFUSED_CLASSES_SHOWN = 30
 
 # (id, file, caption). The ids are a stable contract: tests and links use them.
 PLOTS = (
@@ -77,19 +80,40 @@ def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path
     out.mkdir(parents=True, exist_ok=True)
     used = Path(ev.checkpoint)
     used_meta = ckpt.read_meta(used)
+    in_store = remote.is_remote(storage) and run_dir.parent == runs.storage_root(storage)
+    # The run as its user names it (the s3:// URI of a run in an object store), not its working
+    # copy in this machine's cache: that path holds this user's name, and the page is uploaded.
+    where = runs.location(storage, run_dir.name) if in_store else str(result.path)
     png = {plot_id: out / file for plot_id, file, _ in PLOTS}
     _learning_curves(result.history, used_meta.get("epoch"), png["learning-curves"])
     first = preds.iloc[:n]
     _image_grid(_stack(pictures, first), first, ev.classes, png["predictions-grid"], with_confidence=False)
-    _confusion_matrix(np.asarray(ev.confusion_matrix), ev.classes, png["confusion-matrix"])
+    _confusion_plot(ev.confusion, ev.classes, png["confusion-matrix"])
     _image_grid(_stack(pictures, worst), worst, ev.classes, png["confident-errors"], with_confidence=True)
-    atomic_write_text(out / EVAL_FILE, json.dumps(ev.to_json(), indent=2))
+    shown = {"checkpoint": _located(used, result.path, where), "data": _data_location(ev, used_meta)}
+    atomic_write_text(out / EVAL_FILE, json.dumps({**ev.to_json(), **shown}, indent=2))
 
     page = out / PAGE_FILE
-    atomic_write_text(page, _page(result, ev, used, used_meta, out, num_wrong=len(wrong)))
-    if remote.is_remote(storage) and run_dir.parent == runs.storage_root(storage):  # a run in an object store
+    atomic_write_text(page, _page(result, ev, used, used_meta, out, num_wrong=len(wrong), where=where))
+    if in_store:
         remote.push(remote.store(storage), run_dir.name, under=REPORT_DIR)
     return page
+
+
+def _located(path: Path, run_dir: Path, where: str) -> str:
+    """``path`` as the run's user names it: by its place in the run's location ``where`` when it
+    lies in the run, else as given (a path of the user's own, such as --checkpoint PATH)."""
+    if not path.is_relative_to(run_dir):
+        return str(path)
+    rel = path.relative_to(run_dir).as_posix()
+    return where if rel == "." else f"{where}/{rel}"
+
+
+def _data_location(ev, used_meta: dict) -> str:
+    """The evaluated data set as training named it when it lies in an object store (``ev.data``
+    is then this machine's copy in the cache), else its path here."""
+    named = (used_meta.get("config") or {}).get("data")
+    return named if named and remote.is_remote(named) else ev.data
 
 
 def _stack(pictures: dict, rows) -> np.ndarray:
@@ -98,6 +122,12 @@ def _stack(pictures: dict, rows) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- plots
+
+
+def _literal(text) -> str:
+    """``text`` (a class name: a user's folder name) drawn as written: matplotlib reads $...$ as
+    mathtext, and a class named $\\nope$ crashed the report. ``\\$`` is its literal dollar."""
+    return str(text).replace("$", r"\$")
 
 
 def _figure(width: float, height: float):
@@ -166,7 +196,7 @@ def _image_grid(images: np.ndarray, rows, classes: list[str], path: Path, with_c
         ax.axis("on")
         _show_image(ax, image)
         ok = row.pred_index == row.label
-        title = f"true {classes[row.label]} / pred {row.pred_class}"
+        title = f"true {_literal(classes[row.label])} / pred {_literal(row.pred_class)}"
         if with_confidence:
             title += f"\nconfidence {row.confidence:.0%}"
         ax.set_title(title, color=RIGHT if ok else WRONG, fontsize=10, fontweight="normal" if ok else "bold")
@@ -177,16 +207,39 @@ def _image_grid(images: np.ndarray, rows, classes: list[str], path: Path, with_c
     fig.savefig(path)
 
 
-def _confusion_matrix(cm: np.ndarray, classes: list[str], path: Path) -> None:
+def _confusion_plot(counts: np.ndarray, classes: list[str], path: Path) -> None:
+    """The whole matrix up to batch.DENSE_CONFUSION_MAX_CLASSES classes, else the rows and columns
+    of the CONFUSED_CLASSES_SHOWN classes with the most errors. ``counts``: batch.confusion_counts."""
+    from imgtrain.inference.batch import DENSE_CONFUSION_MAX_CLASSES, dense_confusion
+
+    k, (true, pred, n) = len(classes), counts.T
+    if k <= DENSE_CONFUSION_MAX_CLASSES:
+        return _confusion_matrix(dense_confusion(counts, k), classes, path)
+    wrong = true != pred
+    errors = np.bincount(true[wrong], n[wrong], minlength=k) + np.bincount(pred[wrong], n[wrong], minlength=k)
+    support = np.bincount(true, n, minlength=k)
+    ranked = np.lexsort((-support, -errors))[:CONFUSED_CLASSES_SHOWN]  # most errors, then most images
+    shown = np.sort(ranked[(errors[ranked] + support[ranked]) > 0])
+    inside = np.isin(true, shown) & np.isin(pred, shown)
+    sub = np.zeros((len(shown), len(shown)), np.int64)
+    sub[np.searchsorted(shown, true[inside]), np.searchsorted(shown, pred[inside])] = n[inside]
+    accuracy = n[~wrong].sum() / max(n.sum(), 1)
+    title = (f"accuracy {accuracy:.2%} on {n.sum():,} images\nthe {len(shown)} of {k:,} classes "
+             "with the most errors")
+    _confusion_matrix(sub, [classes[i] for i in shown], path, title)
+
+
+def _confusion_matrix(cm: np.ndarray, classes: list[str], path: Path, title: str | None = None) -> None:
     k = len(classes)
     side = min(3.5 + 0.45 * k, 24)  # readable cells for 10 classes, bounded for 100
     fig = _figure(side + 1.5, side)
     ax = fig.subplots()
-    ax.set_title(f"accuracy {np.trace(cm) / max(cm.sum(), 1):.2%} on {cm.sum():,} images")
+    ax.set_title(title or f"accuracy {np.trace(cm) / max(cm.sum(), 1):.2%} on {cm.sum():,} images")
     im = ax.imshow(cm, cmap="Blues")
     fig.colorbar(im, ax=ax, shrink=0.8)
-    ax.set_xticks(range(k), classes, rotation=90 if k > 10 else 0)
-    ax.set_yticks(range(k), classes)
+    labels = [_literal(c) for c in classes]
+    ax.set_xticks(range(k), labels, rotation=90 if k > 10 else 0)
+    ax.set_yticks(range(k), labels)
     ax.set_xlabel("predicted class")
     ax.set_ylabel("true class")
     if k <= 30:  # beyond that the numbers no longer fit their cells
@@ -251,14 +304,16 @@ def _model_line(args: dict, config: dict) -> str:
     return line + (f", started from {start}" if start else "")
 
 
-def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, num_wrong: int) -> str:
+def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, num_wrong: int, where: str) -> str:
+    """The HTML page; ``where``: the run's location as its user names it (``write_report``)."""
     data_name = (used_meta.get("data") or {}).get("name", "")
+    data, used_at = _data_location(ev, used_meta), _located(used, result.path, where)
     summary = [
-        ["run", result.name], ["status", result.status], ["run directory", result.path],
-        ["data set", f"{data_name} ({ev.data})" if data_name else ev.data],
+        ["run", result.name], ["status", result.status], ["run directory", where],
+        ["data set", f"{data_name} ({data})" if data_name else data],
         ["model", _model_line(used_meta.get("model_args") or {}, result.config)],
         ["epochs completed", f"{len(result.history)} of {result.config.get('epochs')}"],
-        ["checkpoint used", f"{used.name} (epoch {used_meta.get('epoch', -1) + 1}, {used})"],
+        ["checkpoint used", f"{used.name} (epoch {used_meta.get('epoch', -1) + 1}, {used_at})"],
         [f"accuracy recorded in training ({result.validation_split} split)", _pct(ev.recorded_val_accuracy)],
         [f"accuracy re-evaluated now ({ev.split} split)", f"{_pct(ev.accuracy)} of {ev.num_samples:,} images"],
         ["misclassified", f"{num_wrong:,}"],

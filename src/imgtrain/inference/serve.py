@@ -12,7 +12,8 @@ Image files of another size or colour mode are converted as ``imgtrain predict``
 (``imgtrain.inference.inputs``); JSON pixels must already have the model's shape. Bad input gets a 4xx
 with ``{"error": "..."}``, never a 500: bodies over ``--max-request-bytes`` (413), images over
 ``--max-image-pixels`` (413, checked from the header before decoding), more than
-``--max-batch-images`` images in one request (413), JSON nested too deep (400). There is no
+``--max-batch-images`` images in one request (413), JSON nested too deep (400), a body not received
+whole within ``Limits.body_timeout_s`` (408, and the connection is closed). There is no
 authentication or TLS: bind to 127.0.0.1 (the default), or put a reverse proxy that provides
 them in front.
 
@@ -24,9 +25,11 @@ time per replica, with the replica's share of the cores as torch threads. Past
 ``--max-queued-requests`` waiting requests per replica, new ones get 503 at once with
 ``Retry-After`` (from the replica, or as plain text from Ray's proxy when a flood outruns it); a
 request not answered within ``--request-timeout`` seconds gets 504 with ``Retry-After`` (408
-from Ray's proxy if it never reached a replica). With one replica on a cluster it starts, the
-replica answers HTTP itself (``--ingress direct``, Serve's direct ingress): Serve's proxy and
-router cost about 6 ms of CPU per request here, most of what a batched request costs.
+from Ray's proxy if it never reached a replica). A request counts as waiting only once its body
+is in: clients trickling their bodies cannot take the places of the requests behind them (issue
+33). With one replica on a cluster it starts, the replica answers HTTP itself (``--ingress
+direct``, Serve's direct ingress): Serve's proxy and router cost about 6 ms of CPU per request
+here, most of what a batched request costs.
 
 The driver finds and verifies the checkpoint, refuses a busy port before starting Ray, waits
 for the app with a deadline, then blocks until SIGINT or SIGTERM and shuts Serve and Ray down.
@@ -57,6 +60,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from imgtrain import runs
+from imgtrain.data.images import MAX_DECODE_PIXELS
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.inference.batcher import Batcher
 from imgtrain.inference.predictor import Predictor, resolve_checkpoint
@@ -108,11 +112,16 @@ class Limits:
     """Larger bodies get 413."""
     max_image_pixels: int = 0
     """Larger images (width x height, from the header) get 413 before decoding; 0 = 64 times the
-    model's input, at least 1 megapixel (a 64 KiB PNG can hold 16.7 MP, ~80 MiB decoded)."""
+    model's input, at least 1 megapixel (a 64 KiB PNG can hold 16.7 MP, ~80 MiB decoded). Never
+    more than images.MAX_DECODE_PIXELS, whatever is asked (``image_pixels``)."""
     max_batch_images: int = 64
     """Images per request (JSON batches)."""
     request_timeout_s: float = 30.0
     """A request not answered by then gets 504 (408 from Ray's proxy) instead of waiting on."""
+    body_timeout_s: float = 5.0
+    """A request body not received whole by then gets 408. One deadline for the whole body, not one
+    per read: a client sending a byte every few seconds would renew a per-read timeout forever, and
+    hold its connection and memory. 1 MiB (--max-request-bytes) in 5 s is 200 KiB/s."""
     max_queued_requests: int = 100
     """Requests waiting per replica, besides the batch being computed, before new ones get 503."""
     max_batch_size: int = 32
@@ -128,7 +137,10 @@ class Limits:
                 if not (0 < value < math.inf or name in may_be_zero and value == 0)]
 
     def image_pixels(self, shape) -> int:
-        return self.max_image_pixels or max(64 * shape[0] * shape[1], 1 << 20)
+        # Capped: 64 times a large model's input is up to 3.2 gigapixels (10 GB decoded as RGB), and
+        # nothing larger than MAX_DECODE_PIXELS is decoded anywhere else.
+        asked = self.max_image_pixels or max(64 * shape[0] * shape[1], 1 << 20)
+        return min(asked, MAX_DECODE_PIXELS)
 
 
 # No interactive docs: /docs and /redoc load scripts from a CDN; /openapi.json is a route of
@@ -152,22 +164,34 @@ async def _http_error(request: Request, e: StarletteHTTPException):
     return JSONResponse({"error": str(e.detail)}, status_code=e.status_code, headers=e.headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """The body, refused with 413 past ``limit`` bytes: Content-Length is checked first, and the
-    stream is counted too, since a chunked upload has no Content-Length and a client may lie."""
+    stream is counted too, since a chunked upload has no Content-Length and a client may lie.
+    Refused with 408 unless it arrives whole within ``timeout_s`` (``Limits.body_timeout_s``)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.strip().isdigit():
             raise RequestError(400, f"Content-Length {declared!r} is not a number")
         if int(declared) > limit:
             raise RequestError(413, f"request body of {int(declared)} bytes is over the limit of {limit} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            body = await _read_stream(request, limit)
+    except TimeoutError:
+        # The rest of the body may still be on its way: close the connection (RFC 9110, 408).
+        raise RequestError(408, f"the request body did not arrive whole within {timeout_s:g} s; "
+                                "send it at once", {"Connection": "close"}) from None
+    if not body:
+        raise RequestError(400, "empty body: send a PNG/JPEG image or a JSON array of pixels")
+    return body
+
+
+async def _read_stream(request: Request, limit: int) -> bytes:
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
             raise RequestError(413, f"request body is over the limit of {limit} bytes")
-    if not body:
-        raise RequestError(400, "empty body: send a PNG/JPEG image or a JSON array of pixels")
     return bytes(body)
 
 
@@ -267,7 +291,7 @@ class ModelServer:
         self.batcher = Batcher(self._run_model, limits.max_batch_size, limits.batch_wait_ms / 1000)
         self.predictor.predict_proba(np.zeros((1, *self.shape), np.uint8))  # warm up before "ready"
         self.forward_passes = self.images_predicted = 0  # their ratio: how well requests are batched
-        self.in_replica = 0  # /predict requests here, being read, decoded, batched or answered
+        self.queued = 0  # /predict requests here with their body in: being decoded, batched or answered
 
     @http_app.get("/")
     def page(self):
@@ -291,12 +315,14 @@ class ModelServer:
 
     @http_app.post("/predict")
     async def predict(self, request: Request):
-        if self.in_replica >= self.limits.max_queued_requests + self.limits.max_batch_size:
-            raise RequestError(503, f"the server is busy: {self.in_replica} requests are waiting "
-                                    "(--max-queued-requests); retry later", RETRY_AFTER)
-        self.in_replica += 1
+        self._refuse_if_full()  # at once, before reading a body that could not be queued
+        # Queued only once its body is in: 140 clients trickling theirs held every place
+        # and the requests behind them got 503. read_body's deadline bounds how long a body may
+        # take; Serve's max_ongoing_requests (_deploy) bounds how many are read at once.
+        body = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
+        self._refuse_if_full()
+        self.queued += 1
         try:
-            body = await read_body(request, self.limits.max_request_bytes)
             is_json = request.headers.get("content-type", "").split(";")[0].strip().endswith("json")
             timeout = self.limits.request_timeout_s
             try:
@@ -305,7 +331,12 @@ class ModelServer:
                 raise RequestError(504, f"no answer within {timeout:g} s (--request-timeout): the server is "
                                         "overloaded; retry later", RETRY_AFTER) from None
         finally:
-            self.in_replica -= 1
+            self.queued -= 1
+
+    def _refuse_if_full(self) -> None:
+        if self.queued >= self.limits.max_queued_requests + self.limits.max_batch_size:
+            raise RequestError(503, f"the server is busy: {self.queued} requests are waiting "
+                                    "(--max-queued-requests); retry later", RETRY_AFTER)
 
     async def _answer(self, body: bytes, is_json: bool):
         loop = asyncio.get_running_loop()
@@ -411,6 +442,7 @@ def _deploy(path: Path, host: str, port: int, limits: Limits, replicas: int, ope
     # them reach it: a replica at Serve's max_ongoing_requests makes the router retry with backoffs of
     # up to 0.5 s, which at 256 clients left the replica idle and the answers 15 s late (BENCHMARKS.md).
     # Serve's own queue in the proxy (503 with the same Retry-After) is a backstop for floods past that.
+    # max_ongoing_requests also caps the bodies being read at once, which the replica does not count.
     per_replica = limits.max_queued_requests + limits.max_batch_size
     app = ModelServer.options(
         num_replicas=replicas,

@@ -48,6 +48,8 @@ class Removal:
 def plan_runs(storage: str, names: list[str], everything: bool = False, force: bool = False) -> list[Removal]:
     """The runs to delete: those named, or with ``everything`` every run in ``storage``.
     ``force``: also runs whose status says another host's driver is training them."""
+    for name in names:  # before anything is read or deleted
+        ownership.check_name(name)
     root = runs.storage_root(storage)
     store = remote.store(storage) if remote.is_remote(storage) else None
     if store:  # the working copy of every run's small files, to be judged as local runs are
@@ -61,8 +63,6 @@ def plan_runs(storage: str, names: list[str], everything: bool = False, force: b
             raise ImgtrainError("name the runs to delete (imgtrain runs list shows them), or pass --all")
         found = []
         for name in names:
-            if "/" in name or name in ("", ".", ".."):
-                raise ImgtrainError(f"{name!r} is not a run name; runs are plain names inside --storage {root}")
             if not _is_run(root / name):
                 known = ", ".join(sorted(d.name for d in root.iterdir() if _is_run(d))) if root.is_dir() else ""
                 raise ImgtrainError(f"no run named {name!r} in {root} (runs there: {known or 'none'}); nothing deleted")

@@ -143,3 +143,17 @@ def attribute(obj, name: str, value):
         yield
     finally:
         setattr(obj, name, before)
+
+
+def pid_alive(pid) -> bool:
+    """Whether process ``pid`` runs on this machine. A pid read from a file is checked first:
+    0 or a negative number would ask about a whole process group."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True

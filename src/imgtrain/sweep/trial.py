@@ -20,9 +20,8 @@ def run_trial(params: dict, sweep: dict) -> None:
     """The Tune function trainable. ``params``: this trial's sampled settings; ``sweep``: the
     base settings and the sweep's absolute folders (trials chdir to a folder of their own)."""
     from ray import tune
-    from rich.console import Console
-
     from imgtrain.config import TrainConfig
+    from imgtrain.console import SafeConsole
     from imgtrain.runs import epoch_history
     from imgtrain.training import driver
     from imgtrain.training.progress import TrainingDisplay
@@ -33,7 +32,7 @@ def run_trial(params: dict, sweep: dict) -> None:
     # The run's progress lines (as `imgtrain train` prints them when not on a terminal) go to
     # the sweep's logs; the sweep's own terminal shows one line per trial state change.
     with open(Path(sweep["logs_dir"]) / f"{name}.log", "a") as out:
-        console = Console(file=out, force_terminal=False, width=160, markup=False, highlight=False)
+        console = SafeConsole(file=out, force_terminal=False, width=160)
         driver.train(cfg, display=TrainingDisplay(console))
     history = epoch_history(Path(sweep["trials_dir"]) / name)
     if history and history[-1].get("time", 0) < started:

@@ -67,7 +67,10 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool) -> runs.
     if remote.is_remote(cfg.storage) and overwrite:
         raise ImgtrainError(f"--overwrite is not offered for runs in an object store ({cfg.storage}): delete the run "
                             f"with `imgtrain clean runs {cfg.name} --storage {cfg.storage}`, then train it again")
-    with contextlib.ExitStack() as held:  # the run's lock, held until training ends
+    store = remote.store(cfg.storage) if remote.is_remote(cfg.storage) else None
+    with contextlib.ExitStack() as held:  # the run's lease and lock, held until training ends
+        # another machine's driver of this run: refused before anything of the run is touched
+        token = held.enter_context(remote.leased(store, cfg.name, hint=_busy_hint(cfg, runs.run_path(cfg.storage, cfg.name))))
         run_dir, locked = _working_copy(cfg, held)
         plan = _plan(cfg, run_dir, overwrite, display, held, locked)
         replaced = ownership.Replacement(run_dir) if plan.replace else None
@@ -80,9 +83,8 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool) -> runs.
                     ownership.claim(run_dir)
                     held.enter_context(ownership.locked(run_dir, "trained"))
             _probe_storage(run_dir, cfg.storage)
-            store = remote.store(cfg.storage) if remote.is_remote(cfg.storage) else None
             # the driver's files go up every few seconds; the workers upload the checkpoints
-            with remote.mirrored(store, cfg.name, everything=cfg.backend == "local"):
+            with remote.mirrored(store, cfg.name, everything=cfg.backend == "local", token=token):
                 return _execute(plan, run_dir, display, replaced)
         finally:
             if replaced and not replaced.done:  # the new run failed before its first checkpoint

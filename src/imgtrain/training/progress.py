@@ -29,17 +29,23 @@ from rich.progress import (
 from rich.spinner import Spinner
 from rich.text import Text
 
+from imgtrain.console import SafeConsole
+
 PLAIN_EVERY_S = 30.0
 
 
 def epoch_line(r: dict, epochs: int) -> str:
+    """One epoch record as the display prints it; a number the record lacks shows as '?'."""
+    def num(key: str, spec: str) -> str:
+        return format(r[key], spec) if key in r else "?"
+
     wait = r.get("data_wait_fraction")
     return (
-        f"epoch {r['epoch'] + 1:>3}/{epochs}  train_loss {r['train_loss']:.4f}  "
-        f"train_acc {r['train_accuracy']:.2%}  val_loss {r['val_loss']:.4f}  "
-        f"val_acc {r['val_accuracy']:.2%}  {r['images_per_s']:.0f} img/s  "
+        f"epoch {r['epoch'] + 1:>3}/{epochs}  train_loss {num('train_loss', '.4f')}  "
+        f"train_acc {num('train_accuracy', '.2%')}  val_loss {num('val_loss', '.4f')}  "
+        f"val_acc {num('val_accuracy', '.2%')}  {num('images_per_s', '.0f')} img/s  "
         + (f"data wait {wait:.0%}  " if wait is not None else "")
-        + f"{r['epoch_time_s']:.1f}s"
+        + f"{num('epoch_time_s', '.1f')}s"
     )
 
 
@@ -102,7 +108,7 @@ class StartupLine:
 
 class TrainingDisplay:
     def __init__(self, console: Console | None = None, quiet: bool = False):
-        self.console = console or Console(stderr=False)
+        self.console = console or SafeConsole(stderr=False)
         self.quiet = quiet
         self.epochs = 0
         self.total_steps = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -82,6 +83,7 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> No
     except ray.train.TrainingFailedError as e:
         # A checkpoint half copied when the failure struck (a full disk) must not stay visible.
         store = remote.store(cfg.storage) if remote.is_remote(cfg.storage) else None
+        unread = None
         try:
             if store:  # what the workers uploaded, to be judged here
                 remote.pull(store, cfg.name, only_checkpoints=True, owner=True)  # this driver holds the lock
@@ -89,12 +91,14 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> No
             for name in removed if store else ():
                 remote.delete(store, cfg.name, name)
         except ImgtrainError:  # the bucket failing too: the training failure is the one to tell
-            removed = []
+            removed, unread = [], store.uri
         if removed:
             records.display.note(f"removed incomplete checkpoint(s): {', '.join(removed)}")
-        raise ImgtrainError(_failure_message(e, watchdog, run_dir, run_dir / runs.LOGS_DIR)) from None
+        raise ImgtrainError(_failure_message(e, watchdog, run_dir, run_dir / runs.LOGS_DIR, unread)) from None
     finally:
         ray.kill(monitor)  # on a shared cluster it would outlive this run
+        if remote.is_remote(cfg.storage):  # every upload is over: what failed to go up goes (this node's)
+            shutil.rmtree(remote.upload_staging(runs.location(cfg.storage, cfg.name), 0).parent, ignore_errors=True)
 
 
 def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, elastic: bool):
@@ -168,7 +172,8 @@ def _datasets(cfg: TrainConfig, manifest: dict):
     return {"train": ray_dataset(remote.local_data(cfg.data), "train")}
 
 
-def _failure_message(error: Exception, watchdog: Watchdog, run_dir: Path, logs: Path) -> str:
+def _failure_message(error: Exception, watchdog: Watchdog, run_dir: Path, logs: Path, unread: str | None = None) -> str:
+    """``unread``: the object store whose checkpoints could not be listed just now."""
     cause = _root_cause(error, skip_ranks=watchdog.killed_ranks)
     if watchdog.incident:
         cause = f"{watchdog.incident} ({cause})" if cause else watchdog.incident
@@ -176,8 +181,12 @@ def _failure_message(error: Exception, watchdog: Watchdog, run_dir: Path, logs: 
         cause = (f"the disk holding {run_dir.parent} is full (No space left on device); "
                  "free space or choose another --storage")
     latest = next(reversed(ckpt.verified(run_dir)[0]), None)
-    saved = (f"; the run resumes from {latest.name} when you run the same command again"
-             if latest else "; no checkpoint was saved")
+    if unread:  # the store itself is unreachable: its latest checkpoint is where the run goes on
+        saved = (f"; {unread} could not be read just now: when it can, the same command resumes from the "
+                 "latest checkpoint that reached it")
+    else:
+        saved = (f"; the run resumes from {latest.name} when you run the same command again"
+                 if latest else "; no checkpoint was saved")
     return f"training failed: {cause}{saved}; logs: {logs}"
 
 

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -46,7 +47,12 @@ def train_loop_per_worker(config: dict) -> None:
 
     resume = config.get("resume") or {}
     restored_checkpoint = functools.partial(_restored_checkpoint, resume.get("fallback"))
-    report = _report_async if storage.is_remote(cfg.storage) else _report
+    if storage.is_remote(cfg.storage):
+        staging = storage.upload_staging(storage.store(cfg.storage).run_uri(cfg.name), rank)
+        shutil.rmtree(staging, ignore_errors=True)  # an earlier attempt's uploads that failed: over now
+        report = functools.partial(_report_async, staging=staging)
+    else:
+        report = _report
 
     def send(record: dict) -> None:
         if monitor is not None:
@@ -104,14 +110,15 @@ def _report(metrics: dict, save_dir: str | None, name: str) -> None:
     ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
 
 
-def _report_async(metrics: dict, save_dir: str | None, name: str) -> None:
+def _report_async(metrics: dict, save_dir: str | None, name: str, staging: Path) -> None:
     """To an object store in the background (training goes on). Ray deletes the folder after the
     upload, so the checkpoint's files move to one of their own: save_dir is removed when save() returns."""
     import ray.train
 
     if not save_dir:
         return _report(metrics, None, name)
-    staged = tempfile.mkdtemp(prefix="imgtrain-upload-")
+    staging.mkdir(parents=True, exist_ok=True, mode=0o700)
+    staged = tempfile.mkdtemp(prefix=f"{name}-", dir=staging)
     for entry in os.listdir(save_dir):
         os.rename(os.path.join(save_dir, entry), os.path.join(staged, entry))
     ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(staged),

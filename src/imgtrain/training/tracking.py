@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 import re
 from pathlib import Path
 
@@ -62,8 +64,41 @@ def public_uri(uri: str | None) -> str | None:
 
 
 def scrub(text: str) -> str:
-    """``text`` with the credentials of every URL in it removed (MLflow's errors quote the URI)."""
-    return re.sub(r"(\w+://)[^/\s@]+@", r"\1", text)
+    """``text`` with the credentials of every URL in it removed (MLflow's errors quote the URI).
+    Up to the authority's last ``@``, as ``public_uri`` and requests read it: a password may hold one."""
+    return re.sub(r"(\w+://)[^/?#\s]*@", r"\1", text)
+
+
+class _Scrubbed(logging.Filter):
+    """MLflow's log lines (logs/tracking.log, mirrored with the run) without the credentials of
+    the URLs they quote: its warnings carry the exception, and that names the URI."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = scrub(record.getMessage()), ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:  # a handler formats exc_text as it is, when set
+            record.exc_text = scrub(record.exc_text)
+        if record.stack_info:
+            record.stack_info = scrub(record.stack_info)
+        return True
+
+
+@contextlib.contextmanager
+def _environment_forced(**values: str):
+    """Set environment variables for the block whatever the user set; theirs come back after.
+    (``process.environment`` leaves a user's own setting alone: right for a default, not for
+    what the README promises.)"""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def public_config(cfg: TrainConfig) -> dict:
@@ -131,10 +166,19 @@ class MLflowTracker:
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, manifest: dict):
         # For the tracker's life only (the library may run in a notebook): no telemetry leaves
-        # the machine unasked, and MLflow's (and alembic's) INFO lines go to the run's log.
+        # the machine unasked, and MLflow's (and alembic's) INFO lines go to the run's log,
+        # credentials scrubbed.
         self.scoped = contextlib.ExitStack()
         self.scoped.enter_context(process.environment(MLFLOW_DISABLE_TELEMETRY="true"))
+        if public_uri(cfg.mlflow) != cfg.mlflow:
+            # set_terminated prints "View run ... at: {URI}/#/..." to stdout for an http(s) URI,
+            # password included: off, whatever the user set. Without credentials the link stays.
+            self.scoped.enter_context(_environment_forced(MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT="true"))
         self.scoped.enter_context(process.loggers_to(Path(run_dir) / "logs" / "tracking.log", ("mlflow", "alembic")))
+        scrubbed = _Scrubbed()
+        for handler in logging.getLogger("mlflow").handlers:  # the file handler loggers_to put there
+            handler.addFilter(scrubbed)
+            self.scoped.callback(handler.removeFilter, scrubbed)
         try:
             from mlflow.tracking import MlflowClient
 

@@ -1,0 +1,87 @@
+"""What predict and report write, when class names come from hostile folder names and the run
+lives in an object store: no spreadsheet formulas in CSV, no mathtext crash in the
+plots, no path of this machine's cache in the uploaded report."""
+
+from __future__ import annotations
+
+import csv
+import time
+
+import numpy as np
+import pandas as pd
+import pyarrow.fs as pafs
+from matplotlib import cbook
+from PIL import Image
+
+import imgtrain
+from imgtrain import storage
+from imgtrain.inference import report
+from imgtrain.inference.inputs import TableWriter
+from tests.conftest import quiet_display, tiny_config
+
+HOSTILE_CLASSES = [r"$\nope$", "=cmd|' /C calc'!A0", '=HYPERLINK("http://x","y")', "+1", "-1", "@SUM(A1)",
+                   "$5 and $6", "plain"]
+CONTROL_CLASSES = ["\tx", "\rx", "a\r=cmd|' /C calc'!A0"]  # CSV only: a font has no glyph for them
+
+
+def predictions_frame(classes: list[str]) -> pd.DataFrame:
+    """Rows as predict writes them: the path, the predicted class and numbers (one negative)."""
+    n = len(classes)
+    return pd.DataFrame({"path": [f"-{i}.png" for i in range(n)], "pred_index": np.arange(n) - 1,
+                         "pred_class": classes, "confidence": np.full(n, 0.5)})
+
+
+def test_csv_cells_that_a_spreadsheet_would_run_get_a_quote_and_parquet_keeps_the_values(tmp_path):
+    classes = HOSTILE_CLASSES + CONTROL_CLASSES
+    frame = predictions_frame(classes)
+    for name in ("preds.csv", "preds.parquet"):
+        writer = TableWriter(tmp_path / name)
+        writer.write(frame)
+        writer.commit()
+    with open(tmp_path / "preds.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["pred_class"] for r in rows] == ["'" + c if c[0] in "=+-@\t\r" else c for c in classes]
+    assert [r["path"] for r in rows] == [f"'-{i}.png" for i in range(len(rows))]
+    assert [r["pred_index"] for r in rows] == [str(i - 1) for i in range(len(rows))]  # numbers stay numbers
+    assert pd.read_parquet(tmp_path / "preds.parquet").equals(frame)  # the exact values
+
+
+def test_plots_draw_class_names_literally(tmp_path):
+    classes = HOSTILE_CLASSES
+    k = len(classes)
+    report._confusion_matrix(np.arange(k * k).reshape(k, k), classes, tmp_path / "cm.png")
+    rows = pd.DataFrame({"label": np.arange(k), "pred_index": np.arange(k)[::-1],
+                         "pred_class": classes[::-1], "confidence": np.full(k, 0.9)})
+    pixels = np.random.default_rng(0).integers(0, 256, (k, 8, 8, 1), dtype=np.uint8)
+    report._image_grid(pixels, rows, classes, tmp_path / "grid.png", with_confidence=True)
+    for name in ("cm.png", "grid.png"):
+        with Image.open(tmp_path / name) as image:
+            assert image.size[0] > 300 and image.size[1] > 300
+    # drawn as written: matplotlib's own test for mathtext finds none ("$5 and $6" would be math)
+    assert not any(cbook.is_math_text(report._literal(c)) for c in classes)
+    assert report._literal(r"$\nope$") == r"\$\nope\$"
+
+
+def test_a_report_of_a_run_in_an_object_store_names_it_by_its_uri_not_by_the_cache(
+        s3_server, tiny_data, tmp_path, monkeypatch):
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    caches = tmp_path / "caches"
+    monkeypatch.setenv("IMGTRAIN_CACHE", str(caches / "trainer"))
+    where, s3 = f"s3://imgtrain/report-{time.monotonic_ns()}", storage.s3_filesystem()
+    local = pafs.LocalFileSystem()
+    pafs.copy_files(str(tiny_data), f"{where}/data".removeprefix("s3://"), local, s3)
+    config = tiny_config(f"{where}/data", str(tmp_path / "runs"), "leak", backend="local", workers=1, epochs=1,
+                         limit_train_batches=2)
+    result = imgtrain.train(config, display=quiet_display())  # trained from the store's data set
+    pafs.copy_files(str(result.path), f"{where}/runs/leak".removeprefix("s3://"), local, s3)  # the run, uploaded
+
+    monkeypatch.setenv("IMGTRAIN_CACHE", str(caches / "reader"))  # another machine reports it
+    page = report.write_report("leak", storage=f"{where}/runs")
+    assert page.is_relative_to(caches / "reader")  # made in the working copy, then uploaded
+    text, evaluation = page.read_text(), (page.parent / report.EVAL_FILE).read_text()
+    assert str(caches) not in text and str(caches) not in evaluation
+    assert f"{where}/runs/leak" in text and f"{where}/data" in text
+    assert f'"checkpoint": "{where}/runs/leak/checkpoint_epoch_0000"' in evaluation
+    with s3.open_input_stream(f"{where}/runs/leak/report/report.html".removeprefix("s3://")) as f:
+        assert f.read().decode() == text

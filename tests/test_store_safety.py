@@ -1,0 +1,270 @@
+"""What a bucket, an outage or a name can do to the machine that reads a run in an object store,
+against a real S3 server (moto) and, for the outage, a real loss of the way to it (a TCP proxy
+that drops every connection): never lose a checkpoint, never write outside the working copy,
+never let two drivers train one run."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+
+from imgtrain import runs, storage
+from imgtrain.errors import ImgtrainError, ImgtrainWarning
+from imgtrain.ops import ownership
+from tests.conftest import quiet_display, tiny_config
+from tests.store_proxy import FlakyStore
+
+
+@pytest.fixture
+def env(s3_server, monkeypatch, tmp_path):
+    """This test's own prefix in the bucket, and an empty working-copy cache."""
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("IMGTRAIN_CACHE", str(tmp_path / "cache"))
+    return f"s3://imgtrain/safety-{time.monotonic_ns()}"
+
+
+def boto(s3_server):
+    """The store as anyone with write access sees it: any key at all (pyarrow refuses some)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=s3_server["IMGTRAIN_S3_ENDPOINT"], region_name="us-east-1",
+                        aws_access_key_id="testing", aws_secret_access_key="testing")
+
+
+def keys(s3_server, prefix: str) -> list[str]:
+    found = boto(s3_server).list_objects_v2(Bucket="imgtrain", Prefix=prefix.removeprefix("s3://imgtrain/"))
+    return sorted(o["Key"] for o in found.get("Contents", []))
+
+
+def checkpoint_names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("checkpoint_*") if p.is_dir())
+
+
+def files_under(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+
+
+# ---------------------------------------------------------------- 1. an outage never deletes a checkpoint
+
+
+def test_checkpoints_made_while_the_store_was_unreachable_are_kept_and_uploaded_when_it_is_back(
+        env, s3_server, tiny_data, monkeypatch):
+    from imgtrain.training import driver
+
+    prefix = env.removeprefix("s3://imgtrain/")
+    first_meta = f"HEAD /imgtrain/{prefix}/outage/checkpoint_epoch_0000/meta.json".encode()
+    proxy = FlakyStore(s3_server["IMGTRAIN_S3_ENDPOINT"], cut_on=first_meta)  # the store goes away there
+    monkeypatch.setenv("IMGTRAIN_S3_ENDPOINT", proxy.endpoint)
+    sent = driver.Records.send
+
+    def slow_first_epoch(records, record):  # training goes on once the mirror has uploaded epoch 0 (and the
+        sent(records, record)  # store is gone), as it would after a longer epoch: the outage falls between two
+        if record.get("checkpoint") == "checkpoint_epoch_0000":
+            assert proxy.was_cut.wait(60), "the first checkpoint never went up"
+
+    monkeypatch.setattr(driver.Records, "send", slow_first_epoch)
+    try:
+        cfg = tiny_config(tiny_data, env, "outage", backend="local", workers=1, epochs=3)
+        with pytest.raises(ImgtrainError, match=f"storage {env}"):  # its last upload failed: said, not hidden
+            driver.train(cfg, display=quiet_display())
+        assert proxy.was_cut.is_set()
+        copy = storage.store(env).local / "outage"
+        made = checkpoint_names(copy)  # the best and the latest (--num-to-keep 1) of epochs 1-2, never uploaded
+        assert "checkpoint_epoch_0002" in made and "checkpoint_epoch_0000" not in made, made
+        in_bucket = {k.split("/")[2] for k in keys(s3_server, env) if "/checkpoint_" in k}
+        assert in_bucket == {"checkpoint_epoch_0000"}
+
+        proxy.restore()
+        result = runs.load_run(env, "outage")  # `imgtrain runs show outage`: the first command after
+        assert set(made) <= set(checkpoint_names(copy))  # nothing made here was deleted
+        assert result.latest_checkpoint.name == "checkpoint_epoch_0002"
+        uploaded = keys(s3_server, f"{env}/outage")
+        for name in made:  # ... and what the store lacked went up, meta.json with the rest
+            assert f"{prefix}/outage/{name}/meta.json" in uploaded and f"{prefix}/outage/{name}/model.pt" in uploaded
+    finally:
+        proxy.close()
+
+    monkeypatch.setenv("IMGTRAIN_S3_ENDPOINT", s3_server["IMGTRAIN_S3_ENDPOINT"])
+    elsewhere = storage.Store(uri=env, root=f"imgtrain/{prefix}", local=copy.parent.parent / "other")
+    there = storage.pull(elsewhere, "outage")  # another machine sees the whole run
+    assert [r["epoch"] for r in runs.read_run(there).history] == [0, 1, 2]
+    assert "checkpoint_epoch_0002" in checkpoint_names(there)
+
+
+def test_a_pull_drops_only_checkpoints_that_were_in_the_store(env, s3_server):
+    st = storage.store(env)
+    run = st.local / "r"
+    (run / ownership.MARKER_FILE).parent.mkdir(parents=True)
+    (run / ownership.MARKER_FILE).write_text("{}")
+    for epoch in (0, 1):
+        folder = run / f"checkpoint_epoch_{epoch:04d}"
+        folder.mkdir()
+        (folder / "model.pt").write_text("w")
+        (folder / "meta.json").write_text(json.dumps({"step": 8 * (epoch + 1)}))
+    storage.push(st, "r", everything=True)
+    storage.delete(st, "r", "checkpoint_epoch_0000")  # Ray Train's retention, in the store
+    never_sent = run / "checkpoint_epoch_0002"  # made here while the store was away
+    never_sent.mkdir()
+    (never_sent / "model.pt").write_text("w")
+    (never_sent / "meta.json").write_text(json.dumps({"step": 24}))
+    storage.pull(st, "r")
+    assert checkpoint_names(run) == ["checkpoint_epoch_0001", "checkpoint_epoch_0002"]
+    assert any(k.endswith("r/checkpoint_epoch_0002/meta.json") for k in keys(s3_server, env))
+
+
+# ---------------------------------------------------------------- 2. a bucket never writes outside the cache
+
+
+def test_a_key_with_dot_dot_never_becomes_a_file_outside_the_working_copy(env, s3_server, tmp_path):
+    prefix = env.removeprefix("s3://imgtrain/")
+    s3 = boto(s3_server)
+    s3.put_object(Bucket="imgtrain", Key=f"{prefix}/r/.imgtrain-run", Body=b"{}")
+    s3.put_object(Bucket="imgtrain", Key=f"{prefix}/r/config.json", Body=b"{}")
+    # what S3 clients send for the key below reaches this one: a GET of it returns these bytes
+    s3.put_object(Bucket="imgtrain", Key=f"{prefix}/r/../../planted.txt", Body=b"planted")
+    s3.put_object(Bucket="imgtrain", Key="planted.txt", Body=b"planted")
+    s3.put_object(Bucket="imgtrain", Key=f"{prefix}/r/logs/ray/through-a-link", Body=b"planted")
+    cache = tmp_path / "cache"
+    with pytest.warns(ImgtrainWarning, match="will not copy here"):
+        listed = runs.list_runs(env)  # `imgtrain runs list`
+    assert [r.name for r in listed] == ["r"]
+    with pytest.warns(ImgtrainWarning, match="will not copy here"):
+        runs.load_run(env, "r")  # `runs show`, `evaluate`, `report`, `serve`, a resume
+    run = storage.store(env).local / "r"
+    assert files_under(cache) - {f"stores/s3/imgtrain/{prefix}/r/{f}" for f in files_under(run)} \
+        <= {f"stores/s3/imgtrain/{prefix}/.r.pull-lock"}
+    assert not any("planted" in f for f in files_under(tmp_path))
+
+
+def test_a_key_through_a_link_in_the_working_copy_is_refused(tmp_path):
+    outside = tmp_path / "ray-session"
+    outside.mkdir()
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "ray").symlink_to(outside)
+    with pytest.raises(storage.UnsafeKey, match="link"):
+        storage.local_file(run, "logs/ray/x")
+    for key in ("../x", "a/../../x", "a//b", "/etc/passwd", "a/./b", "a\\..\\b", "a\x1b[2J"):
+        with pytest.raises(storage.UnsafeKey):
+            storage.local_file(run, key)
+    assert storage.local_file(run, "checkpoint_epoch_0000/model.pt") == run / "checkpoint_epoch_0000" / "model.pt"
+
+
+@pytest.mark.parametrize("uri", ["s3://imgtrain/x/../../DIR", "s3://imgtrain/x//y", "s3://imgtrain/./x"])
+def test_a_location_with_dot_dot_is_refused_before_anything_is_written(env, tmp_path, uri):
+    cache = tmp_path / "cache"
+    with pytest.raises(ImgtrainError, match="plain names"):
+        storage.stage_dataset(uri)  # --data
+    with pytest.raises(ImgtrainError, match="plain names"):
+        storage.store(uri)  # --storage
+    assert not cache.exists() or files_under(cache) == set()
+    assert not (tmp_path.parent / "DIR").exists()
+
+
+# ---------------------------------------------------------------- 3. names checked before any file is touched
+
+
+@pytest.mark.parametrize("name", ["./../../../victim", "..", "../victim", "a/../../victim"])
+def test_a_run_name_that_leaves_the_storage_touches_nothing(env, tmp_path, tiny_data, name):
+    from imgtrain.training.driver import train
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    (tmp_path / "cache").mkdir()
+    for read in (lambda: runs.load_run(env, name), lambda: runs.fetch(env, name),
+                 lambda: storage.pull(storage.store(env), name),
+                 lambda: train(tiny_config(tiny_data, env, name, backend="local"), display=quiet_display())):
+        with pytest.raises(ImgtrainError, match="plain name|not a run name"):
+            read()
+    assert (victim / "precious.txt").read_text() == "keep me"
+
+
+# ---------------------------------------------------------------- 5. two drivers, one run
+
+
+def test_two_drivers_starting_one_run_at_the_same_moment_one_trains_one_is_refused(env, monkeypatch):
+    st = storage.store(env)
+    both_read = threading.Barrier(2, timeout=30)
+    real_read, first_reads = storage.read_beat, set()
+
+    def read_then_meet(st_, name):  # each driver's first look finds the lease free, before either writes
+        found = real_read(st_, name)
+        if threading.get_ident() not in first_reads:
+            first_reads.add(threading.get_ident())
+            both_read.wait()
+        return found
+
+    monkeypatch.setattr(storage, "read_beat", read_then_meet)
+    monkeypatch.setattr(storage, "LEASE_SETTLE_S", 0.5)
+    outcomes: dict[str, object] = {}
+    release = threading.Event()
+
+    def driver(label: str) -> None:
+        try:
+            with storage.leased(st, "r") as token:
+                outcomes[label] = token
+                release.wait(30)
+        except ImgtrainError as e:
+            outcomes[label] = e
+
+    threads = [threading.Thread(target=driver, args=(label,)) for label in ("a", "b")]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(outcomes) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    release.set()
+    for t in threads:
+        t.join(30)
+    errors = [o for o in outcomes.values() if isinstance(o, ImgtrainError)]
+    tokens = [o for o in outcomes.values() if isinstance(o, str)]
+    assert len(errors) == 1 and len(tokens) == 1, outcomes
+    assert "started at the same moment" in str(errors[0])
+    assert real_read(st, "r")["token"] == tokens[0] and real_read(st, "r")["released"]  # given back at the end
+
+
+def test_a_held_lease_refuses_a_later_driver_and_a_released_one_does_not(env):
+    st = storage.store(env)
+    with storage.leased(st, "r"):
+        with pytest.raises(ImgtrainError, match="being trained right now by process"):
+            with storage.leased(st, "r"):
+                pass
+    with storage.leased(st, "r"):  # released: taken again at once
+        pass
+    storage.beat(st, "r", token="someone-elses")  # a driver of another machine, beating now
+    record = storage.read_beat(st, "r")
+    record.update(host="another-machine")
+    with st.fs.open_output_stream(f"{st.root}/r/{storage.HEARTBEAT_FILE}") as f:
+        f.write(json.dumps(record).encode())
+    with pytest.raises(ImgtrainError, match="on another-machine"):
+        with storage.leased(st, "r"):
+            pass
+
+
+# ---------------------------------------------------------------- 8. keys pyarrow cannot address
+
+
+def test_a_double_slash_key_does_not_break_runs_list_or_clean(env, s3_server):
+    from imgtrain.ops import clean
+
+    prefix = env.removeprefix("s3://imgtrain/")
+    s3 = boto(s3_server)
+    for run in ("a", "b"):
+        s3.put_object(Bucket="imgtrain", Key=f"{prefix}/{run}/.imgtrain-run", Body=b"{}")
+    s3.put_object(Bucket="imgtrain", Key=f"{prefix}/a//odd", Body=b"x")
+    s3.put_object(Bucket="imgtrain", Key=f"{prefix}//odd", Body=b"x")
+    with pytest.warns(ImgtrainWarning):
+        assert [r.name for r in runs.list_runs(env)] == ["a", "b"]
+    with pytest.warns(ImgtrainWarning):
+        removals = clean.plan_runs(env, [], everything=True)
+    assert sorted(r.path.name for r in removals) == ["a", "b"]
+    for removal in removals:
+        clean.remove(removal)
+    assert not [k for k in keys(s3_server, env) if k.startswith(f"{prefix}/a/") or k.startswith(f"{prefix}/b/")]
