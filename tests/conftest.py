@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -11,6 +12,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+# Ray Train's controller looks at its workers every 2 s: a finished or failed worker group is
+# seen that much later in every run. Tests poll faster (inherited by the clusters they start).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 @pytest.fixture(scope="session")
@@ -72,6 +76,62 @@ def tiny_data(tmp_path_factory, sample_raw) -> Path:
     out = tmp_path_factory.mktemp("data") / "tiny"
     write_dataset(subset(sample_raw, 256, 100), out, name="tiny", source="mnist-sample")
     return out
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """{file: (size, mtime)} under ``folder``, links not followed (logs/ray is Ray's live session)."""
+    found = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            stat = os.lstat(os.path.join(root, name))
+            found[os.path.relpath(os.path.join(root, name), folder)] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+@contextlib.contextmanager
+def _read_only(run_dir: Path):
+    """Fails the session if a test changed a shared run: such a test must work on ``copy_run``."""
+    before = _snapshot(run_dir)
+    yield
+    changed = sorted(set(before.items()) ^ set(_snapshot(run_dir).items()))
+    assert not changed, f"a test changed the shared run {run_dir.name} ({changed[:5]}); give it copy_run(...)"
+
+
+@pytest.fixture(scope="session")
+def local_run(tiny_data, tmp_path_factory):
+    """A finished run, trained once for every test that only reads a run (inference, report,
+    serve, runs show): the tiny set, 2 epochs on the local backend (this process, no Ray). A
+    test that changes a run takes ``copy_run(local_run, tmp_path)``."""
+    import imgtrain
+
+    storage = tmp_path_factory.mktemp("shared-local")
+    result = imgtrain.train(tiny_config(tiny_data, storage, "local", backend="local", workers=1),
+                            display=quiet_display())
+    assert result.status == "finished" and len(result.history) == 2
+    with _read_only(result.path):
+        yield result
+
+
+@pytest.fixture(scope="session")
+def ray_run(ray_cluster, tiny_data, tmp_path_factory):
+    """A finished Ray Train run, trained once for the tests that read what only Ray makes: 2
+    workers (DDP, Ray Data ingest, validation split across ranks), 2 epochs of the tiny set."""
+    import imgtrain
+
+    storage = tmp_path_factory.mktemp("shared-ray")
+    result = imgtrain.train(tiny_config(tiny_data, storage, "ray"), display=quiet_display())
+    assert result.status == "finished" and len(result.history) == 2
+    with _read_only(result.path):
+        yield result
+
+
+def copy_run(run, dest: Path) -> Path:
+    """A copy of the finished ``run`` (a RunResult) in ``dest``, for a test that changes it;
+    returns the storage folder holding it (``dest``), the run keeping its name."""
+    import shutil
+
+    shutil.copytree(run.path, dest / run.name, symlinks=True)
+    return dest
 
 
 def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -1,4 +1,6 @@
-"""Bad input: one clear line on stderr, a non-zero exit, no traceback, no hang."""
+"""Bad input: one clear line on stderr, a non-zero exit, no traceback, no hang. Refusals that
+come before anything trains run the real CLI in this process (``cli_here``); the two that must
+fail in seconds from a cold start, Python's imports included, run it as a new process."""
 
 from __future__ import annotations
 
@@ -10,13 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import assert_one_line_error, run_cli
+from tests.conftest import assert_one_line_error, cli_here, run_cli
 from tests.conftest_data_helpers import rehash, rewrite_columns
-
-pytestmark = pytest.mark.integration
-
-
-
 
 @pytest.fixture
 def data_copy(tiny_data, tmp_path):
@@ -34,66 +31,66 @@ def first_file(data, split="train"):
     return data / manifest["splits"][split]["files"][0]
 
 
-def test_directory_that_is_not_a_data_set(tmp_path):
+def test_directory_that_is_not_a_data_set(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    proc = run_cli(*train_args(tmp_path / "empty", tmp_path))
+    proc = cli_here(capsys, *train_args(tmp_path / "empty", tmp_path))
     assert_one_line_error(proc, "not a prepared data set", "imgtrain data prepare")
 
 
-def test_corrupt_parquet_is_named(data_copy, tmp_path):
+def test_corrupt_parquet_is_named(data_copy, tmp_path, capsys):
     path = first_file(data_copy)
     path.write_bytes(path.read_bytes()[:100])
     rehash(data_copy)  # a file damaged before hashing: the Parquet reader must catch it
-    proc = run_cli(*train_args(data_copy, tmp_path))
+    proc = cli_here(capsys, *train_args(data_copy, tmp_path))
     assert_one_line_error(proc, path.name)
 
 
-def test_tampered_file_fails_its_checksum(data_copy, tmp_path):
+def test_tampered_file_fails_its_checksum(data_copy, tmp_path, capsys):
     path = first_file(data_copy)
     with open(path, "r+b") as f:
         f.seek(50)
         f.write(b"\xff\xfe")
-    assert_one_line_error(run_cli(*train_args(data_copy, tmp_path)), path.name, "sha256")
+    assert_one_line_error(cli_here(capsys, *train_args(data_copy, tmp_path)), path.name, "sha256")
 
 
-def test_missing_column(data_copy, tmp_path):
+def test_missing_column(data_copy, tmp_path, capsys):
     path = first_file(data_copy)
     rewrite_columns(path, label=None)
     rehash(data_copy)
-    assert_one_line_error(run_cli(*train_args(data_copy, tmp_path)), path.name, "label")
+    assert_one_line_error(cli_here(capsys, *train_args(data_copy, tmp_path)), path.name, "label")
 
 
-def test_label_outside_the_class_range(data_copy, tmp_path):
+def test_label_outside_the_class_range(data_copy, tmp_path, capsys):
     path = first_file(data_copy, "test")
     labels = pq.read_table(path)["label"].to_numpy().copy()
     labels[0] = 10
     rewrite_columns(path, label=pa.array(labels))
     rehash(data_copy)
-    assert_one_line_error(run_cli(*train_args(data_copy, tmp_path)), "label 10")
+    assert_one_line_error(cli_here(capsys, *train_args(data_copy, tmp_path)), "label 10")
 
 
-def test_empty_split(data_copy, tmp_path):
+def test_empty_split(data_copy, tmp_path, capsys):
     manifest = json.loads((data_copy / "manifest.json").read_text())
     manifest["splits"]["test"] = {"num_samples": 0, "files": []}
     (data_copy / "manifest.json").write_text(json.dumps(manifest))
-    assert_one_line_error(run_cli(*train_args(data_copy, tmp_path)), "empty")
+    assert_one_line_error(cli_here(capsys, *train_args(data_copy, tmp_path)), "empty")
 
 
-def test_global_batch_smaller_than_workers(tiny_data, tmp_path):
-    proc = run_cli(*train_args(tiny_data, tmp_path, "--batch-size", "1", "--workers", "2"))
+def test_global_batch_smaller_than_workers(tiny_data, tmp_path, capsys):
+    proc = cli_here(capsys, *train_args(tiny_data, tmp_path, "--batch-size", "1", "--workers", "2"))
     assert_one_line_error(proc, "--batch-size 1 is smaller than --workers 2")
 
 
-def test_unknown_option(tiny_data, tmp_path):
-    proc = run_cli(*train_args(tiny_data, tmp_path, "--frobnicate"))
+def test_unknown_option(tiny_data, tmp_path, capsys):
+    proc = cli_here(capsys, *train_args(tiny_data, tmp_path, "--frobnicate"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--frobnicate" in proc.stderr
 
 
-def test_unwritable_storage(tiny_data, tmp_path):
+def test_unwritable_storage(tiny_data, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    proc = run_cli("train", "--data", str(tiny_data), "--name", "x", "--storage", str(blocker / "runs"))
+    proc = cli_here(capsys, "train", "--data", str(tiny_data), "--name", "x", "--storage", str(blocker / "runs"))
     assert_one_line_error(proc, "cannot write to storage", "--storage")
 
 
@@ -101,6 +98,7 @@ def test_unwritable_storage(tiny_data, tmp_path):
     (("--gpu",), ("GPU worker(s)", "0 GPU(s)", "--cpu")),
     (("--workers", "8"), ("8 worker(s)", "the Ray cluster has 4", "fewer --workers")),
 ])
+@pytest.mark.integration
 def test_impossible_requests_fail_in_seconds_not_forever(ray_cluster, tiny_data, tmp_path, extra, fragments):
     # Plain Ray Train waits forever for these placements; imgtrain refuses them at once.
     # The guarantee is 15 s from the command's start, Python and torch imports included.
@@ -110,31 +108,31 @@ def test_impossible_requests_fail_in_seconds_not_forever(ray_cluster, tiny_data,
     assert time.monotonic() - start < 15
 
 
-def test_unknown_run(tmp_path):
-    proc = run_cli("runs", "show", "nope", "--storage", str(tmp_path))
+def test_unknown_run(tmp_path, capsys):
+    proc = cli_here(capsys, "runs", "show", "nope", "--storage", str(tmp_path))
     assert_one_line_error(proc, "no run named 'nope'")
 
 
-def test_a_cluster_address_where_nothing_answers_fails_in_seconds(tiny_data, tmp_path):
+def test_a_cluster_address_where_nothing_answers_fails_in_seconds(tiny_data, tmp_path, capsys):
     # ray.init waits for minutes at such an address; imgtrain finds out with a TCP connect first.
     start = time.monotonic()
-    proc = run_cli(*train_args(tiny_data, tmp_path, "--address", "127.0.0.1:1"), timeout=20)
+    proc = cli_here(capsys, *train_args(tiny_data, tmp_path, "--address", "127.0.0.1:1"))
     assert_one_line_error(proc, "cannot reach the Ray cluster at 127.0.0.1:1", "ray start --head")
     assert time.monotonic() - start < 20
     assert not (tmp_path / "runs").exists()  # no run directory left behind for nothing
 
 
-def test_a_config_file_with_several_problems_names_them_all(tiny_data, tmp_path):
+def test_a_config_file_with_several_problems_names_them_all(tiny_data, tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text(f'data = "{tiny_data}"\nepoch = 3\nlr = "fast"\nworkers = 0\n')
-    proc = run_cli("train", "--config", str(config), "--name", "bad", "--storage", str(tmp_path / "runs"))
+    proc = cli_here(capsys, "train", "--config", str(config), "--name", "bad", "--storage", str(tmp_path / "runs"))
     assert_one_line_error(proc, "unknown field 'epoch' (did you mean 'epochs'?)", "lr must be a number, got 'fast'",
                           "--workers must be at least 1")
     assert not (tmp_path / "runs").exists()
     # A flag fixes what the file got wrong: the flag wins.
     fixed = tmp_path / "fixed.toml"
     fixed.write_text(f'data = "{tiny_data}"\nworkers = 0\n')
-    proc = run_cli("train", "--config", str(fixed), "--name", "bad", "--storage", str(tmp_path / "runs"),
+    proc = cli_here(capsys, "train", "--config", str(fixed), "--name", "bad", "--storage", str(tmp_path / "runs"),
                    "--workers", "1", "--batch-size", "0")
     assert_one_line_error(proc, "--batch-size must be at least 1")
     assert "--workers" not in proc.stderr

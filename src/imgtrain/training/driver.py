@@ -140,7 +140,9 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
     if exists:
         if not locked:
             held.enter_context(ownership.locked(run_dir, "trained"))  # refuses a run in use on this machine
-        runs.refuse_if_trained(run_dir, this_host=False, hint=_busy_hint(cfg, run_dir))
+        # another host's driver of a run in an object store: its lease was read before ours was written
+        runs.refuse_if_trained(run_dir, this_host=False, other_hosts=not remote.is_remote(cfg.storage),
+                               hint=_busy_hint(cfg, run_dir))
         if not ownership.is_marked(run_dir):
             ownership.mark(run_dir)  # a run made before markers: adopted
         if overwrite and not cfg.data:
