@@ -12,19 +12,28 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+# The suite runs torch in this process, in Ray's workers and in CLI processes at once, on 2 cores:
+# OpenMP threads that spin while waiting for work took the cores from the others (a 2-step epoch
+# in this process took 12-17 s instead of 1-2 s). Before torch is imported; children inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Ray Train's controller looks at its workers every 2 s: a finished or failed worker group is
 # seen that much later in every run. Tests poll faster (inherited by the clusters they start).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(s3_server):
     """A real local Ray cluster, started once. 4 logical CPUs on 2 cores is fine: workers
-    set their own torch thread counts. Yields the address other processes can join."""
+    set their own torch thread counts. Its processes are started with the way to the test S3
+    server in their environment, as a cluster's nodes have their credentials: runs in the
+    bucket train on it. Yields the address other processes can join."""
     import ray
 
+    from imgtrain.ops.process import environment
+
     # address="local": a new cluster even when `ray start` left an address for ray.init() to join
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    with environment(**s3_server):  # inherited by Ray's processes; this one's is left as it was
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     address = ray.get_runtime_context().gcs_address
     yield address
     ray.shutdown()

@@ -1,5 +1,6 @@
 """What evaluate and report produce stays bounded by what is evaluated, not by the checkpoint's
-class count: a real tiny run, trained and evaluated in this process (no Ray)."""
+class count: a copy of the session's finished local run (the report is written into it),
+evaluated in this process (no Ray)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,13 @@ import json
 import numpy as np
 from PIL import Image
 
-import imgtrain
 from imgtrain.inference import batch, report
-from tests.conftest import quiet_display, tiny_config
+from tests.conftest import copy_run
 
 
 def test_evaluate_lists_the_pairs_that_occur_above_the_dense_bound_and_the_report_plots_the_worst(
-        tiny_data, tmp_path, monkeypatch):
-    config = tiny_config(tiny_data, tmp_path / "runs", "bounded", backend="local", workers=1, epochs=1,
-                         limit_train_batches=2)
-    run = imgtrain.train(config, display=quiet_display()).path
+        local_run, tmp_path, monkeypatch):
+    run = copy_run(local_run, tmp_path) / local_run.name
     local = batch.InferenceOptions(backend="local")
     dense = batch.evaluate(str(run), options=local)
     assert np.asarray(dense.confusion_matrix).shape == (10, 10)  # 10 digits: as it always was

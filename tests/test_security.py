@@ -32,7 +32,7 @@ from imgtrain.ops import ownership
 from imgtrain.ops.clean import plan_dataset, plan_runs, remove
 from imgtrain.ops.files import atomic_write_text
 from imgtrain.training import tracking
-from tests.conftest import quiet_display, run_cli
+from tests.conftest import cli_here, copy_run, quiet_display
 from tests.conftest_data_helpers import (
     read_back,
     read_inputs_whole,
@@ -134,32 +134,40 @@ def test_a_folder_that_is_not_a_run_is_never_written_into_listed_or_deleted(tiny
     assert sorted(p.name for p in model.iterdir()) == ["config.json", "notes.txt"]
 
 
-def test_a_run_made_before_markers_is_still_a_run_and_gets_its_marker(tiny_data, tmp_path):
-    cfg = TrainConfig(data=str(tiny_data), storage=str(tmp_path), name="old", backend="local", epochs=1,
-                      batch_size=64, eval_batch_size=50)
-    imgtrain.train(cfg, display=QUIET)
-    (tmp_path / "old" / ownership.MARKER_FILE).unlink()  # as an earlier imgtrain left it
-    assert [r.name for r in runs.list_runs(str(tmp_path))] == ["old"]
-    imgtrain.train(cfg, display=QUIET)  # "already complete": adopted all the same
-    assert ownership.is_marked(tmp_path / "old")
+def config_of(run, storage, **overrides) -> TrainConfig:
+    """The config ``run`` was trained with, for its copy in ``storage`` (what resumes it)."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{**{k: v for k, v in run.config.items() if k in fields}, "storage": str(storage), **overrides})
 
 
-def test_overwrite_keeps_the_old_run_when_the_new_one_fails_before_its_first_checkpoint(tiny_data, tmp_path, monkeypatch):
-    cfg = TrainConfig(data=str(tiny_data), storage=str(tmp_path), name="keep", backend="local", epochs=1,
-                      batch_size=64, eval_batch_size=50)
-    first = imgtrain.train(cfg, display=QUIET)
-    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "keep").rglob("*"))
+def test_a_run_made_before_markers_is_still_a_run_and_gets_its_marker(local_run, tmp_path):
+    copy_run(local_run, tmp_path)
+    (tmp_path / local_run.name / ownership.MARKER_FILE).unlink()  # as an earlier imgtrain left it
+    assert [r.name for r in runs.list_runs(str(tmp_path))] == [local_run.name]
+    imgtrain.train(config_of(local_run, tmp_path), display=QUIET)  # "already complete": adopted all the same
+    assert ownership.is_marked(tmp_path / local_run.name)
+
+
+def test_overwrite_keeps_the_old_run_when_the_new_one_fails_before_its_first_checkpoint(local_run, tmp_path, monkeypatch):
+    copy_run(local_run, tmp_path)
+    cfg = config_of(local_run, tmp_path)
+    first = runs.load_run(str(tmp_path), local_run.name)
+    before = sorted(p.relative_to(tmp_path) for p in first.path.rglob("*"))
     # A tracker that cannot be reached fails the new run after the old one was moved aside.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     failing = TrainConfig(**{**cfg.to_dict(), "mlflow": "http://user:secret@127.0.0.1:9", "seed": 1})
     with pytest.raises(ImgtrainError, match="cannot log to MLflow at http://127.0.0.1:9"):
         imgtrain.train(failing, display=QUIET, overwrite=True)
-    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "keep").rglob("*")) == before
-    assert runs.load_run(str(tmp_path), "keep").history == first.history
-    assert [p.name for p in tmp_path.iterdir()] == ["keep"]  # nothing left aside
-    # The same with a good request: the old run goes once the new one has a checkpoint.
-    second = imgtrain.train(TrainConfig(**{**cfg.to_dict(), "seed": 1}), display=QUIET, overwrite=True)
-    assert second.config["seed"] == 1 and [p.name for p in tmp_path.iterdir()] == ["keep"]
+    assert sorted(p.relative_to(tmp_path) for p in first.path.rglob("*")) == before
+    assert runs.load_run(str(tmp_path), local_run.name).history == first.history
+    assert [p.name for p in tmp_path.iterdir()] == [local_run.name]  # nothing left aside
+    # The same with a good request (short: its first checkpoint is the point): the old run goes
+    # once the new one has a checkpoint.
+    good = TrainConfig(**{**cfg.to_dict(), "seed": 1, "epochs": 1, "limit_train_batches": 2})
+    second = imgtrain.train(good, display=QUIET, overwrite=True)
+    assert second.config["seed"] == 1 and [p.name for p in tmp_path.iterdir()] == [local_run.name]
 
 
 def test_credentials_in_the_mlflow_uri_are_never_written_or_shown(tiny_data, tmp_path, monkeypatch):
@@ -206,39 +214,37 @@ def test_prepare_refuses_a_source_inside_the_output(tmp_path):
 # ---------------------------------------------------------------- locks and atomic writes
 
 
-def test_a_run_in_use_cannot_be_trained_or_deleted_by_another_process(tiny_data, tmp_path):
-    cfg = TrainConfig(data=str(tiny_data), storage=str(tmp_path), name="busy", backend="local", epochs=1,
-                      batch_size=64, eval_batch_size=50)
-    imgtrain.train(cfg, display=QUIET)
-    run_dir = tmp_path / "busy"
+def test_a_run_in_use_cannot_be_trained_or_deleted_by_another_process(local_run, tmp_path):
+    copy_run(local_run, tmp_path)
+    run_dir = tmp_path / local_run.name
     holder = subprocess.Popen(  # another process holds the run's lock, as a training driver does
         [sys.executable, "-c", "import sys, time; from pathlib import Path; from imgtrain.ops import ownership\n"
          f"with ownership.locked(Path({str(run_dir)!r}), 'trained'):\n print('held', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        more = TrainConfig(**{**cfg.to_dict(), "epochs": 2})
-        with pytest.raises(ImgtrainError, match=f"'busy' is being trained right now by process {holder.pid}"):
+        more = config_of(local_run, tmp_path, epochs=3)
+        with pytest.raises(ImgtrainError, match=f"'{local_run.name}' is being trained right now by process {holder.pid}"):
             imgtrain.train(more, display=QUIET)
-        plan = plan_runs(str(tmp_path), ["busy"])  # planned before the driver started...
+        plan = plan_runs(str(tmp_path), [local_run.name])  # planned before the driver started...
         with pytest.raises(ImgtrainError, match="is being trained right now"):
             remove(plan[0])  # ...deleted after: the lock is checked again at the last moment
         assert (run_dir / "config.json").is_file()
     finally:
         holder.kill()
         holder.wait()
-    remove(plan_runs(str(tmp_path), ["busy"])[0])  # the lock died with its process
+    remove(plan_runs(str(tmp_path), [local_run.name])[0])  # the lock died with its process
     assert not run_dir.exists()
 
 
-def test_a_run_left_running_by_a_driver_on_another_host_needs_force(tmp_path):
+def test_a_run_left_running_by_a_driver_on_another_host_needs_force(tmp_path, capsys):
     run_dir = tmp_path / "far"
     ownership.claim(run_dir)
     runs.write_config(run_dir, {"name": "far"})
     (run_dir / runs.STATUS_FILE).write_text(json.dumps({"status": "running", "pid": 1, "host": "elsewhere-7"}))
     with pytest.raises(ImgtrainError, match="on elsewhere-7; if that driver is gone, pass --force"):
         plan_runs(str(tmp_path), ["far"])
-    proc = run_cli("clean", "runs", "far", "--storage", str(tmp_path), "--yes", "--force")
+    proc = cli_here(capsys, "clean", "runs", "far", "--storage", str(tmp_path), "--yes", "--force")
     assert proc.returncode == 0, proc.stderr
     assert not run_dir.exists()
 
@@ -262,14 +268,14 @@ def test_concurrent_atomic_writes_never_collide_or_leave_temp_files(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
 
 
-def test_damaged_status_and_config_files_are_listed_and_cleanable(tmp_path):
+def test_damaged_status_and_config_files_are_listed_and_cleanable(tmp_path, capsys):
     for name, damaged in (("a", "status.json"), ("b", "config.json")):
         ownership.claim(tmp_path / name)
         runs.write_config(tmp_path / name, {"name": name})
         (tmp_path / name / damaged).write_text("{not json")
     listed = {r.name: r.status for r in runs.list_runs(str(tmp_path))}
     assert listed == {"a": "damaged", "b": "damaged"}
-    proc = run_cli("runs", "list", "--storage", str(tmp_path))
+    proc = cli_here(capsys, "runs", "list", "--storage", str(tmp_path))
     assert proc.returncode == 0 and "damaged" in proc.stdout, proc.stderr
     for removal in plan_runs(str(tmp_path), [], everything=True):
         remove(removal)
@@ -348,7 +354,7 @@ def test_predict_glob_does_not_follow_a_symlink_loop(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr
 
 
-def test_clean_data_never_deletes_through_a_linked_split_folder(tmp_path):
+def test_clean_data_never_deletes_through_a_linked_split_folder(tmp_path, capsys):
     data = tmp_path / "data"
     write_dataset(tiny_raw(), data, name="data", source="test")
     elsewhere = tmp_path / "elsewhere"
@@ -357,7 +363,7 @@ def test_clean_data_never_deletes_through_a_linked_split_folder(tmp_path):
     before = sorted(elsewhere.iterdir())
     with pytest.raises(ImgtrainError, match="lies outside the data set"):
         plan_dataset(data)
-    proc = run_cli("clean", "data", str(data), "--yes")
+    proc = cli_here(capsys, "clean", "data", str(data), "--yes")
     assert proc.returncode == 2 and "lies outside the data set" in proc.stderr
     assert sorted(elsewhere.iterdir()) == before and before
 
@@ -399,8 +405,6 @@ def test_a_checkpoint_claiming_a_huge_model_is_refused_before_building_it(tmp_pa
 
 
 def test_text_from_a_runs_files_reaches_the_terminal_as_text(tmp_path, capsys):
-    from tests.conftest import cli_here
-
     hostile = "\x1b[2J\x1b]0;owned\x07\x1b]8;;http://evil.example\x1b\\click\x1b]8;;\x1b\\\u202eevil"
     run = tmp_path / "r"
     ownership.claim(run)

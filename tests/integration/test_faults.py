@@ -1,46 +1,48 @@
-"""Failures for real: processes killed with SIGKILL, then the same command run again."""
+"""Failures for real on Ray: a rank that stops making progress, a disk that fills up."""
 
 from __future__ import annotations
 
-import os
+import io
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
+from imgtrain.config import TrainConfig
+from imgtrain.errors import ImgtrainError
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
-from tests.conftest import run_cli
+from imgtrain.training.progress import TrainingDisplay
+from tests.conftest import quiet_display
 
 pytestmark = pytest.mark.integration
 
 
-def epochs_recorded(run_dir) -> list[int]:
-    return [r["epoch"] for r in runs.read_metrics(run_dir) if r.get("kind") == "epoch"]
-
-
-def test_a_stuck_rank_is_named_and_killed_within_the_stall_timeout(ray_cluster, tiny_data, tmp_path):
+def test_a_stuck_rank_is_named_and_killed_within_the_stall_timeout(ray_cluster, tiny_data, tmp_path, monkeypatch):
     # Rank 1 stops making progress before its forward pass of step 3 (it sleeps forever, the
     # process alive); rank 0 waits in DDP's all-reduce, which by default would wait forever.
-    env = {**os.environ, FAULT_ENV: "hang:1:3", "COLUMNS": "200"}
-    args = ("train", "--data", str(tiny_data), "--name", "stuck", "--epochs", "1", "--batch-size", "32",
-            "--storage", str(tmp_path), "--address", ray_cluster, "--stall-timeout", "8", "--log-every-steps", "1")
-    done = subprocess.run([sys.executable, "-m", "imgtrain.cli", *args], capture_output=True, text=True,
-                          timeout=240, env=env)
+    # The driver runs here: what the terminal would show is what this display prints, and
+    # `imgtrain train` prints the error's message after "error: " (exit 2).
+    monkeypatch.setenv(FAULT_ENV, "hang:1:3")
+    shown = io.StringIO()
+    with pytest.raises(ImgtrainError) as failed:
+        imgtrain.train(TrainConfig(data=str(tiny_data), name="stuck", epochs=1, batch_size=32, storage=str(tmp_path),
+                                   stall_timeout_s=8, log_every_steps=1),
+                       display=TrainingDisplay(Console(file=shown, width=200)))
 
-    assert done.returncode == 2
-    message = done.stderr.strip().splitlines()[-1]
-    assert message.startswith("error: training failed: rank 1 stuck: rank 1 (pid "), done.stderr
+    message = str(failed.value)
+    assert len(message.splitlines()) == 1, message
+    assert message.startswith("training failed: rank 1 stuck: rank 1 (pid "), message
     assert "at step 3, in phase 'compute'" in message and "(rank 0 waited for it)" in message
     assert "no progress for 8 s (--stall-timeout)" in message
 
     # The diagnosis: the stuck rank's Python stack (where it hangs), its log files, where the
     # other rank waits, and every rank's full stacks in logs/hang-*.txt.
-    out = done.stdout
+    out = shown.getvalue()
     stack = out.split("rank 1 (stuck) stack, innermost last:\n")[1].split("rank 1 logs")[0]
     frames = [line.strip() for line in stack.splitlines() if line.strip()]
     assert frames[0].endswith("in run_loop") and "training/loop.py" in frames[0]
@@ -71,11 +73,15 @@ def test_a_full_disk_leaves_no_broken_checkpoint_and_says_the_disk_is_full(ray_c
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); needs root")
     try:
-        done = run_cli("train", "--data", str(tiny_data), "--name", "full", "--epochs", "3",
-                       "--batch-size", "32", "--storage", str(storage), "--address", ray_cluster)
-        assert done.returncode == 2
-        message = done.stderr.strip().splitlines()[-1]
-        assert "is full (No space left on device)" in message, done.stderr
+        # In this process: what `imgtrain train` prints after "error: " (exit 2) is the message.
+        # One worker (rank 0 alone writes checkpoints), two epochs of two steps: the second
+        # epoch's checkpoint is the one that does not fit.
+        with pytest.raises(ImgtrainError) as failed:
+            imgtrain.train(TrainConfig(data=str(tiny_data), name="full", workers=1, threads_per_worker=1, epochs=2,
+                                       batch_size=32, limit_train_batches=2, storage=str(storage)),
+                           display=quiet_display())
+        message = str(failed.value)
+        assert "is full (No space left on device)" in message, message
         assert "resumes from checkpoint_epoch_0000" in message
         run_dir = storage / "full"
         good, bad = ckpt.verified(run_dir)

@@ -1,13 +1,18 @@
 """Sharded training (``--strategy fsdp``) on a real Ray cluster, 2 CPU workers: the checkpoint's
-plain model.pt serves every other command, FSDP trains exactly what DDP trains, and an
-interrupted run resumes exactly (at the same world size) or from the resharded state (at another).
+plain model.pt serves every other command, FSDP trains exactly what DDP trains, and a failed
+run resumes exactly (at the same world size) or from the resharded state (at another).
+
+Four runs of one config serve every test: the DDP run, the FSDP run that fails inside its
+second epoch, and that failed run resumed on 2 workers and on 1. The resumed FSDP run is
+compared with the uninterrupted DDP run bit for bit: its epoch 0 was trained before the failure,
+so that one comparison proves FSDP trains what DDP trains and that the resume lost nothing.
+Ray Train's own retry of a failed worker group (the same restore, started by Ray) is proved in
+test_resume.py.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import shutil
 
 import pytest
 import torch
@@ -16,20 +21,23 @@ import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.config import TrainConfig
+from imgtrain.errors import ImgtrainError
 from imgtrain.inference.batch import InferenceOptions, evaluate
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
+from imgtrain.training.progress import TrainingDisplay
 from imgtrain.zoo import build_from_args
-from tests.conftest import assert_one_line_error, quiet_display, run_cli
-from tests.integration.test_resume import global_batches
+from tests.conftest import assert_one_line_error, cli_here, quiet_display
+from tests.integration.ledger import global_batches
 
 pytestmark = pytest.mark.integration
 
 QUIET = quiet_display()
-# 256 rows / batch 16 = 16 steps per epoch, 32 in all; step checkpoints after global steps 8 and 24.
+# 256 rows / batch 32 = 8 steps per epoch, 16 in all; step checkpoints after global steps 4 and 12.
+# Two epochs: a resume inside the second one has a whole epoch to restore and one to finish.
 # Contiguous weights: FSDP2 shards no others, and validation's plain model then has the layout
 # DDP's has (with --channels-last it is channels_last: the same weights, other rounding).
-SETTINGS = dict(strategy="fsdp", channels_last=False, workers=2, epochs=2, batch_size=16, eval_batch_size=50, log_every_steps=4,
-                checkpoint_every_steps=8, deterministic=True, ledger=True, max_failures=0)
+SETTINGS = dict(strategy="fsdp", channels_last=False, workers=2, epochs=2, batch_size=32, eval_batch_size=50,
+                log_every_steps=4, checkpoint_every_steps=4, deterministic=True, ledger=True, max_failures=0)
 HISTORY_KEYS = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "lr")
 
 
@@ -38,10 +46,38 @@ def config(data, storage, name, **overrides) -> TrainConfig:
 
 
 @pytest.fixture(scope="module")
-def reference(ray_cluster, tiny_data, tmp_path_factory):
-    """The uninterrupted FSDP run."""
-    storage = tmp_path_factory.mktemp("fsdp")
-    result = imgtrain.train(config(tiny_data, storage, "ref"), display=QUIET)
+def ddp(ray_cluster, tiny_data, tmp_path_factory):
+    """The uninterrupted run, with DDP: what every FSDP run here must reproduce."""
+    result = imgtrain.train(config(tiny_data, tmp_path_factory.mktemp("ddp"), "ddp", strategy="ddp"), display=QUIET)
+    assert result.status == "finished"
+    return result
+
+
+@pytest.fixture(scope="module")
+def failed(ray_cluster, tiny_data, tmp_path_factory):
+    """The FSDP run failed by rank 0 raising before global step 13, no retries left: its latest
+    checkpoint is the step-12 one, both ranks' shards. ``(storage, what the failure said)``;
+    each resume works on a copy (``resumable_copy``)."""
+    storage = tmp_path_factory.mktemp("fsdp-failed")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FAULT_ENV, "raise:0:13")
+        with pytest.raises(ImgtrainError) as failure:
+            imgtrain.train(config(tiny_data, storage, "cut"), display=QUIET)
+    assert (storage / "cut" / ".faults" / "raise-0-13-1").is_file()  # the fault really fired
+    return storage, str(failure.value)
+
+
+def resumable_copy(failed, dest):
+    """A copy of the failed run in ``dest``; returns ``dest``, its storage."""
+    shutil.copytree(failed[0] / "cut", dest / "cut", symlinks=True)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def resumed(failed, tiny_data, tmp_path_factory):
+    """The failed run resumed as it was, 2 workers: finished, its checkpoints those of an FSDP run."""
+    storage = resumable_copy(failed, tmp_path_factory.mktemp("fsdp-resumed"))
+    result = imgtrain.train(config(tiny_data, storage, "cut"), display=QUIET)
     assert result.status == "finished"
     return result, storage
 
@@ -61,8 +97,8 @@ def bit_equal(a: dict, b: dict) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_the_checkpoint_holds_a_plain_model_and_every_ranks_verified_shards(reference):
-    result, storage = reference
+def test_the_checkpoint_holds_a_plain_model_and_every_ranks_verified_shards(resumed):
+    result, storage = resumed
     checkpoint = result.latest_checkpoint
     meta = ckpt.verify(checkpoint)
     shards = sorted(name for name in meta["sha256"] if name.startswith(ckpt.SHARDED_DIR + "/"))
@@ -73,7 +109,7 @@ def test_the_checkpoint_holds_a_plain_model_and_every_ranks_verified_shards(refe
     # The tutorial's own inference code loads model.pt into the unwrapped model.
     plain = build_from_args(meta["model_args"])
     plain.load_state_dict(torch.load(checkpoint / ckpt.MODEL_FILE, weights_only=True))
-    ev = evaluate("ref", "latest", storage=str(storage), options=InferenceOptions(backend="local"))
+    ev = evaluate("cut", "latest", storage=str(storage), options=InferenceOptions(backend="local"))
     assert ev.num_samples == 100
     assert ev.accuracy == meta["metrics"]["val_accuracy"]  # what validation saw during training
 
@@ -88,57 +124,39 @@ def test_the_checkpoint_holds_a_plain_model_and_every_ranks_verified_shards(refe
         shard.write_bytes(original)
 
 
-def test_fsdp_trains_exactly_what_ddp_trains(reference, tiny_data, tmp_path):
+def test_fsdp_trains_exactly_what_ddp_trains_and_a_failed_run_resumes_to_the_same_bits(ddp, failed, resumed):
     # Both with contiguous weights (SETTINGS). With two ranks FSDP's reduce-scatter and DDP's
-    # all-reduce give the same mean gradient to the bit (the sum of two numbers, halved).
-    result, _ = reference
-    ddp = imgtrain.train(config(tiny_data, tmp_path, "ddp", strategy="ddp", ledger=False),
-                         display=QUIET)
-    assert history(ddp.path) == history(result.path)
-    assert bit_equal(final_model(ddp.path), final_model(result.path))
+    # all-reduce give the same mean gradient to the bit (the sum of two numbers, halved). The
+    # resume loaded both ranks' sharded state at the same world size. What the failure says is
+    # the library's (the CLI prints any ImgtrainError as its one "error:" line).
+    result, _ = resumed
+    assert "rank 0: InjectedFault" in failed[1] and "resumes from checkpoint_epoch_0001_step_0000012 " in failed[1]
+    starts = [(r["step"], r["epoch_step"]) for r in runs.read_metrics(result.path) if r["kind"] == "start"]
+    assert starts == [(0, 0), (12, 4)]
+    assert global_batches(result.path) == global_batches(ddp.path)
+    assert history(result.path) == history(ddp.path)
+    assert bit_equal(final_model(result.path), final_model(ddp.path))
 
 
-def test_an_interrupted_fsdp_run_resumes_to_the_same_bits(reference, tiny_data, tmp_path, monkeypatch):
-    # Rank 1 raises before global step 27; Ray Train restarts both workers from the step-24
-    # checkpoint, whose sharded state they load.
-    result, _ = reference
-    monkeypatch.setenv(FAULT_ENV, "raise:1:27")
-    retried = imgtrain.train(config(tiny_data, tmp_path, "retry", max_failures=1), display=QUIET)
-    assert retried.status == "finished"
-    assert (retried.path / ".faults" / "raise-1-27-1").is_file()  # the fault really fired
-    starts = [(r["step"], r["epoch_step"]) for r in runs.read_metrics(retried.path) if r["kind"] == "start"]
-    assert starts == [(0, 0), (24, 8)]
-    assert global_batches(retried.path) == global_batches(result.path)
-    assert history(retried.path) == history(result.path)
-    assert bit_equal(final_model(retried.path), final_model(result.path))
-
-
-def test_a_failed_fsdp_run_resumes_on_one_worker_from_the_resharded_state(reference, tiny_data, tmp_path, ray_cluster):
-    result, _ = reference
-    args = ["train", "--data", str(tiny_data), "--storage", str(tmp_path), "--name", "grow", "--strategy", "fsdp",
-            "--workers", "2", "--epochs", "2", "--batch-size", "16", "--checkpoint-every-steps", "8",
-            "--no-channels-last", "--deterministic", "--ledger", "--log-every-steps", "4", "--eval-batch-size", "50",
-            "--address", ray_cluster]
-    failed = subprocess.run([sys.executable, "-m", "imgtrain.cli", *args], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, FAULT_ENV: "raise:0:27", "COLUMNS": "200"})
-    assert failed.returncode != 0
-    assert "resumes from checkpoint_epoch_0001_step_0000024" in failed.stderr.strip().splitlines()[-1]
-
-    again = run_cli(*args, "--workers", "1")  # the 2-rank shards loaded into 1 rank
-    assert again.returncode == 0, again.stderr
-    assert "resuming run 'grow' at epoch 2, step 24" in again.stdout
-    assert global_batches(tmp_path / "grow") == global_batches(result.path)
-    # Not the same numbers after the resume: BatchNorm now normalises over the 16 rows of a batch
-    # on one rank, not 8 on each of two, so the forward pass itself differs (DDP alike). Epoch 0
+def test_a_failed_fsdp_run_resumes_on_one_worker_from_the_resharded_state(ddp, failed, tiny_data, tmp_path, capsys):
+    storage = resumable_copy(failed, tmp_path)
+    # the 2 ranks' shards loaded into 1 rank; a display that prints, to read what it says
+    again = imgtrain.train(config(tiny_data, storage, "cut", workers=1), display=TrainingDisplay())
+    assert again.status == "finished"
+    assert "resuming run 'cut' at epoch 2, step 12" in capsys.readouterr().out
+    assert global_batches(again.path) == global_batches(ddp.path)
+    # Not the same numbers after the resume: BatchNorm now normalises over the 32 rows of a batch
+    # on one rank, not 16 on each of two, so the forward pass itself differs (DDP alike). Epoch 0
     # comes back from the checkpoint unchanged, and epoch 1 continues the restored model: its
     # loss stays near the 2-worker run's (a model restarted from scratch would be near ln 10).
-    grown, ref = history(tmp_path / "grow"), history(result.path)
+    grown, ref = history(again.path), history(ddp.path)
     assert grown[0] == ref[0]
     print("train loss of epoch 1, resumed on 1 worker / 2 workers:", grown[1]["train_loss"], ref[1]["train_loss"])
     assert abs(grown[1]["train_loss"] - ref[1]["train_loss"]) < 0.3
 
     # A resumed run keeps its strategy.
-    changed = run_cli("train", "--name", "grow", "--storage", str(tmp_path), "--strategy", "ddp", "--epochs", "3")
+    changed = cli_here(capsys, "train", "--name", "cut", "--storage", str(storage), "--strategy", "ddp",
+                       "--epochs", "3")
     assert_one_line_error(changed, "strategy: 'fsdp' -> 'ddp'")
 
 

@@ -7,12 +7,15 @@ metrics.jsonl), while a checkpoint is being copied into the run, and during vali
 kill is followed by the same command. After every process, every epoch trained so far is in
 metrics.jsonl exactly once (an epoch whose record was lost comes back from the checkpoint the
 run resumes from), status.json and the checkpoints agree, and the final history equals an
-uninterrupted run's, to the bit (--deterministic). The Ray backend's cases, a real SIGKILL of the
-driver and of rank 0's worker right after a checkpoint, are in test_resume.py.
+uninterrupted run's, to the bit (--deterministic). None of this depends on Ray: the driver's
+records and the checkpoints are the same for both backends. The Ray backend's own case, rank 0's
+worker SIGKILLed right after a checkpoint and replaced by Ray Train, is in test_resume.py.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import signal
 import subprocess
@@ -27,12 +30,15 @@ from imgtrain import runs
 from imgtrain.config import TrainConfig
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.progress import TrainingDisplay
+from tests.conftest import cli_here
 
 pytestmark = pytest.mark.integration
 
 # 256 rows / batch 32 = 8 steps per epoch, 24 in all; step checkpoints at steps 4, 12 and 20.
+# One torch thread: with one per core, OpenMP spins against whatever else runs on the machine
+# (a run of these settings here, the machine busy: 55 s with 2 threads, 11 s with 1).
 SETTINGS = dict(backend="local", epochs=3, batch_size=32, eval_batch_size=50, log_every_steps=1,
-                checkpoint_every_steps=4, deterministic=True)
+                checkpoint_every_steps=4, deterministic=True, threads_per_worker=1)
 HISTORY_KEYS = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_accuracy",
                 "train_samples", "val_samples", "lr")
 # (fault, what the process has done when it dies), in the order the run reaches them
@@ -49,15 +55,74 @@ KILLS = [
 def cli_args(data: Path, storage: Path) -> list[str]:
     return ["train", "--data", str(data), "--storage", str(storage), "--name", "matrix", "--backend", "local",
             "--epochs", "3", "--batch-size", "32", "--eval-batch-size", "50", "--log-every-steps", "1",
-            "--checkpoint-every-steps", "4", "--deterministic"]
+            "--checkpoint-every-steps", "4", "--deterministic", "--threads-per-worker", "1"]
 
 
-def run_cli(args: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "200"}
-    if fault:
-        env[FAULT_ENV] = fault
-    return subprocess.run([sys.executable, "-m", "imgtrain.cli", *args], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=240, env=env)
+# Every `imgtrain train` here is a process of its own, SIGKILLed for real. They are forked from
+# one process that imported imgtrain and torch once: a cold start spends 3 s on imports (5 s on a
+# busy machine), seven times here. It reads a JSON request a line and answers with the child's
+# exit code (negative: the signal that ended it), or "timeout".
+FORKER = r"""
+import json, os, signal, sys, time, traceback
+import imgtrain.cli, imgtrain.training.local_backend  # what `imgtrain train --backend local` imports
+
+for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:  # the child: `imgtrain ARGS`, its output into files
+        code = 1
+        try:
+            os.environ.update(request["env"])
+            for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT),
+                                    (2, request["stderr"], os.O_WRONLY | os.O_CREAT)):
+                os.dup2(os.open(path, flags), fd)
+            sys.argv = ["imgtrain", *request["args"]]
+            imgtrain.cli.main()
+            code = 0
+        except SystemExit as e:
+            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + request["timeout"]
+    while not (ended := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not ended[0]:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(ended[1]) if ended[0] else "timeout", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def imgtrain_cli(tmp_path_factory):
+    """``run(args, fault=None)``: the CompletedProcess of ``imgtrain ARGS`` in a new process
+    forked by FORKER, with the fault ``IMGTRAIN_INJECT_FAULT`` names."""
+    forker = subprocess.Popen([sys.executable, "-c", FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "COLUMNS": "200"})
+    outputs, numbers = tmp_path_factory.mktemp("outputs"), itertools.count()
+
+    def run(args: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
+        n = next(numbers)
+        out, err = outputs / f"{n}.out", outputs / f"{n}.err"
+        request = {"args": args, "env": {FAULT_ENV: fault} if fault else {}, "timeout": 240,
+                   "stdout": str(out), "stderr": str(err)}
+        forker.stdin.write(json.dumps(request) + "\n")
+        forker.stdin.flush()
+        answer = forker.stdout.readline().strip()
+        assert answer and answer != "timeout", (answer or "the forking process ended", args, fault)
+        return subprocess.CompletedProcess(["imgtrain", *args], int(answer), out.read_text(), err.read_text())
+
+    yield run
+    forker.stdin.close()  # ends its loop
+    try:
+        forker.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        forker.kill()
+        forker.wait()
 
 
 def epoch_records(run_dir: Path) -> list[dict]:
@@ -87,22 +152,24 @@ def history(run_dir: Path) -> list[dict]:
     return [{k: r[k] for k in HISTORY_KEYS} for r in runs.epoch_history(run_dir)]
 
 
-def test_a_driver_killed_at_any_moment_loses_no_epoch_of_the_history(tiny_data, tmp_path):
+def test_a_driver_killed_at_any_moment_loses_no_epoch_of_the_history(tiny_data, tmp_path, capsys, imgtrain_cli):
     reference = imgtrain.train(TrainConfig(data=str(tiny_data), storage=str(tmp_path / "ref"), name="ref",
                                            **SETTINGS), display=TrainingDisplay(quiet=True))
     storage = tmp_path / "runs"
     run_dir = storage / "matrix"
     args = cli_args(tiny_data, storage)
-    for fault, moment in KILLS:
-        proc = run_cli(args, fault)
+    for n, (fault, moment) in enumerate(KILLS):
+        proc = imgtrain_cli(args, fault)
         assert proc.returncode == -signal.SIGKILL, (fault, proc.returncode, proc.stderr[-2000:])
+        if n:  # the same command after a killed driver resumes the run
+            assert "resuming run 'matrix'" in proc.stdout, (fault, proc.stdout)
         assert (run_dir / ".faults" / f"{fault.split(':')[0]}-0-{fault.split(':')[2]}-1").is_file()
         assert runs.read_status(run_dir)["status"] == "interrupted", moment  # not "running" forever
         assert_history_matches_checkpoints(run_dir, lost_last=fault.startswith("kill-saved:0:") and fault.endswith(("8", "24")))
     lost_epoch_2 = epoch_records(run_dir)
     assert [r["epoch"] for r in lost_epoch_2] == [0, 1]  # epoch 2's record died with the driver
 
-    final = run_cli(args)
+    final = imgtrain_cli(args)
     assert final.returncode == 0, final.stderr
     assert "already complete" in final.stdout  # the last checkpoint was stored before the kill...
     records = epoch_records(run_dir)
@@ -112,6 +179,5 @@ def test_a_driver_killed_at_any_moment_loses_no_epoch_of_the_history(tiny_data, 
     assert history(run_dir) == history(reference.path)  # the same numbers as an uninterrupted run
     assert runs.read_status(run_dir)["status"] == "finished"
     assert not list(run_dir.glob(".checkpoint_*.tmp"))  # the half-copied checkpoint was cleaned up
-    shown = subprocess.run([sys.executable, "-m", "imgtrain.cli", "runs", "show", "matrix", "--storage",
-                            str(storage), "--json"], capture_output=True, text=True, timeout=60)
-    assert [m["epoch"] for m in __import__("json").loads(shown.stdout)["metrics"]] == [0, 1, 2]
+    shown = cli_here(capsys, "runs", "show", "matrix", "--storage", str(storage), "--json")
+    assert [m["epoch"] for m in json.loads(shown.stdout)["metrics"]] == [0, 1, 2]

@@ -1,56 +1,71 @@
 """What a user sees and what the trackers receive, read back from one real two-worker run.
 
-The run takes its settings from a TOML file plus a flag that overrides it, draws its progress
-bar on a pseudo-terminal, and logs to a real MLflow sqlite store and to TensorBoard files.
+The run takes its settings from a TOML file plus a flag that overrides it, draws on a 140x30
+pseudo-terminal read by a terminal emulator (the screen during start-up and after the last
+line, and every live bar it drew), and logs to a real MLflow sqlite store and to TensorBoard
+files.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pty
 import re
-import subprocess
 import sys
-import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 from imgtrain import runs
 from imgtrain.training.tracking import MLFLOW_RUN_FILE, TENSORBOARD_DIR
-from tests.conftest import run_cli
+from tests.conftest import cli_here, wait_for
+from tests.terminal import Terminal
 
 pytestmark = pytest.mark.integration
 
+PHASE_LINE = re.compile(r"^\S starting 2 workers  (\d+) s  \(start-up \d+:\d\d\)$", re.M)
+RAY_NOISE = ("INFO", "WARNING", "Warning", "(raylet)", "Traceback", "ray.", "Token authentication")
 
-def run_in_terminal(args: list[str], cwd, timeout: float = 240) -> str:
-    """Run a command with a pseudo-terminal as stdout and stderr; return what it drew."""
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, cwd=cwd,
-                            env={**os.environ, "COLUMNS": "220", "TERM": "xterm"})
-    os.close(follower)
-    chunks, deadline = [], time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
+
+class RecordingTerminal(Terminal):
+    """A Terminal that also keeps every byte the command wrote: the live bars the screen overwrites."""
+
+    def __init__(self, *args, **kwargs):
+        self.written = bytearray()
+        super().__init__(*args, **kwargs)
+
+    def _read(self) -> None:
+        while True:
             try:
-                data = os.read(leader, 65536)
-            except OSError:  # EIO: the command closed the terminal (it exited)
-                break
+                data = os.read(self.leader, 65536)
+            except OSError:  # EIO: every process holding the terminal has closed it
+                return
             if not data:
-                break
-            chunks.append(data)
-        assert proc.wait(timeout=max(1, deadline - time.monotonic())) == 0, b"".join(chunks).decode(errors="replace")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(leader)
-    text = b"".join(chunks).decode(errors="replace")
-    return re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", text).replace("\r", "\n")
+                return
+            with self.lock:
+                self.written += data
+                self.stream.feed(data)
+
+    def drawn(self) -> str:
+        """Everything written, one line per redraw, escape sequences left out."""
+        with self.lock:
+            text = self.written.decode(errors="replace")
+        return re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", text).replace("\r", "\n")
+
+
+@dataclass
+class Observed:
+    root: Path
+    run_dir: Path
+    during: str  # the screen a second into starting the workers
+    after: str  # the screen once the command has exited
+    drawn: str  # all it drew
 
 
 @pytest.fixture(scope="module")
-def observed(ray_cluster, tiny_data, tmp_path_factory):
+def observed(ray_cluster, tiny_data, tmp_path_factory) -> Observed:
     root = tmp_path_factory.mktemp("observed")
     config = root / "run.toml"
     config.write_text(f"""
@@ -66,23 +81,59 @@ tensorboard = true
 mlflow = "sqlite:///{root / 'mlflow.db'}"
 mlflow_experiment = "imgtrain-tests"
 """)
-    drawn = run_in_terminal([sys.executable, "-m", "imgtrain.cli", "train", "--config", str(config), "--epochs", "2",
-                             "--address", ray_cluster], cwd=root)
-    return root, root / "runs" / "obs", drawn
+    args = [sys.executable, "-m", "imgtrain.cli", "train", "--config", str(config), "--epochs", "2",
+            "--address", ray_cluster]
+    with RecordingTerminal(args, cwd=root, columns=140, lines=30) as term:
+        screens = []
+
+        def a_second_into_starting_workers():  # all that start-up drew before the phase is on screen
+            screens.append(term.text())
+            assert term.proc.poll() is None, f"exited ({term.proc.returncode}) before starting workers:\n{screens[-1]}"
+            found = PHASE_LINE.search(screens[-1])
+            return found and int(found[1]) >= 1
+
+        wait_for(a_second_into_starting_workers, 180, "the 'starting 2 workers' line")
+        assert term.wait(timeout=240) == 0, term.text()
+        return Observed(root, root / "runs" / "obs", screens[-1], term.text(), term.drawn())
 
 
-def test_the_file_and_the_flag_resolve_into_the_saved_config(observed):
-    root, run_dir, _ = observed
-    saved = runs.read_config(run_dir)
+def test_the_screen_from_the_first_second_to_the_last_line(observed):
+    during, after, run_dir = observed.during, observed.after, observed.run_dir
+    # Start-up: where the run is, then one line saying what imgtrain waits for and for how long;
+    # nothing else (no Ray noise, no bar yet). A line longer than the screen wraps onto the next.
+    *above, phase = during.splitlines()
+    assert "".join(above) == f"run obs: {run_dir}  (logs: {run_dir / 'logs'})", during
+    assert PHASE_LINE.fullmatch(phase), during
+    assert not any(noise in during + after for noise in RAY_NOISE), after
+
+    # The end: the bar shows the last epoch's figures, those of its line and of metrics.jsonl,
+    # and the start-up line is gone.
+    last = runs.epoch_history(run_dir)[-1]
+    val_acc = f"val_acc {last['val_accuracy']:.2%}"
+    lines = after.splitlines()
+    epoch_line = next(line for line in lines if line.startswith("epoch   2/2"))
+    [bar] = [line for line in lines if line.startswith("train ")]
+    finished = next(line for line in lines if line.startswith("finished obs:"))
+    assert lines.index(epoch_line) < lines.index(bar) < lines.index(finished), after
+    assert val_acc in epoch_line and f"train_loss {last['train_loss']:.4f}" in epoch_line
+    assert "16/16 steps" in bar and "eta" not in bar, after
+    assert bar.endswith(f"epoch 2/2  loss {last['train_loss']:.4f}  acc {last['train_accuracy']:.1%}  {val_acc}  "
+                        f"{last['images_per_s']:.0f} img/s  data wait {last['data_wait_fraction']:.0%}"), after
+    assert finished == f"finished obs: test accuracy {last['val_accuracy']:.2%}", after
+    assert " s  (start-up " not in after, after
+
+
+def test_the_file_and_the_flag_resolve_into_the_saved_config(observed, capsys):
+    saved = runs.read_config(observed.run_dir)
     assert saved["epochs"] == 2 and saved["batch_size"] == 32 and saved["log_every_steps"] == 2
     assert saved["tensorboard"] is True and saved["mlflow"].endswith("mlflow.db")
     assert saved["lr"] == 3e-3  # untouched fields keep their defaults
-    shown = run_cli("config", "show", "--run", "obs", "--storage", str(root / "runs"))
+    shown = cli_here(capsys, "config", "show", "--run", "obs", "--storage", str(observed.run_dir.parent))
     assert re.search(r"^epochs\s+2\s+Passes over the training split\.$", shown.stdout, re.M), shown.stdout
 
 
 def test_the_terminal_shows_live_step_progress_with_data_wait_and_eta(observed):
-    _, _, drawn = observed
+    drawn = observed.drawn
     bars = [line for line in drawn.splitlines() if line.startswith("train ") and "steps" in line]
     live = [line for line in bars if re.search(r"\d+/16 steps .*loss [\d.]+  acc [\d.]+%  .*\d+ img/s  "
                                                r"data wait \d+%  eta \d+:\d\d", line)]
@@ -91,8 +142,8 @@ def test_the_terminal_shows_live_step_progress_with_data_wait_and_eta(observed):
     assert "epoch   1/2" in drawn and "epoch   2/2" in drawn and "finished obs" in drawn
 
 
-def test_every_rank_records_its_step_and_data_wait_times(observed):
-    _, run_dir, _ = observed
+def test_every_rank_records_its_step_and_data_wait_times(observed, capsys):
+    run_dir = observed.run_dir
     records = runs.read_metrics(run_dir)
     steps = [r for r in records if r["kind"] == "step"]
     assert [r["step"] for r in steps] == list(range(2, 17, 2))
@@ -110,14 +161,14 @@ def test_every_rank_records_its_step_and_data_wait_times(observed):
         assert len(epoch["rank_step_time_s"]) == len(epoch["rank_data_wait_s"]) == 2
         assert all(t > w >= 0 for t, w in zip(epoch["rank_step_time_s"], epoch["rank_data_wait_s"]))
         assert 0 <= epoch["data_wait_fraction"] < 1
-    shown = run_cli("runs", "show", "obs", "--storage", str(run_dir.parent))
+    shown = cli_here(capsys, "runs", "show", "obs", "--storage", str(run_dir.parent))
     assert "data wait" in shown.stdout
 
 
 def test_mlflow_holds_the_params_every_metric_and_the_final_model(observed):
     from mlflow.tracking import MlflowClient
 
-    root, run_dir, _ = observed
+    root, run_dir = observed.root, observed.run_dir
     saved = json.loads((run_dir / MLFLOW_RUN_FILE).read_text())
     client = MlflowClient(saved["tracking_uri"])
     run = client.get_run(saved["run_id"])
@@ -145,7 +196,7 @@ def test_mlflow_holds_the_params_every_metric_and_the_final_model(observed):
 def test_tensorboard_event_files_hold_the_same_numbers(observed):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    _, run_dir, _ = observed
+    run_dir = observed.run_dir
     events = EventAccumulator(str(run_dir / TENSORBOARD_DIR))
     events.Reload()
     records = runs.read_metrics(run_dir)

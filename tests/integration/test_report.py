@@ -1,9 +1,11 @@
-"""The run report for real: a trained run, the real ``imgtrain report`` command, and the page
-rendered by headless Chromium (screenshot and DOM)."""
+"""The run report for real: a copy of the session's finished local run (the report is written
+into the run), the real ``imgtrain report`` command, and the page rendered by headless Chromium
+(screenshot and DOM)."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import re
@@ -21,7 +23,7 @@ from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.inference import report
 from tests.browser import chromium
-from tests.conftest import quiet_display, run_cli
+from tests.conftest import cli_here, copy_run, quiet_display
 from tests.conftest import tiny_config as shared_tiny_config
 
 pytestmark = pytest.mark.integration
@@ -41,18 +43,31 @@ def tiny_config(data, storage, name, **overrides):
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_data, tmp_path_factory):
-    storage = tmp_path_factory.mktemp("report-runs")
-    result = imgtrain.train(tiny_config(tiny_data, storage, "rep"), display=QUIET)
+def trained(local_run, tmp_path_factory):
+    """(storage, result) of a copy of ``local_run``: 2 epochs on the local backend."""
+    storage = copy_run(local_run, tmp_path_factory.mktemp("report-runs"))
+    result = runs.load_run(str(storage), local_run.name)
     assert result.status == "finished" and len(result.history) == 2
     return storage, result
+
+
+def cli_in_fixture(*args: str) -> subprocess.CompletedProcess:
+    """``cli_here`` for a module fixture, which has no capsys: the output caught by redirection."""
+    out, err = io.StringIO(), io.StringIO()
+
+    class Caught:  # what cli_here reads the output back from
+        def readouterr(self):
+            return out.getvalue(), err.getvalue()
+
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        return cli_here(Caught(), *args)
 
 
 @pytest.fixture(scope="module")
 def page(trained) -> Path:
     """The page written by the real CLI."""
     storage, result = trained
-    proc = run_cli("report", "rep", "--storage", str(storage))
+    proc = cli_in_fixture("report", result.name, "--storage", str(storage))
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("report: "), proc.stdout
@@ -145,7 +160,7 @@ def test_page_is_self_contained_and_complete(trained, page):
     assert doc.rows["per-class-table"] == 10
     assert doc.rows["checkpoints-table"] == len(ckpt.listing(result.path))
     assert doc.rows["config-table"] == len(result.config)
-    assert "<h1>imgtrain report: rep</h1>" in text
+    assert f"<h1>imgtrain report: {result.name}</h1>" in text
     assert result.best_checkpoint.name in text
 
 
@@ -208,16 +223,16 @@ def one_line_error(proc) -> str:
     return err
 
 
-def test_unknown_run_is_one_line_naming_it(trained):
-    storage, _ = trained
-    err = one_line_error(run_cli("report", "nope", "--storage", str(storage)))
-    assert "no run named 'nope'" in err and "rep" in err  # and the runs that do exist
+def test_unknown_run_is_one_line_naming_it(trained, capsys):
+    storage, result = trained
+    err = one_line_error(cli_here(capsys, "report", "nope", "--storage", str(storage)))
+    assert "no run named 'nope'" in err and f"runs there: {result.name}" in err  # and the runs that do exist
 
 
-def test_run_without_checkpoint_says_train_it_first(tmp_path):
+def test_run_without_checkpoint_says_train_it_first(tmp_path, capsys):
     run_dir = tmp_path / "runs" / "empty"
     run_dir.mkdir(parents=True)
     runs.write_config(run_dir, tiny_config("data", tmp_path / "runs", "empty").to_dict())
-    err = one_line_error(run_cli("report", str(run_dir)))
+    err = one_line_error(cli_here(capsys, "report", str(run_dir)))
     assert "'empty'" in err and "train it first" in err
     assert not (run_dir / "report").exists()

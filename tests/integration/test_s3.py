@@ -1,10 +1,12 @@
 """Runs in an object store: ``--storage s3://...`` and ``--data s3://...`` against a real S3
-server (moto, started by the test session), with the real CLI in its own processes. Each
-process gets its own working-copy cache, as another machine would: whatever it finds, it found
-in the bucket."""
+server (moto, started by the test session), with the real CLI. Each "machine" (a CLI process,
+or the CLI in this process with its environment) has its own working-copy cache: whatever it
+finds, it found in the bucket. The session's Ray cluster was started with the way to the bucket
+in its environment, as a cluster's nodes have their credentials."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,7 +20,7 @@ import pytest
 
 from imgtrain.data.format import read_split
 from imgtrain.inference.predictor import Predictor
-from tests.conftest import wait_for
+from tests.conftest import assert_one_line_error, cli_here, wait_for
 from tests.integration.test_serve import png_bytes, request, serving
 
 pytestmark = pytest.mark.integration
@@ -106,14 +108,23 @@ def cli(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProc
                           stdin=subprocess.DEVNULL, timeout=timeout, env=env)
 
 
+@contextlib.contextmanager
+def on_machine(env: dict):
+    """This process as another machine for the block: its environment is ``env`` (a cache of its own)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        yield
+
+
 @pytest.fixture(scope="module")
-def s3_run(s3_server, tiny_data, tmp_path_factory):
+def s3_run(s3_server, ray_cluster, tiny_data, tmp_path_factory):
     """The tiny data set uploaded as prepared, and a 2-worker run ``srv`` trained from it into the
-    bucket by a driver with its own private Ray cluster."""
+    bucket by the real CLI, on the session's cluster."""
     pafs.copy_files(str(tiny_data), DATA.removeprefix("s3://"), source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=bucket(s3_server))
     env = machine(s3_server, tmp_path_factory.mktemp("trainer"), "trainer")
-    done = cli(env, "train", "--data", DATA, "--storage", RUNS, "--name", "srv", *TRAIN)
+    done = cli(env, "train", "--data", DATA, "--storage", RUNS, "--name", "srv", *TRAIN, "--address", ray_cluster)
     assert done.returncode == 0, done.stderr
     assert "run directory: s3://imgtrain/runs/srv" in done.stdout
     return s3_server
@@ -130,34 +141,34 @@ def test_the_run_lives_in_the_bucket(s3_run):
     assert status["status"] == "finished"
 
 
-def test_runs_list_show_evaluate_predict_and_report_on_another_machine(s3_run, tmp_path):
-    env = machine(s3_run, tmp_path, "reader")
-    listed = cli(env, "runs", "list", "--storage", RUNS, "--json")
-    assert listed.returncode == 0, listed.stderr
-    [run] = [r for r in json.loads(listed.stdout) if r["name"] == "srv"]
-    assert run["location"] == f"{RUNS}/srv" and run["status"] == "finished" and run["epochs_completed"] == 2
+def test_runs_list_show_evaluate_predict_and_report_on_another_machine(s3_run, tmp_path, capsys):
+    with on_machine(machine(s3_run, tmp_path, "reader")):
+        listed = cli_here(capsys, "runs", "list", "--storage", RUNS, "--json")
+        assert listed.returncode == 0, listed.stderr
+        [run] = [r for r in json.loads(listed.stdout) if r["name"] == "srv"]
+        assert run["location"] == f"{RUNS}/srv" and run["status"] == "finished" and run["epochs_completed"] == 2
 
-    shown = cli(env, "runs", "show", "srv", "--storage", RUNS, "--json")
-    assert shown.returncode == 0, shown.stderr
-    best = json.loads(shown.stdout)["best_val_accuracy"]
+        shown = cli_here(capsys, "runs", "show", "srv", "--storage", RUNS, "--json")
+        assert shown.returncode == 0, shown.stderr
+        best = json.loads(shown.stdout)["best_val_accuracy"]
 
-    evaluated = cli(env, "evaluate", "srv", "--storage", RUNS, "--backend", "local", "--json")
-    assert evaluated.returncode == 0, evaluated.stderr
-    result = json.loads(evaluated.stdout)
-    assert result["num_samples"] == 100
-    assert result["accuracy"] == pytest.approx(best, abs=1e-9)  # the weights training validated
+        evaluated = cli_here(capsys, "evaluate", "srv", "--storage", RUNS, "--backend", "local", "--json")
+        assert evaluated.returncode == 0, evaluated.stderr
+        result = json.loads(evaluated.stdout)
+        assert result["num_samples"] == 100
+        assert result["accuracy"] == pytest.approx(best, abs=1e-9)  # the weights training validated
 
-    out = tmp_path / "preds.parquet"
-    predicted = cli(env, "predict", "srv", DATA, "--storage", RUNS, "--backend", "local", "--out", str(out))
-    assert predicted.returncode == 0, predicted.stderr
-    import pandas as pd
+        out = tmp_path / "preds.parquet"
+        predicted = cli_here(capsys, "predict", "srv", DATA, "--storage", RUNS, "--backend", "local", "--out", str(out))
+        assert predicted.returncode == 0, predicted.stderr
+        import pandas as pd
 
-    preds = pd.read_parquet(out)
-    assert len(preds) == 100
-    assert (preds["pred_index"] == preds["label"]).mean() == pytest.approx(best, abs=1e-9)
+        preds = pd.read_parquet(out)
+        assert len(preds) == 100
+        assert (preds["pred_index"] == preds["label"]).mean() == pytest.approx(best, abs=1e-9)
 
-    reported = cli(env, "report", "srv", "--storage", RUNS)
-    assert reported.returncode == 0, reported.stderr
+        reported = cli_here(capsys, "report", "srv", "--storage", RUNS)
+        assert reported.returncode == 0, reported.stderr
     assert "report/report.html" in objects(s3_run, "runs/srv")  # in the bucket, not only on this machine
 
 
@@ -173,7 +184,8 @@ def test_serve_a_run_from_the_bucket(s3_run, tiny_data, tmp_path, monkeypatch):
     assert [a["index"] for _, a in answers] == expected.tolist()
 
 
-def test_a_driver_killed_mid_run_resumes_from_the_bucket_on_another_machine(s3_server, tiny_data, tmp_path):
+def test_a_driver_killed_mid_run_resumes_from_the_bucket_on_another_machine(s3_server, ray_cluster, tiny_data,
+                                                                             tmp_path, capsys):
     args = ["train", "--data", str(tiny_data), "--storage", RUNS, "--name", "killed", *TRAIN, "--epochs", "3"]
     first = subprocess.Popen([sys.executable, "-m", "imgtrain.cli", *args], stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True, env=machine(s3_server, tmp_path, "first"),
@@ -196,44 +208,44 @@ def test_a_driver_killed_mid_run_resumes_from_the_bucket_on_another_machine(s3_s
     write_object(s3_server, "runs/killed/heartbeat.json", {"host": "another-machine", "pid": status["pid"],
                                                             "time": time.time()})
     env = machine(s3_server, tmp_path, "second")
-    refused = cli(env, *args)
-    assert refused.returncode == 2 and "another-machine (its heartbeat" in refused.stderr, refused.stderr
-    time.sleep(1.1)  # the bucket's times are whole seconds: the new heartbeat is seen as changed
-    write_object(s3_server, "runs/killed/heartbeat.json", {"host": "another-machine", "pid": status["pid"],
-                                                            "time": time.time() - 120})
-    again = cli(env, *args)
-    assert again.returncode == 0, again.stderr
-    assert "resuming run 'killed' at epoch" in again.stdout
-    copy = Path(env["IMGTRAIN_CACHE"]) / "stores" / "s3" / BUCKET / "runs" / "killed"
-    last = copy / "checkpoint_epoch_0002"  # the run's end brings down its checkpoints' records only
-    assert (last / "meta.json").is_file() and not (last / "model.pt").exists()
-    shown = json.loads(cli(env, "runs", "show", "killed", "--storage", RUNS, "--json").stdout)
+    with on_machine(env):  # the second machine joins the session's cluster
+        refused = cli_here(capsys, *args, "--address", ray_cluster)
+        assert_one_line_error(refused, "another-machine (its heartbeat")
+        time.sleep(1.1)  # the bucket's times are whole seconds: the new heartbeat is seen as changed
+        write_object(s3_server, "runs/killed/heartbeat.json", {"host": "another-machine", "pid": status["pid"],
+                                                                "time": time.time() - 120})
+        again = cli_here(capsys, *args, "--address", ray_cluster)
+        assert again.returncode == 0, again.stderr
+        assert "resuming run 'killed' at epoch" in again.stdout
+        copy = Path(env["IMGTRAIN_CACHE"]) / "stores" / "s3" / BUCKET / "runs" / "killed"
+        last = copy / "checkpoint_epoch_0002"  # the run's end brings down its checkpoints' records only
+        assert (last / "meta.json").is_file() and not (last / "model.pt").exists()
+        shown = json.loads(cli_here(capsys, "runs", "show", "killed", "--storage", RUNS, "--json").stdout)
     assert shown["status"] == "finished"
     assert [m["epoch"] for m in shown["metrics"]] == [0, 1, 2]  # each epoch once, none lost
 
 
-def test_clean_deletes_the_run_from_the_bucket(s3_run, tmp_path):
-    env = machine(s3_run, tmp_path, "cleaner")
+def test_clean_deletes_the_run_from_the_bucket(s3_run, tmp_path, capsys):
     assert objects(s3_run, "runs/srv")
-    done = cli(env, "clean", "runs", "srv", "--storage", RUNS, "--yes")
-    assert done.returncode == 0, done.stderr
-    assert objects(s3_run, "runs/srv") == {}
-    listed = json.loads(cli(env, "runs", "list", "--storage", RUNS, "--json").stdout)
+    with on_machine(machine(s3_run, tmp_path, "cleaner")):
+        done = cli_here(capsys, "clean", "runs", "srv", "--storage", RUNS, "--yes")
+        assert done.returncode == 0, done.stderr
+        assert objects(s3_run, "runs/srv") == {}
+        listed = json.loads(cli_here(capsys, "runs", "list", "--storage", RUNS, "--json").stdout)
     assert "srv" not in [r["name"] for r in listed]
 
 
-def test_a_bucket_that_does_not_exist_fails_in_seconds_with_one_line(s3_server, tiny_data, tmp_path):
-    env = machine(s3_server, tmp_path, "bad")
-    started = time.monotonic()
-    done = cli(env, "train", "--data", str(tiny_data), "--storage", "s3://no-such-bucket/runs", "--name", "x",
-               *TRAIN, timeout=120)
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert "no-such-bucket" in done.stderr and "IMGTRAIN_S3_ENDPOINT" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert time.monotonic() - started < 60
+def test_a_bucket_that_does_not_exist_fails_in_seconds_with_one_line(s3_server, tiny_data, tmp_path, capsys):
+    with on_machine(machine(s3_server, tmp_path, "bad")):
+        started = time.monotonic()
+        done = cli_here(capsys, "train", "--data", str(tiny_data), "--storage", "s3://no-such-bucket/runs",
+                        "--name", "x", *TRAIN)
+        assert_one_line_error(done, "no-such-bucket", "IMGTRAIN_S3_ENDPOINT")
+        assert time.monotonic() - started < 60
 
-    refused = cli(env, "train", "--data", str(tiny_data), "--storage", RUNS, "--name", "x", "--overwrite", *TRAIN)
-    assert refused.returncode == 2 and "imgtrain clean runs x" in refused.stderr, refused.stderr
+        refused = cli_here(capsys, "train", "--data", str(tiny_data), "--storage", RUNS, "--name", "x",
+                           "--overwrite", *TRAIN)
+    assert_one_line_error(refused, "imgtrain clean runs x")
 
 
 def doctor_against_a_cluster(env: dict, cluster_env: dict) -> subprocess.CompletedProcess:
@@ -249,13 +261,13 @@ def doctor_against_a_cluster(env: dict, cluster_env: dict) -> subprocess.Complet
         helper.wait(timeout=60)
 
 
-def test_doctor_checks_the_bucket_from_every_node(s3_server, tmp_path):
+def test_doctor_checks_the_bucket_from_every_node(s3_server, ray_cluster, tmp_path):
     env = machine(s3_server, tmp_path, "doctor")
-    ready = doctor_against_a_cluster(env, env)
+    ready = cli(env, "doctor", "--storage", RUNS, "--address", ray_cluster, timeout=180)  # the session's node
     assert ready.returncode == 0, ready.stdout + ready.stderr
-    assert "every node (3) writes, reads and deletes in s3://imgtrain/runs" in ready.stdout
+    assert "every node (1) writes, reads and deletes in s3://imgtrain/runs" in ready.stdout
 
-    # nodes started without the way to the bucket: this machine reaches it, they do not
+    # 3 nodes started without the way to the bucket: this machine reaches it, they do not
     blind = doctor_against_a_cluster(env, {**env, "IMGTRAIN_S3_ENDPOINT": "http://127.0.0.1:1"})
     assert blind.returncode == 1, blind.stdout + blind.stderr
     assert "not every node can use s3://imgtrain/runs" in blind.stdout

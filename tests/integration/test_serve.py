@@ -1,14 +1,20 @@
-"""``imgtrain serve`` for real: the CLI in its own process, with its own Ray cluster, over HTTP."""
+"""``imgtrain serve`` for real: the CLI in its own process, with its own Ray cluster, over HTTP.
+
+One server, started once, takes every request test; a second joins the session's cluster (the
+proxy ingress). Refusals before Ray starts run the CLI in this process."""
 
 import base64
 import contextlib
+import http.client
 import io
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,14 +24,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import imgtrain
-from imgtrain.config import TrainConfig
 from imgtrain.data.format import read_split
 from imgtrain.inference.inputs import conform
 from imgtrain.inference.predictor import Predictor
-from imgtrain.training.progress import TrainingDisplay
+from imgtrain.inference.serve import Limits
 from tests.browser import BrowserPage
-from tests.conftest import assert_one_line_error, run_cli
+from tests.conftest import assert_one_line_error, cli_here, copy_run, run_cli, wait_for
 
 # Training a model, then starting Ray, Serve and a replica on 2 busy cores: minutes, not seconds.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -44,13 +48,15 @@ NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_data, tmp_path_factory):
-    """A one-epoch run on the local backend (no Ray needed to train it)."""
-    storage = tmp_path_factory.mktemp("runs")
-    cfg = TrainConfig(data=str(tiny_data), storage=str(storage), name="srv", backend="local", epochs=1,
-                      batch_size=32, eval_batch_size=50, workers=1)
-    result = imgtrain.train(cfg, display=TrainingDisplay(quiet=True))
-    return storage, result.best_checkpoint
+def trained(local_run, tmp_path_factory):
+    """(storage, best checkpoint) of a copy of the session's local run: a server writes its logs
+    into the run it serves."""
+    storage = copy_run(local_run, tmp_path_factory.mktemp("runs"))
+    return storage, storage / local_run.name / local_run.best_checkpoint.name
+
+
+def run_name(trained) -> str:
+    return trained[1].parent.name
 
 
 def free_port() -> int:
@@ -72,13 +78,13 @@ def request(port: int, path: str, body=None, content_type=None, timeout=30, meth
 
 
 @contextlib.contextmanager
-def serving(storage: Path, out_dir: Path, *options: str):
-    """The real ``imgtrain serve`` in a subprocess; yields once /healthz answers, kills it at the end."""
+def serving(storage: Path, out_dir: Path, *options: str, run: str = "srv"):
+    """The real ``imgtrain serve`` of ``run`` in a subprocess; yields once /healthz answers, kills it at the end."""
     port = free_port()
     stdout, stderr = out_dir / "stdout.txt", out_dir / "stderr.txt"
     with open(stdout, "w") as out, open(stderr, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "imgtrain.cli", "serve", "srv", "--storage", str(storage), "--port", str(port),
+            [sys.executable, "-m", "imgtrain.cli", "serve", run, "--storage", str(storage), "--port", str(port),
              *options], stdout=out, stderr=err, env={**os.environ, "COLUMNS": "300"},
         )
     try:
@@ -106,7 +112,8 @@ def server(trained, tmp_path_factory):
     """The server most tests share: the default ingress (direct), small limits."""
     with serving(trained[0], tmp_path_factory.mktemp("serve-out"), "--max-request-bytes", str(MAX_BYTES),
                  "--max-batch-images", str(MAX_BATCH), "--max-batch-size", str(FORWARD_BATCH),
-                 "--batch-wait-ms", str(BATCH_WAIT_MS), "--max-queued-requests", str(MAX_QUEUED)) as running:
+                 "--batch-wait-ms", str(BATCH_WAIT_MS), "--max-queued-requests", str(MAX_QUEUED),
+                 run=run_name(trained)) as running:
         yield running
 
 
@@ -139,7 +146,7 @@ def test_healthz(server, trained):
     assert status == 200
     assert body["status"] == "ok"
     # Its name, not where it lies on the server's disk: anyone who can connect may ask.
-    assert body["checkpoint"] == f"srv/{trained[1].name}"
+    assert body["checkpoint"] == f"{run_name(trained)}/{trained[1].name}"
     assert body["classes"] == [str(i) for i in range(10)]
     assert f"serving {trained[1]} at http://127.0.0.1:{port}" in stdout.read_text()
 
@@ -354,7 +361,8 @@ def test_the_page_draws_a_digit_and_shows_the_servers_answer(server, digit, tmp_
     assert "http://" not in html and "https://" not in html  # no script, style or font from elsewhere
     page = BrowserPage(f"http://127.0.0.1:{port}/", tmp_path / "profile")
     try:
-        page.wait_for("document.body.dataset.ready === '1'")
+        # no body yet while the tab is still loading the page: the expression then must not throw
+        page.wait_for("document.body !== null && document.body.dataset.ready === '1'")
         assert "10 classes" in page.js("document.getElementById('about').textContent")
         box = page.js("(() => { const r = document.getElementById('pad').getBoundingClientRect();"
                       " return [r.left, r.top]; })()")
@@ -387,6 +395,102 @@ def test_the_page_draws_a_digit_and_shows_the_servers_answer(server, digit, tmp_
     image = Image.open(shot)
     colours = np.unique(np.asarray(image.convert("RGB")).reshape(-1, 3), axis=0)
     assert image.size[0] >= 800 and len(colours) > 50  # a real rendered page, not a blank one
+
+
+# A slowloris: clients that send their headers, then trickle the body a byte at a time, must
+# neither take the places of requests waiting for the model nor hold their connection past the
+# body deadline.
+SLOW_CLIENTS = 32  # more than the replica's places for /predict (MAX_QUEUED + FORWARD_BATCH = 24),
+# fewer than Serve's ongoing requests per replica (2 x 24) less the normal request sent beside them
+TRICKLE_S = 0.5  # a byte this often: an idle (per-read) timeout of more than this would never fire
+BODY_TIMEOUT_S = Limits().body_timeout_s  # the shared server's: the default
+SLACK_S = 5.0  # 2 busy cores: how late past the deadline a 408 may still come
+NORMAL_WINDOW_S = 2.0  # normal requests are sent for this long, well inside the slow clients' deadline
+PROMPT_S = 3.0  # a normal request alone takes milliseconds; this allows for 2 busy cores
+
+
+class SlowClient(threading.Thread):
+    """POSTs /predict from a raw socket: the headers with a Content-Length, then the body one byte
+    per TRICKLE_S until the server answers (or BODY_TIMEOUT_S + SLACK_S pass)."""
+
+    def __init__(self, port: int, body: bytes):
+        super().__init__(daemon=True)
+        self.port, self.body = port, body
+        self.sending = threading.Event()  # set once the headers and a first byte are out
+        self.status = self.answer = self.connection = self.closed = self.error = None
+        self.answered_at = self.seconds = None
+
+    def run(self) -> None:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=10) as s:
+                self._trickle(s)
+                if self.status is not None:  # 408 means the server is done with this connection
+                    s.settimeout(SLACK_S)
+                    try:
+                        self.closed = s.recv(1) == b""
+                    except ConnectionResetError:  # closed with a byte of ours unread (sent as the 408 came)
+                        self.closed = True
+        except Exception as e:  # reported by the test, not lost in a thread
+            self.error = repr(e)
+        finally:
+            self.sending.set()
+
+    def _trickle(self, s: socket.socket) -> None:
+        # x-request-timeout-seconds 0 turns Ray Serve's own request timeout off: a client can, so
+        # the server must not count on it.
+        s.sendall(b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: image/png\r\n"
+                  b"x-request-timeout-seconds: 0\r\nContent-Length: %d\r\n\r\n" % len(self.body))
+        started = time.monotonic()
+        for byte in self.body:  # hundreds of bytes: minutes at this rate, never done before the deadline
+            s.sendall(bytes([byte]))
+            self.sending.set()
+            answered = select.select([s], [], [], TRICKLE_S)[0]  # the wait between bytes ends on an answer
+            if answered or time.monotonic() > started + BODY_TIMEOUT_S + SLACK_S:
+                break
+        if not answered:
+            return
+        self.answered_at, self.seconds = time.monotonic(), time.monotonic() - started
+        r = http.client.HTTPResponse(s, method="POST")
+        r.begin()
+        self.status, self.connection = r.status, r.getheader("Connection")
+        body = r.read()
+        self.answer = json.loads(body) if r.getheader("Content-Type", "").startswith("application/json") \
+            else body.decode(errors="replace")
+
+
+def test_clients_trickling_their_bodies_neither_starve_others_nor_hold_on(server, digit):
+    _, port, _, _ = server
+    png = png_bytes(digit[0])
+    slow = [SlowClient(port, png) for _ in range(SLOW_CLIENTS)]
+    for client in slow:
+        client.start()
+    for client in slow:
+        assert client.sending.wait(30) and client.error is None, client.error
+    window_start = time.monotonic()
+    normal = []  # (status, seconds, error) of requests sent one after another while the slow ones trickle
+    while time.monotonic() < window_start + NORMAL_WINDOW_S or len(normal) < 3:
+        sent = time.monotonic()
+        status, answer = request(port, "/predict", png, "image/png", timeout=PROMPT_S + 10)
+        normal.append((status, round(time.monotonic() - sent, 3), answer.get("error")))
+        if status != 200:  # the first refusal says enough
+            break
+    window_end = time.monotonic()
+    for client in slow:
+        client.join(BODY_TIMEOUT_S + 2 * SLACK_S + 10)
+    after = request(port, "/predict", png, "image/png", timeout=PROMPT_S + 10)
+    outcome = [(c.status, c.seconds and round(c.seconds, 2), c.answer, c.connection, c.closed, c.error)
+               for c in slow]
+    statuses = sorted({status for status, _, _ in normal})
+    print(f"{len(normal)} normal requests in {window_end - window_start:.1f} s: statuses {statuses}, slowest "
+          f"{max(s for _, s, _ in normal)} s\nslow clients: {outcome}\nafterwards: {after[0]}")
+    assert all(status == 200 and seconds < PROMPT_S for status, seconds, _ in normal), normal
+    assert all(c.answered_at is not None and c.answered_at > window_end for c in slow), outcome  # still trickling
+    for c in slow:
+        assert c.error is None and c.status == 408, outcome
+        assert isinstance(c.answer, dict) and "did not arrive whole within" in c.answer["error"], outcome
+        assert BODY_TIMEOUT_S - 0.5 < c.seconds < BODY_TIMEOUT_S + SLACK_S, outcome
+        assert c.connection == "close" and c.closed, outcome
+    assert after[0] == 200, after
 
 
 def ray_processes(session_dir: Path) -> list[int]:
@@ -425,32 +529,43 @@ def test_unknown_run_fails_fast_in_one_line(tmp_path):
     assert time.monotonic() - started < 60  # no Ray started; imports only
 
 
-def test_port_in_use_is_one_clear_error(trained):
+def test_port_in_use_is_one_clear_error(trained, capsys):
     storage, _ = trained
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = run_cli("serve", "srv", "--storage", str(storage), "--port", str(port), timeout=120)
+        proc = cli_here(capsys, "serve", run_name(trained), "--storage", str(storage), "--port", str(port))
     assert_one_line_error(proc, f"127.0.0.1:{port}", "--port")
 
 
-def test_through_rays_proxy_the_same_answers_and_a_clean_stop(trained, digit, tmp_path):
-    """``--ingress proxy``, what several replicas or a joined cluster use: the same routes and answers."""
+def test_through_rays_proxy_the_same_answers_and_a_clean_stop(ray_cluster, trained, digit, tmp_path):
+    """``--ingress proxy``, what several replicas or a joined cluster use (here the session's, which
+    spares a Ray start): the same routes and answers; Ctrl-C stops it and leaves the cluster as it was."""
+    import ray
+    from ray import serve
+
     pixels, predictor = digit
-    with serving(trained[0], tmp_path, "--ingress", "proxy") as (proc, port, stdout, stderr):
-        assert "through Ray Serve's proxy" in stdout.read_text()
-        status, answer = request(port, "/predict", png_bytes(pixels), "image/png")
-        assert status == 200, answer
-        assert_prediction(answer, predictor.predict_proba(pixels[None])[0], predictor.loaded.preprocess.classes)
-        results = burst(port, [png_bytes(pixels)] * 8)
-        assert [r[0] for r in results] == [200] * 8
-        assert all(r[1]["index"] == answer["index"] for r in results)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, stderr.read_text()
+    free_cpus = ray.available_resources().get("CPU")
+    try:
+        with serving(trained[0], tmp_path, "--ingress", "proxy", "--address", ray_cluster,
+                     run=run_name(trained)) as (proc, port, stdout, stderr):
+            assert "through Ray Serve's proxy" in stdout.read_text()
+            status, answer = request(port, "/predict", png_bytes(pixels), "image/png")
+            assert status == 200, answer
+            assert_prediction(answer, predictor.predict_proba(pixels[None])[0], predictor.loaded.preprocess.classes)
+            results = burst(port, [png_bytes(pixels)] * 8)
+            assert [r[0] for r in results] == [200] * 8
+            assert all(r[1]["index"] == answer["index"] for r in results)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, stderr.read_text()
+        wait_for(lambda: ray.available_resources().get("CPU") == free_cpus, STOP_TIMEOUT_S,
+                 "the replica's CPUs back in the session's cluster")
+    finally:  # a server killed mid-test leaves Serve in the session's cluster: not for the tests after
+        serve.shutdown()
 
 
-def test_direct_ingress_is_refused_where_it_cannot_work(trained):
-    proc = run_cli("serve", "srv", "--storage", str(trained[0]), "--ingress", "direct", "--replicas", "2",
-                   "--port", str(free_port()), timeout=120)
+def test_direct_ingress_is_refused_where_it_cannot_work(trained, capsys):
+    proc = cli_here(capsys, "serve", run_name(trained), "--storage", str(trained[0]), "--ingress", "direct",
+                    "--replicas", "2", "--port", str(free_port()))
     assert_one_line_error(proc, "--ingress direct", "--ingress proxy")

@@ -1,7 +1,12 @@
-"""Training for real on a local Ray cluster, through the Python API and the CLI."""
+"""Training for real on a local Ray cluster, through the Python API and the CLI.
+
+Facts of a finished run are read from the session's shared runs (``ray_run``, ``local_run``);
+what does not depend on Ray (resume, overwrite, damaged checkpoints) runs on the local backend,
+each test on a copy of a finished run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import signal
@@ -16,20 +21,34 @@ from torchvision.models import resnet18
 import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
+from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
-from tests.conftest import quiet_display, run_cli, tiny_config, wait_for
+from tests.conftest import cli_here, copy_run, quiet_display, run_cli, tiny_config, wait_for
 
 pytestmark = pytest.mark.integration
 
 QUIET = quiet_display()
 
 
+def config_of(run, storage, **overrides) -> TrainConfig:
+    """The config ``run`` was trained with, for its copy in ``storage`` (what resumes it)."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    stored = {k: v for k, v in run.config.items() if k in fields}
+    return TrainConfig(**{**stored, "storage": str(storage), **overrides})
 
 
-@pytest.mark.parametrize("ingest", ["ray-data", "torch"])
-def test_two_workers_train_and_write_the_run_directory(ray_cluster, tiny_data, tmp_path, ingest):
-    result = imgtrain.train(tiny_config(tiny_data, tmp_path, f"r-{ingest}", ingest=ingest), display=QUIET)
+def cli_train_here(capsys, monkeypatch, *args: str):
+    """``cli_here`` for a command that trains on the local backend. ``train`` pins the CLI's
+    console to sys.stdout as it is then (TrainingDisplay.pin_output): here this test's capture,
+    so the call gets a console of its own and later tests keep the module's."""
+    from imgtrain import cli
+    from imgtrain.console import SafeConsole
 
+    monkeypatch.setattr(cli, "console", SafeConsole())
+    return cli_here(capsys, *args)
+
+
+def assert_a_two_worker_run(result, run_dir):
     assert result.status == "finished"
     df = result.metrics
     assert list(df["epoch"]) == [0, 1]
@@ -37,7 +56,6 @@ def test_two_workers_train_and_write_the_run_directory(ray_cluster, tiny_data, t
     assert (df["val_samples"] == 100).all()  # every test row counted exactly once across ranks
     assert (df["train_samples"] == 8 * 32).all()  # 256 rows / global batch 32 = 8 whole steps
     assert df["train_loss"].iloc[1] < df["train_loss"].iloc[0]
-    run_dir = tmp_path / f"r-{ingest}"
     for name in (runs.CONFIG_FILE, runs.METRICS_FILE, runs.STATUS_FILE, "logs/driver.log"):
         assert (run_dir / name).is_file(), name
     kinds = [r["kind"] for r in runs.read_metrics(run_dir)]
@@ -52,6 +70,53 @@ def test_two_workers_train_and_write_the_run_directory(ray_cluster, tiny_data, t
     assert meta["model_args"] == {"architecture": "resnet18", "in_channels": 1, "num_classes": 10}
 
 
+def test_two_workers_with_ray_data_ingest_train_and_write_the_run_directory(ray_run):
+    assert ray_run.config["ingest"] == "ray-data" and ray_run.config["workers"] == 2
+    assert_a_two_worker_run(ray_run, ray_run.path)
+
+
+@pytest.fixture(scope="module")
+def cli_run(ray_cluster, tiny_data, tmp_path_factory):
+    """(the finished command, its storage): the one Ray run through the CLI off a terminal, its own
+    process joining the session's cluster. With the other ingest than ``ray_run``'s (the torch
+    DataLoader), so that both ingests are trained on 2 workers."""
+    storage = tmp_path_factory.mktemp("cli-runs")
+    proc = run_cli("train", "--data", str(tiny_data), "--name", "cli", "--epochs", "2", "--batch-size", "32",
+                   "--ingest", "torch", "--storage", str(storage), "--address", ray_cluster)
+    assert proc.returncode == 0, proc.stderr
+    return proc, storage
+
+
+def test_two_workers_with_torch_ingest_train_and_write_the_run_directory(cli_run):
+    _, storage = cli_run
+    result = runs.load_run(str(storage), "cli")
+    assert result.config["ingest"] == "torch" and result.config["workers"] == 2
+    assert_a_two_worker_run(result, result.path)
+
+
+def test_cli_train_prints_progress_and_runs_show_json(cli_run, ray_cluster, capsys):
+    proc, storage = cli_run
+    out = proc.stdout
+    assert "epoch   1/2" in out and "epoch   2/2" in out and "test accuracy" in out
+    assert "Traceback" not in out + proc.stderr
+    assert "WARNING" not in out + proc.stderr  # Ray's own noise goes to logs/
+    # off a terminal, one line per start-up phase with its duration, in order
+    phases = re.findall(r"^(checking the data set|starting Ray|joining the Ray cluster at \S+|checking resources and storage|starting 2 workers|"
+                        r"loading data|building the model|first \d+ steps?): \d+\.\d s$", out, re.M)
+    assert phases == ["checking the data set", f"joining the Ray cluster at {ray_cluster}", "checking resources and storage", "starting 2 workers",
+                      "loading data", "building the model", "first 8 steps"], out
+
+    shown = cli_here(capsys, "runs", "show", "cli", "--json", "--storage", str(storage))
+    data = json.loads(shown.stdout)
+    for key in ("name", "status", "epochs_completed", "metrics", "best_checkpoint", "latest_checkpoint"):
+        assert key in data
+    assert data["status"] == "finished" and data["epochs_completed"] == 2
+    assert {"epoch", "train_loss", "val_accuracy"} <= set(data["metrics"][0])
+
+    listed = cli_here(capsys, "runs", "list", "--storage", str(storage))
+    assert listed.returncode == 0 and "cli" in listed.stdout and "finished" in listed.stdout
+
+
 def tutorial_build_model() -> nn.Module:
     model = resnet18(num_classes=10)
     model.conv1 = nn.Conv2d(in_channels=1, out_channels=64, kernel_size=(7, 7), stride=(2, 2),
@@ -59,12 +124,12 @@ def tutorial_build_model() -> nn.Module:
     return model
 
 
-def test_tutorial_inference_code_loads_model_pt(ray_cluster, tiny_data, tmp_path):
+def test_tutorial_inference_code_loads_model_pt(ray_run, tiny_data):
+    """A checkpoint written by rank 0 of a DDP run loads into the seed tutorial's own model."""
     from imgtrain.data.format import read_split
 
-    result = imgtrain.train(tiny_config(tiny_data, tmp_path, "tut", epochs=1), display=QUIET)
     model = tutorial_build_model()
-    model.load_state_dict(torch.load(result.latest_checkpoint / "model.pt", map_location="cpu",
+    model.load_state_dict(torch.load(ray_run.latest_checkpoint / "model.pt", map_location="cpu",
                                      weights_only=True))
     model.eval()
     _, images, labels = read_split(tiny_data, "test")
@@ -72,15 +137,15 @@ def test_tutorial_inference_code_loads_model_pt(ray_cluster, tiny_data, tmp_path
     x = torch.from_numpy(images).permute(0, 3, 1, 2).float().div(255).sub(0.5).div(0.5)
     with torch.no_grad():
         acc = (model(x).argmax(1) == torch.from_numpy(labels)).float().mean().item()
-    assert acc == pytest.approx(result.final_accuracy, abs=1e-6)
+    assert acc == pytest.approx(ray_run.final_accuracy, abs=1e-6)
 
 
-def test_local_backend_runs_the_same_loop(tiny_data, tmp_path):
-    result = imgtrain.train(tiny_config(tiny_data, tmp_path, "loc", backend="local"), display=QUIET)
-    assert list(result.metrics["world_size"]) == [1, 1]
-    assert result.final_accuracy > 0.2  # far above chance (0.1) after 16 steps on real digits
-    assert [p.name for p, _ in ckpt.listing(result.path)] == sorted(
-        {result.best_checkpoint.name, result.latest_checkpoint.name})
+def test_local_backend_runs_the_same_loop(local_run):
+    assert local_run.config["backend"] == "local"
+    assert list(local_run.metrics["world_size"]) == [1, 1]
+    assert local_run.final_accuracy > 0.2  # far above chance (0.1) after 16 steps on real digits
+    assert [p.name for p, _ in ckpt.listing(local_run.path)] == sorted(
+        {local_run.best_checkpoint.name, local_run.latest_checkpoint.name})
 
 
 # A child inherits an ignored or blocked SIGINT from its parent, and in the whole suite something
@@ -116,85 +181,73 @@ def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_data, tmp_path):
     assert runs.read_status(tmp_path / "cc")["status"] == "interrupted"
 
 
-def test_same_name_resumes_from_the_latest_checkpoint(ray_cluster, tiny_data, tmp_path):
-    first = imgtrain.train(tiny_config(tiny_data, tmp_path, "res", epochs=1), display=QUIET)
-    assert len(first.history) == 1
-    stored = runs.read_config(first.path)  # as an imgtrain that recorded no versions wrote it
-    runs.write_config(first.path, {k: v for k, v in stored.items() if k not in runs.VERSION_KEYS})
-    second = imgtrain.train(tiny_config(tiny_data, tmp_path, "res", epochs=3), display=QUIET)
-    assert [r["epoch"] for r in second.history] == [0, 1, 2]
-    assert second.history[0] == first.history[0]  # epoch 0 was not trained again
-    starts = [r for r in runs.read_metrics(second.path) if r["kind"] == "start"]
-    assert [s["step"] for s in starts] == [0, 8]  # the second run started at step 8
+def test_same_name_resumes_from_the_latest_checkpoint(local_run, tmp_path):
+    storage = copy_run(local_run, tmp_path)
+    run_dir = storage / local_run.name
+    stored = runs.read_config(run_dir)  # as an imgtrain that recorded no versions wrote it
+    runs.write_config(run_dir, {k: v for k, v in stored.items() if k not in runs.VERSION_KEYS})
+    more = imgtrain.train(config_of(local_run, storage, epochs=3), display=QUIET)
+    assert [r["epoch"] for r in more.history] == [0, 1, 2]
+    assert more.history[:2] == local_run.history  # epochs 0 and 1 were not trained again
+    starts = [r for r in runs.read_metrics(run_dir) if r["kind"] == "start"]
+    assert [s["step"] for s in starts] == [0, 16]  # the second driver started at step 16
 
-    again = imgtrain.train(tiny_config(tiny_data, tmp_path, "res", epochs=3), display=QUIET)
-    assert again.history == second.history  # already complete: nothing retrained
+    again = imgtrain.train(config_of(local_run, storage, epochs=3), display=QUIET)
+    assert again.history == more.history  # already complete: nothing retrained
 
     with pytest.raises(ImgtrainError, match="different config.*lr"):
-        imgtrain.train(tiny_config(tiny_data, tmp_path, "res", epochs=3, lr=0.5), display=QUIET)
+        imgtrain.train(config_of(local_run, storage, epochs=3, lr=0.5), display=QUIET)
 
 
-def test_cli_train_prints_progress_and_runs_show_json(ray_cluster, tiny_data, tmp_path):
-    storage = tmp_path / "runs"
-    proc = run_cli("train", "--data", str(tiny_data), "--name", "cli", "--epochs", "2",
-                   "--batch-size", "32", "--storage", str(storage), "--address", ray_cluster)
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
-    assert "epoch   1/2" in out and "epoch   2/2" in out and "test accuracy" in out
-    assert "Traceback" not in out + proc.stderr
-    assert "WARNING" not in out + proc.stderr  # Ray's own noise goes to logs/
-    # off a terminal, one line per start-up phase with its duration, in order
-    phases = re.findall(r"^(checking the data set|starting Ray|joining the Ray cluster at \S+|checking resources and storage|starting 2 workers|"
-                        r"loading data|building the model|first \d+ steps?): \d+\.\d s$", out, re.M)
-    assert phases == ["checking the data set", f"joining the Ray cluster at {ray_cluster}", "checking resources and storage", "starting 2 workers",
-                      "loading data", "building the model", "first 8 steps"], out
-
-    shown = run_cli("runs", "show", "cli", "--json", "--storage", str(storage))
-    data = json.loads(shown.stdout)
-    for key in ("name", "status", "epochs_completed", "metrics", "best_checkpoint", "latest_checkpoint"):
-        assert key in data
-    assert data["status"] == "finished" and data["epochs_completed"] == 2
-    assert {"epoch", "train_loss", "val_accuracy"} <= set(data["metrics"][0])
-
-    listed = run_cli("runs", "list", "--storage", str(storage))
-    assert listed.returncode == 0 and "cli" in listed.stdout and "finished" in listed.stdout
-
-
-def test_overwrite_replaces_a_run_only_when_the_new_request_is_good(tiny_data, tmp_path):
-    first = imgtrain.train(tiny_config(tiny_data, tmp_path, "ow", backend="local", epochs=1), display=QUIET)
-    changed = tiny_config(tiny_data, tmp_path, "ow", backend="local", epochs=1, lr=0.01)
+def test_overwrite_replaces_a_run_only_when_the_new_request_is_good(local_run, tiny_data, tmp_path, capsys,
+                                                                   monkeypatch):
+    storage = copy_run(local_run, tmp_path)
+    first = runs.load_run(str(storage), local_run.name)
     with pytest.raises(ImgtrainError, match="--overwrite"):
-        imgtrain.train(changed, display=QUIET)
+        imgtrain.train(config_of(local_run, storage, lr=0.01), display=QUIET)
     # A bad new request leaves the old run untouched.
-    bad = tiny_config(tmp_path / "no-such-data", tmp_path, "ow", backend="local", epochs=1, lr=0.01)
+    bad = config_of(local_run, storage, data=str(tmp_path / "no-such-data"), lr=0.01)
     with pytest.raises(ImgtrainError):
         imgtrain.train(bad, display=QUIET, overwrite=True)
     assert runs.read_config(first.path)["lr"] == first.config["lr"]
     assert first.latest_checkpoint.is_dir()
 
-    proc = run_cli("train", "--data", str(tiny_data), "--name", "ow", "--storage", str(tmp_path),
-                   "--backend", "local", "--epochs", "1", "--batch-size", "32", "--lr", "0.01",
-                   "--overwrite")
+    proc = cli_train_here(capsys, monkeypatch, "train", "--data", str(tiny_data), "--name", local_run.name,
+                          "--storage", str(storage), "--backend", "local", "--epochs", "1", "--batch-size", "32",
+                          "--lr", "0.01", "--limit-train-batches", "2", "--overwrite")
     assert proc.returncode == 0, proc.stderr
     assert "starting afresh" in proc.stdout
-    again = runs.load_run(str(tmp_path), "ow")
+    again = runs.load_run(str(storage), local_run.name)
     assert again.config["lr"] == 0.01 and again.config["eval_batch_size"] == 500  # defaults, not the old run's
     assert [r["epoch"] for r in again.history] == [0]
     starts = [r for r in runs.read_metrics(again.path) if r["kind"] == "start"]
     assert [s["step"] for s in starts] == [0]  # a fresh history, not the old one continued
 
 
-def test_overwrite_with_a_request_that_fails_late_gives_the_old_run_back(ray_cluster, tiny_data, tmp_path):
+def test_overwrite_with_a_request_that_fails_late_gives_the_old_run_back(ray_cluster, local_run, tiny_data, tmp_path):
     # No GPU in the cluster: found only once Ray is joined, after the old run was moved aside.
-    first = imgtrain.train(tiny_config(tiny_data, tmp_path, "gpu", backend="local", epochs=1), display=QUIET)
-    files = sorted(p.relative_to(tmp_path) for p in first.path.rglob("*") if p.is_file())
-    proc = run_cli("train", "--data", str(tiny_data), "--name", "gpu", "--storage", str(tmp_path),
+    storage = copy_run(local_run, tmp_path)
+    first = runs.load_run(str(storage), local_run.name)
+    files = sorted(p.relative_to(storage) for p in first.path.rglob("*") if p.is_file())
+    proc = run_cli("train", "--data", str(tiny_data), "--name", local_run.name, "--storage", str(storage),
                    "--address", ray_cluster, "--gpu", "--overwrite")
     assert proc.returncode == 2 and "GPU worker(s)" in proc.stderr, proc.stderr
     assert "was restored" in proc.stdout
-    assert sorted(p.relative_to(tmp_path) for p in first.path.rglob("*") if p.is_file()) == files
-    assert runs.load_run(str(tmp_path), "gpu").history == first.history
-    assert [p.name for p in tmp_path.iterdir()] == ["gpu"]
+    assert sorted(p.relative_to(storage) for p in first.path.rglob("*") if p.is_file()) == files
+    assert runs.load_run(str(storage), local_run.name).history == first.history
+    assert [p.name for p in storage.iterdir()] == [local_run.name]
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tiny_data, tmp_path_factory):
+    """A finished local run that keeps both epochs' checkpoints (local_run keeps the best and the
+    latest, maybe one): the start of the damaged-checkpoint tests, which work on copies. Epochs of
+    2 steps: what is checked is which checkpoint is read, not what was learnt."""
+    storage = tmp_path_factory.mktemp("two-checkpoints")
+    config = tiny_config(tiny_data, storage, "dmg", backend="local", workers=1, num_to_keep=2, limit_train_batches=2)
+    result = imgtrain.train(config, display=QUIET)
+    assert [p.name for p, _ in ckpt.listing(result.path)] == ["checkpoint_epoch_0000", "checkpoint_epoch_0001"]
+    return result
 
 
 def damage(checkpoint_dir):
@@ -202,32 +255,32 @@ def damage(checkpoint_dir):
         f.truncate(1000)  # as a full disk or a killed copy would leave it
 
 
-def test_resume_skips_a_damaged_checkpoint_for_the_previous_good_one(ray_cluster, tiny_data, tmp_path):
-    first = imgtrain.train(tiny_config(tiny_data, tmp_path, "dmg", epochs=2, num_to_keep=2), display=QUIET)
-    assert first.latest_checkpoint.name == "checkpoint_epoch_0001"
-    damage(first.latest_checkpoint)
+def test_resume_skips_a_damaged_checkpoint_for_the_previous_good_one(two_checkpoints, tmp_path, capsys, monkeypatch):
+    storage = copy_run(two_checkpoints, tmp_path)
+    damage(storage / "dmg" / "checkpoint_epoch_0001")
 
-    proc = run_cli("train", "--name", "dmg", "--epochs", "3", "--storage", str(tmp_path), "--address", ray_cluster)
+    # The name alone resumes the run with its stored settings: epoch 1 is trained again.
+    proc = cli_train_here(capsys, monkeypatch, "train", "--name", "dmg", "--storage", str(storage))
     assert proc.returncode == 0, proc.stderr
     assert "skipping checkpoint checkpoint_epoch_0001" in proc.stdout and "sha256" in proc.stdout
     assert "resuming from checkpoint_epoch_0000" in proc.stdout
-    result = runs.load_run(str(tmp_path), "dmg")
-    assert [r["epoch"] for r in result.history] == [0, 1, 2]
+    result = runs.load_run(str(storage), "dmg")
+    assert [r["epoch"] for r in result.history] == [0, 1]
     assert result.history[1]["checkpoint"] == "checkpoint_epoch_0001-2"  # never the damaged one's path
     starts = [r["step"] for r in runs.read_metrics(result.path) if r["kind"] == "start"]
-    assert starts == [0, 8]  # resumed after epoch 0, the last good checkpoint
-    assert result.latest_checkpoint.name == "checkpoint_epoch_0002"
+    assert starts == [0, 2]  # resumed after epoch 0 (2 steps), the last good checkpoint
+    assert result.latest_checkpoint.name == "checkpoint_epoch_0001-2"
     ckpt.verify(result.latest_checkpoint)
 
 
-def test_loading_best_or_latest_skips_a_damaged_checkpoint(tiny_data, tmp_path):
+def test_loading_best_or_latest_skips_a_damaged_checkpoint(two_checkpoints, tmp_path, capsys):
     from imgtrain.inference.predictor import resolve_checkpoint
 
-    first = imgtrain.train(tiny_config(tiny_data, tmp_path, "dmgl", backend="local", num_to_keep=2), display=QUIET)
-    damage(first.latest_checkpoint)
+    storage = copy_run(two_checkpoints, tmp_path)
+    damage(storage / "dmg" / "checkpoint_epoch_0001")
     for which in ("latest", "best"):
         with pytest.warns(ckpt.DamagedCheckpointWarning, match="skipping checkpoint checkpoint_epoch_0001"):
-            assert resolve_checkpoint("dmgl", which, str(tmp_path)).name == "checkpoint_epoch_0000"
-    proc = run_cli("evaluate", "dmgl", "--checkpoint", "latest", "--backend", "local", "--storage", str(tmp_path))
+            assert resolve_checkpoint("dmg", which, str(storage)).name == "checkpoint_epoch_0000"
+    proc = cli_here(capsys, "evaluate", "dmg", "--checkpoint", "latest", "--backend", "local", "--storage", str(storage))
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.startswith("warning: skipping checkpoint checkpoint_epoch_0001:")  # one line, no traceback

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from imgtrain import runs
-from tests.conftest import assert_one_line_error, run_cli, wait_for
+from tests.conftest import assert_one_line_error, cli_here, run_cli, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -27,8 +27,8 @@ def sweep_args(data, storage, name, address, *more):
     return ["tune", "--data", str(data), "--name", name, "--storage", str(storage), "--address", address, *more]
 
 
-def show(storage, name) -> dict:
-    proc = run_cli("tune", "show", name, "--storage", str(storage), "--json")
+def show(capsys, storage, name) -> dict:
+    proc = cli_here(capsys, "tune", "show", name, "--storage", str(storage), "--json")
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -42,7 +42,7 @@ def asha_sweep(ray_cluster, tiny_data, tmp_path_factory):
     return proc, storage, args, time.monotonic() - started
 
 
-def test_asha_sweep_trials_are_imgtrain_runs(asha_sweep):
+def test_asha_sweep_trials_are_imgtrain_runs(asha_sweep, capsys):
     proc, storage, _, took = asha_sweep
     assert proc.returncode == 0, proc.stderr
     trials_dir = storage / "s" / "trials"
@@ -56,7 +56,7 @@ def test_asha_sweep_trials_are_imgtrain_runs(asha_sweep):
     assert table_at == len(events) + 1, out  # nothing else between the events and the table
     assert proc.stderr == ""
 
-    s = show(storage, "s")
+    s = show(capsys, storage, "s")
     assert (s["status"], s["metric"], s["mode"], s["search"]) == ("finished", "val_accuracy", "max",
                                                                   {"lr": "grid(0.003, 1e-06)"})
     by_name = {t["name"]: t for t in s["trials"]}
@@ -74,7 +74,7 @@ def test_asha_sweep_trials_are_imgtrain_runs(asha_sweep):
     assert (Path(s["best"]["checkpoint"]) / "model.pt").is_file()
 
     # each trial is an ordinary run: runs show works on it, with the trial's settings
-    shown = run_cli("runs", "show", best, "--storage", str(trials_dir), "--json")
+    shown = cli_here(capsys, "runs", "show", best, "--storage", str(trials_dir), "--json")
     assert shown.returncode == 0, shown.stderr
     run = json.loads(shown.stdout)
     assert (run["status"], run["epochs_completed"]) == ("finished", 2)
@@ -85,7 +85,8 @@ def test_asha_sweep_trials_are_imgtrain_runs(asha_sweep):
     print(f"2-trial ASHA sweep: {took:.1f} s")
 
 
-def test_rerun_of_a_finished_sweep_trains_nothing_and_other_settings_are_refused(asha_sweep, tiny_data, ray_cluster):
+def test_rerun_of_a_finished_sweep_trains_nothing_and_other_settings_are_refused(asha_sweep, tiny_data, ray_cluster,
+                                                                                capsys):
     proc, storage, args, _ = asha_sweep
     assert proc.returncode == 0, proc.stderr
     trials_dir = storage / "s" / "trials"
@@ -95,11 +96,11 @@ def test_rerun_of_a_finished_sweep_trains_nothing_and_other_settings_are_refused
     assert "resuming" in again.stdout and "started" not in again.stdout
     assert {p.name: p.read_text() for p in trials_dir.glob("*/metrics.jsonl")} == before
 
-    other = run_cli(*sweep_args(tiny_data, storage, "s", ray_cluster, *ASHA[:-2], "--epochs", "3"))
+    other = cli_here(capsys, *sweep_args(tiny_data, storage, "s", ray_cluster, *ASHA[:-2], "--epochs", "3"))
     assert_one_line_error(other, "sweep 's' already exists", "epochs: 2 -> 3")
 
 
-def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster, tiny_data, tmp_path):
+def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster, tiny_data, tmp_path, capsys):
     # 6 short epochs: the Ctrl-C must land while the second trial still trains (with 2, on a busy
     # machine, it finished before Tune handled the signal, and nothing was left to resume)
     args = sweep_args(tiny_data, tmp_path, "r", ray_cluster, "--search", "lr=grid(0.003,0.001)", "--scheduler",
@@ -118,7 +119,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster
             proc.kill()
     assert proc.returncode == 130, (out, err)
     assert err.startswith("interrupted; run the same command again"), err
-    assert show(tmp_path, "r")["status"] == "interrupted"
+    assert show(capsys, tmp_path, "r")["status"] == "interrupted"
     first = (trials_dir / "trial-00000" / runs.METRICS_FILE).read_text()
 
     again = run_cli(*args, timeout=240)
@@ -128,33 +129,34 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster
     starts = [r for r in runs.read_metrics(trials_dir / "trial-00001") if r["kind"] == "start"]
     assert starts[0]["restored_from"] is None
     assert starts[-1]["restored_from"] is not None and starts[-1]["step"] >= 4  # resumed from its checkpoint
-    s = show(tmp_path, "r")
+    s = show(capsys, tmp_path, "r")
     assert s["status"] == "finished"
     assert [(t["status"], t["epochs_done"]) for t in s["trials"]] == [("finished", 6), ("finished", 6)]
 
 
-def test_bad_sweeps_fail_in_seconds_with_one_line(ray_cluster, tiny_data, tmp_path):
+def test_bad_sweeps_fail_in_seconds_with_one_line(ray_cluster, tiny_data, tmp_path, capsys):
     base = ["tune", "--data", str(tiny_data), "--name", "b", "--storage", str(tmp_path)]
-    assert_one_line_error(run_cli(*base, "--search", "lr=logunifrom(1e-4,1e-2)"), "unknown function 'logunifrom'")
-    assert_one_line_error(run_cli(*base, "--search", "learning_rate=uniform(0,1)"), "not a training setting")
-    assert_one_line_error(run_cli(*base), "nothing to search")
-    started = time.monotonic()
+    assert_one_line_error(cli_here(capsys, *base, "--search", "lr=logunifrom(1e-4,1e-2)"),
+                          "unknown function 'logunifrom'")
+    assert_one_line_error(cli_here(capsys, *base, "--search", "learning_rate=uniform(0,1)"), "not a training setting")
+    assert_one_line_error(cli_here(capsys, *base), "nothing to search")
+    started = time.monotonic()  # a request the cluster cannot place: from a cold start, in seconds
     too_big = run_cli(*base, "--search", "lr=choice(0.1)", "--workers", "8", "--address", ray_cluster)
     assert_one_line_error(too_big, "8 worker(s)", "the Ray cluster has 4")
     assert time.monotonic() - started < 60
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")
-    assert_one_line_error(run_cli(*base[:4], "taken", *base[5:], "--search", "lr=choice(0.1)"),
+    assert_one_line_error(cli_here(capsys, *base[:4], "taken", *base[5:], "--search", "lr=choice(0.1)"),
                           "is not an imgtrain sweep")
-    assert_one_line_error(run_cli("tune", "show", "nope", "--storage", str(tmp_path)), "no sweep named 'nope'")
+    assert_one_line_error(cli_here(capsys, "tune", "show", "nope", "--storage", str(tmp_path)), "no sweep named 'nope'")
 
 
-def test_failed_trials_are_reported_and_a_sweep_of_failures_exits_non_zero(ray_cluster, tiny_data, tmp_path):
+def test_failed_trials_are_reported_and_a_sweep_of_failures_exits_non_zero(ray_cluster, tiny_data, tmp_path, capsys):
     proc = run_cli(*sweep_args(tiny_data, tmp_path, "f", ray_cluster, "--search", "model=choice(nosuchnet)",
                                "--epochs", "1", "--workers", "1"))
     assert proc.returncode == 1, (proc.stdout, proc.stderr)
     assert re.search(r"trial-00000: failed: --model nosuchnet: no torchvision model 'nosuchnet'", proc.stdout)
     assert proc.stderr.startswith("error: every trial of sweep 'f' failed") and "Traceback" not in proc.stderr
-    (trial,) = show(tmp_path, "f")["trials"]
+    (trial,) = show(capsys, tmp_path, "f")["trials"]
     assert (trial["status"], trial["epochs_done"], trial["best_metric"]) == ("failed", 0, None)
     assert trial["error"].startswith("--model nosuchnet: no torchvision model")

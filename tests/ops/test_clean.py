@@ -1,9 +1,9 @@
 """imgtrain clean, on real files: only what imgtrain made goes, links are never followed."""
 
+import io
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +12,7 @@ from imgtrain import runs
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
 from imgtrain.ops.clean import plan_dataset, plan_runs, remove
+from tests.conftest import cli_here
 
 
 def make_run(storage, name, status="finished", pid=None, host=None):
@@ -94,13 +95,12 @@ def tiny_data_copy(tiny_data, tmp_path):
     return shutil.copytree(tiny_data, tmp_path / "data")
 
 
-def clean_cli(*args: str, answer: str = "") -> subprocess.CompletedProcess:
-    """The real command with ``answer`` on its stdin (empty: end of input, as in a script)."""
-    return subprocess.run([sys.executable, "-m", "imgtrain.cli", "clean", *args], input=answer,
-                          capture_output=True, text=True, timeout=60)
+def test_cli_asks_first_and_deletes_nothing_without_a_yes(tmp_path, tiny_data_copy, capsys, monkeypatch):
+    def clean_cli(*args: str, answer: str = ""):
+        """The real command (in this process) with ``answer`` on its stdin (empty: end of input, as in a script)."""
+        monkeypatch.setattr(sys, "stdin", io.StringIO(answer))
+        return cli_here(capsys, "clean", *args)
 
-
-def test_cli_asks_first_and_deletes_nothing_without_a_yes(tmp_path, tiny_data_copy):
     storage = tmp_path / "runs"
     run_dir = make_run(storage, "old")
     listed = clean_cli("runs", "old", "--storage", str(storage), "--dry-run")

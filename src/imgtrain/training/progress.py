@@ -123,13 +123,16 @@ class TrainingDisplay:
         self.eta = Eta()
         self.rank_wait: dict[int, float] = {}  # rank -> its share of step time waiting for data
         self.last_plain = time.monotonic()
+        self.pinned = False  # pin_output fixed the console's file
 
     def pin_output(self) -> None:
-        """Write to the current sys.stdout from now on, even if it is redirected later."""
+        """Write to the current sys.stdout from now on, even if it is redirected later, until
+        ``close`` (the console is the caller's: the CLI's module-wide one, in-process)."""
         import sys
 
         if self.console.file is sys.stdout:
             self.console.file = sys.stdout
+            self.pinned = True
 
     def note(self, text: str) -> None:
         if not self.quiet:
@@ -257,3 +260,6 @@ class TrainingDisplay:
                 self.progress.update(self.task, status=f"{self.figures}  {outcome}")
             self.progress.stop()
             self.progress = None
+        if self.pinned:  # follows sys.stdout again, as before pin_output
+            self.console.file = None
+            self.pinned = False
