@@ -158,6 +158,7 @@ def cli_here(capsys, *args: str) -> subprocess.CompletedProcess:
 
     from imgtrain import cli
 
+    capsys.readouterr()  # what this process printed before (Ray's driver prints from its own threads) is not the command's
     saved = sys.argv, warnings.showwarning, os.environ.get("COLUMNS")
     sys.argv, os.environ["COLUMNS"] = ["imgtrain", *args], "200"
     code = 0

@@ -77,3 +77,19 @@ def test_a_start_record_brings_back_the_epochs_its_checkpoint_holds(tmp_path):
     assert [(r["kind"], r.get("epoch")) for r in tracked if r["kind"] == "epoch"] == [("epoch", 0), ("epoch", 1)]
     assert tracked.index(next(r for r in tracked if r.get("recovered_from"))) > tracked.index(
         next(r for r in tracked if r["kind"] == "start" and r["step"] == 20))  # after the restart's purge
+
+
+def test_json_output_is_alone_on_stdout_whatever_else_prints_meanwhile(tmp_path, capsys, monkeypatch):
+    # `imgtrain ... --json | jq` must parse: Ray's driver prints the raylet's warnings on stdout
+    # from a thread of its own while a command works. Stood in for by a print inside the work.
+    from tests.conftest import cli_here
+
+    def listing_that_chatters(storage):
+        print("(raylet) WARNING: 8 PYTHON worker processes have been started")
+        return []
+
+    monkeypatch.setattr("imgtrain.runs.list_runs", listing_that_chatters)
+    proc = cli_here(capsys, "runs", "list", "--storage", str(tmp_path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
+    assert "(raylet) WARNING" in proc.stderr  # not lost: on stderr

@@ -5,6 +5,7 @@ Every user error is printed as one line, ``error: ...``, with exit status 2; no 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -32,6 +33,18 @@ console = SafeConsole()
 err_console = SafeConsole(stderr=True)
 
 STORAGE_HELP = "Where runs live: a local or shared path, or an object store (s3://bucket/prefix)."
+
+
+@contextlib.contextmanager
+def _json_alone_on_stdout(json_out: bool):
+    """With --json, stdout carries the JSON document alone (`| jq` must parse it): whatever else
+    is printed while the command works goes to stderr. Ray's driver prints the raylet's warnings
+    ("8 PYTHON worker processes have been started ...") on stdout from a thread of its own."""
+    if not json_out:
+        yield
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
 
 
 def _print_version(asked: bool) -> None:
@@ -142,7 +155,8 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
     cfg = resolve(requested, stored)
     if problems:  # the file's problems and the resolved config's, in one message
         validate(cfg, [f"{config}: {p}" for p in problems])
-    result = imgtrain.train(cfg, display=TrainingDisplay(console, quiet=quiet or json_out), overwrite=overwrite)
+    with _json_alone_on_stdout(json_out):
+        result = imgtrain.train(cfg, display=TrainingDisplay(console, quiet=quiet or json_out), overwrite=overwrite)
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
         return
@@ -186,7 +200,8 @@ def runs_list(storage: str = typer.Option("./runs", help=STORAGE_HELP),
     """List the runs in STORAGE."""
     from imgtrain.runs import list_runs
 
-    found = list_runs(storage)
+    with _json_alone_on_stdout(json_out):
+        found = list_runs(storage)
     if json_out:
         print(json.dumps([r.to_json() for r in found], indent=2))
         return
@@ -211,7 +226,8 @@ def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP
     from imgtrain.runs import is_number, load_run
     from imgtrain.training.progress import epoch_line
 
-    r = load_run(storage, name)
+    with _json_alone_on_stdout(json_out):
+        r = load_run(storage, name)
     if json_out:
         print(json.dumps(r.to_json(), indent=2))
         return
@@ -260,7 +276,8 @@ def tune_cmd(ctx: typer.Context, config: Optional[Path] = None, search: Optional
                                                          "mode": mode, "max_concurrent": max_concurrent})
     terminal = SafeConsole(file=sys.stdout)  # held: Ray's output goes to the logs
     try:
-        summary = tune(req, say=lambda line: None if json_out else terminal.print(line, soft_wrap=True))
+        with _json_alone_on_stdout(json_out):
+            summary = tune(req, say=lambda line: None if json_out else terminal.print(line, soft_wrap=True))
     except KeyboardInterrupt:  # said here, with the sweep's own hint; sys.exit: main() would say it again
         err_console.print(f"interrupted; run the same command again to resume the sweep (`imgtrain tune show "
                           f"{req.base.name}` lists its trials)", soft_wrap=True)
@@ -315,7 +332,8 @@ def tune_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP
     """A sweep's trials (searched values, status, epochs, best metric) and its best trial."""
     from imgtrain.sweep.state import summary
 
-    found = summary(storage, name)
+    with _json_alone_on_stdout(json_out):
+        found = summary(storage, name)
     if json_out:
         print(json.dumps(found, indent=2))
         return
@@ -396,8 +414,8 @@ def evaluate_cmd(
     from imgtrain.inference.batch import evaluate
 
     opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address)
-    result = evaluate(run, checkpoint=checkpoint, storage=storage, split=split,
-                      data=data, options=opts)
+    with _json_alone_on_stdout(json_out):
+        result = evaluate(run, checkpoint=checkpoint, storage=storage, split=split, data=data, options=opts)
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
         return
@@ -591,7 +609,8 @@ def doctor_cmd(
     """
     from imgtrain.ops.doctor import diagnose
 
-    found = diagnose(storage=storage, address=address, data=data)
+    with _json_alone_on_stdout(json_out):
+        found = diagnose(storage=storage, address=address, data=data)
     if json_out:
         print(json.dumps(found.to_json(), indent=2))
     else:
