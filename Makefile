@@ -11,7 +11,7 @@ NAME   ?= demo
 # The default seed: no seed picking (seeds 0, 1, 2 end at 98.3, 98.4 and 98.8 %: BENCHMARKS.md).
 SEED   ?= 0
 
-.PHONY: demo test test-fast browser bench bench-quick install install-dev clean-venv
+.PHONY: demo test test-fast coverage browser bench bench-quick install install-dev clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,13 @@ browser:
 test: install-dev browser
 	$(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS); \
 	  status=$$?; if [ $$status -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$status
+
+# Line coverage of src/imgtrain for the whole suite, the processes it starts included as far as
+# coverage.py reaches them (pyproject.toml, [tool.coverage.run]). Slower than `make test`.
+coverage: install-dev browser
+	$(BIN)/coverage erase
+	$(BIN)/coverage run -m pytest -q -ra $(PYTEST_ARGS); status=$$?; \
+	  $(BIN)/coverage combine -q && $(BIN)/coverage report; exit $$status
 
 # The unit layer only (no Ray cluster): a quick check while editing.
 test-fast: install-dev
