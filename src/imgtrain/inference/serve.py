@@ -59,13 +59,13 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from imgtrain import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain.data.images import MAX_DECODE_PIXELS
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.inference.batcher import Batcher
 from imgtrain.inference.predictor import Predictor, resolve_checkpoint
 from imgtrain.inference.try_page import CONTENT_SECURITY_POLICY, PAGE
-from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops.files import link_dir
 
 APP_NAME = "imgtrain"

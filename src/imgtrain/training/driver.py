@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain import storage as remote
 from imgtrain.config import TrainConfig, changed_fields, steps_per_epoch, validate
 from imgtrain.data import stream
 from imgtrain.errors import ImgtrainError, one_line
-from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops import ownership
 from imgtrain.ops.files import check_writable
 from imgtrain.training import tracking

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain import storage as remote
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError, one_line
-from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops import process
 from imgtrain.ops.files import disk_full, link_dir
 from imgtrain.training import faults, tracking

@@ -11,7 +11,7 @@ import pytest
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
-from imgtrain.ops.clean import plan_dataset, plan_runs, remove
+from imgtrain.commands.clean import plan_dataset, plan_runs, remove
 from tests.conftest import cli_here
 
 
