@@ -21,6 +21,7 @@ from PIL import Image
 
 import imgtrain
 from imgtrain import runs
+from imgtrain.commands.clean import plan_dataset, plan_runs, remove
 from imgtrain.config import TrainConfig, validate
 from imgtrain.data import format as parquet
 from imgtrain.data import images, sources
@@ -29,7 +30,6 @@ from imgtrain.data.prepare import prepare
 from imgtrain.data.writer import write_dataset
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
-from imgtrain.commands.clean import plan_dataset, plan_runs, remove
 from imgtrain.ops.files import atomic_write_text
 from imgtrain.training import tracking
 from tests.conftest import cli_here, copy_run, quiet_display
