@@ -21,6 +21,7 @@ from PIL import Image
 
 import imgtrain
 from imgtrain import runs
+from imgtrain.commands.clean import plan_dataset, plan_runs, remove
 from imgtrain.config import TrainConfig, validate
 from imgtrain.data import format as parquet
 from imgtrain.data import images, sources
@@ -29,7 +30,6 @@ from imgtrain.data.prepare import prepare
 from imgtrain.data.writer import write_dataset
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
-from imgtrain.ops.clean import plan_dataset, plan_runs, remove
 from imgtrain.ops.files import atomic_write_text
 from imgtrain.training import tracking
 from tests.conftest import cli_here, copy_run, quiet_display
@@ -386,7 +386,7 @@ def test_every_float_must_be_finite_and_every_field_in_range_all_reported_at_onc
 
 
 def test_logs_without_a_run_go_to_a_folder_of_this_users_own(tmp_path, monkeypatch):
-    from imgtrain.ops.cluster import user_log_dir
+    from imgtrain.cluster import user_log_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     folder = user_log_dir()

@@ -251,7 +251,7 @@ def test_a_held_lease_refuses_a_later_driver_and_a_released_one_does_not(env):
 
 
 def test_a_double_slash_key_does_not_break_runs_list_or_clean(env, s3_server):
-    from imgtrain.ops import clean
+    from imgtrain.commands import clean
 
     prefix = env.removeprefix("s3://imgtrain/")
     s3 = boto(s3_server)

@@ -20,11 +20,11 @@ import pytest
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import zoo
+from imgtrain.commands import doctor
 from imgtrain.data import format as fmt
 from imgtrain.data import stream
 from imgtrain.data.prepare import prepare
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import doctor
 from tests.conftest_data_helpers import save_image
 
 QUICK_S = 0.5  # "well under a second": the refusals read one small file and compare numbers

@@ -553,7 +553,7 @@ def clean_runs(
                                "host whose driver is gone (a run locked on this machine is never deleted)."),
 ):
     """Delete runs: their checkpoints, metrics, logs and reports. Never a run being trained."""
-    from imgtrain.ops.clean import plan_runs
+    from imgtrain.commands.clean import plan_runs
 
     _clean(plan_runs(storage, names or [], everything=all_runs, force=force), yes, dry_run)
 
@@ -564,13 +564,13 @@ def clean_data(
     yes: bool = YES_OPTION, dry_run: bool = DRY_RUN_OPTION,
 ):
     """Delete prepared data sets: the manifest and the Parquet files it lists, nothing else."""
-    from imgtrain.ops.clean import plan_dataset
+    from imgtrain.commands.clean import plan_dataset
 
     _clean([plan_dataset(d) for d in data_dirs], yes, dry_run)
 
 
 def _clean(plan, yes: bool, dry_run: bool) -> None:
-    from imgtrain.ops.clean import remove
+    from imgtrain.commands.clean import remove
 
     if not plan:
         console.print("nothing to delete")
@@ -607,7 +607,7 @@ def doctor_cmd(
 
     Exits 0 when ready to train, 1 when something needs fixing first.
     """
-    from imgtrain.ops.doctor import diagnose
+    from imgtrain.commands.doctor import diagnose
 
     with _json_alone_on_stdout(json_out):
         found = diagnose(storage=storage, address=address, data=data)

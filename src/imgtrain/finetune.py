@@ -44,7 +44,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
     p = Path(path).expanduser()
     if p.is_dir():  # a checkpoint (its checksums verified) or a run (its best checkpoint)
-        from imgtrain.inference.predictor import resolve_checkpoint
+        from imgtrain.runs import resolve_checkpoint
 
         p = resolve_checkpoint(str(p), "best", str(p.parent)) / ckpt.MODEL_FILE
     if not p.is_file():

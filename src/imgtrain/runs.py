@@ -298,6 +298,25 @@ def locate(run: str | Path, storage: str) -> Path:
     return load_run(storage, str(run)).path  # "no run named ..." with the list of runs
 
 
+def resolve_checkpoint(run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs") -> Path:
+    """A verified checkpoint directory from: a checkpoint directory, a run directory, or a run
+    name in ``storage``; ``checkpoint`` picks best/latest in a run, or is itself a checkpoint
+    path. A named checkpoint that fails its sha256 is an error naming the file; a damaged
+    best/latest is skipped (with a warning) for the best/latest of those that verify."""
+    if checkpoint not in ("best", "latest"):
+        path = Path(checkpoint).expanduser()
+        if not path.is_dir():
+            raise ImgtrainError(f"checkpoint {path} does not exist; pass best, latest or a checkpoint directory")
+        ckpt.verify(path)
+        return path.resolve()
+    target = Path(str(run_or_checkpoint)).expanduser()
+    if (target / ckpt.META_FILE).is_file():
+        ckpt.verify(target)
+        return target.resolve()
+    run_dir = locate(run_or_checkpoint, storage)
+    return ckpt.choose(run_dir, checkpoint, run_dir.name)
+
+
 def load_run(storage: str, name: str) -> RunResult:
     run_dir = fetch(storage, name)
     if not ownership.is_run(run_dir):

@@ -274,7 +274,7 @@ def test_resume_skips_a_damaged_checkpoint_for_the_previous_good_one(two_checkpo
 
 
 def test_loading_best_or_latest_skips_a_damaged_checkpoint(two_checkpoints, tmp_path, capsys):
-    from imgtrain.inference.predictor import resolve_checkpoint
+    from imgtrain.runs import resolve_checkpoint
 
     storage = copy_run(two_checkpoints, tmp_path)
     damage(storage / "dmg" / "checkpoint_epoch_0001")

@@ -58,7 +58,7 @@ class InferenceOptions:
             raise ImgtrainError("; ".join(problems))
 
     def threads_per_actor(self) -> int:
-        from imgtrain.ops.cluster import threads_for
+        from imgtrain.cluster import threads_for
 
         return threads_for(self.concurrency, self.threads)
 
@@ -101,7 +101,7 @@ def _ray_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions):
     """Reading tasks (CPUs) feeding a pool of Predictor actors, order kept, output streamed."""
     import pandas as pd
 
-    from imgtrain.ops import cluster as cluster_mod
+    from imgtrain import cluster as cluster_mod
 
     with cluster_mod.ray_session(opts.address, opts.concurrency + 1, cluster_mod.user_log_dir(), "inference.log"):
         import ray.data

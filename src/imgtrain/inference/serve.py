@@ -59,13 +59,13 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from imgtrain import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain.data.images import MAX_DECODE_PIXELS
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.inference.batcher import Batcher
-from imgtrain.inference.predictor import Predictor, resolve_checkpoint
+from imgtrain.inference.predictor import Predictor
 from imgtrain.inference.try_page import CONTENT_SECURITY_POLICY, PAGE
-from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops.files import link_dir
 
 APP_NAME = "imgtrain"
@@ -424,7 +424,7 @@ def _check_request(run, checkpoint, storage, host, port, limits, replicas) -> tu
     if problems:
         raise ImgtrainError("; ".join(problems))
     # Verified here: a damaged checkpoint fails in one line, not in a replica's log.
-    path = resolve_checkpoint(run, checkpoint, storage)
+    path = runs.resolve_checkpoint(run, checkpoint, storage)
     check_port_free(host, port)
     in_run = (path.parent / runs.CONFIG_FILE).is_file()  # a checkpoint inside a run directory
     logs = path.parent / runs.LOGS_DIR if in_run else cluster_mod.user_log_dir()

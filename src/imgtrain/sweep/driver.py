@@ -20,10 +20,10 @@ from ray.tune.schedulers import AsyncHyperBandScheduler, TrialScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain.config import TrainConfig, validate
 from imgtrain.errors import ImgtrainError, one_line
-from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops import ownership
 from imgtrain.ops.files import link_dir
 from imgtrain.sweep import state as st

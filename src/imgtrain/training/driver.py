@@ -12,15 +12,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain import storage as remote
 from imgtrain.config import TrainConfig, changed_fields, steps_per_epoch, validate
 from imgtrain.data import stream
 from imgtrain.errors import ImgtrainError, one_line
-from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops import ownership
 from imgtrain.ops.files import check_writable
 from imgtrain.training import tracking
@@ -40,18 +41,21 @@ class Resume:
         return {"fallback": fallback or None, "damaged": self.damaged}
 
 
-def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: bool = False) -> runs.RunResult:
+def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: bool = False,
+          ray_callbacks: Sequence = ()) -> runs.RunResult:
     """Train (or resume) the run ``cfg.name``; return its result. Raises ImgtrainError on bad input.
 
     ``overwrite`` replaces an existing run of that name and starts afresh; the old run is
     deleted once the new one has its first checkpoint, and restored if it fails before that.
+    ``ray_callbacks``: Ray Train callbacks added to the run (the Ray backend's): a caller that
+    needs the run's reports (a sweep's trial, for Ray Tune) passes them, so training knows no caller.
     """
     validate(cfg)
     tracking.require(cfg)  # a tracker asked for but not installed: before anything else
     display = display or TrainingDisplay()
     display.pin_output()  # Ray redirects stdout to the run's logs: the display keeps the terminal
     try:
-        return _train(cfg, display, overwrite)
+        return _train(cfg, display, overwrite, ray_callbacks)
     except BaseException as e:  # a start-up that fails says in which phase
         display.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
         raise
@@ -59,7 +63,7 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
         display.close()
 
 
-def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool) -> runs.RunResult:
+def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool, ray_callbacks: Sequence) -> runs.RunResult:
     if cfg.data and not remote.is_remote(cfg.data):
         cfg = dataclasses.replace(cfg, data=str(Path(cfg.data).expanduser().resolve()))
     if cfg.init_from:  # the workers do not run in this directory
@@ -85,7 +89,7 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool) -> runs.
             _probe_storage(run_dir, cfg.storage)
             # the driver's files go up every few seconds; the workers upload the checkpoints
             with remote.mirrored(store, cfg.name, everything=cfg.backend == "local", token=token):
-                return _execute(plan, run_dir, display, replaced)
+                return _execute(plan, run_dir, display, replaced, ray_callbacks)
         finally:
             if replaced and not replaced.done:  # the new run failed before its first checkpoint
                 replaced.rollback()
@@ -249,7 +253,8 @@ def _find_resume_point(run_dir: Path, display) -> Resume:
     return Resume(latest, [p.name for p, _ in bad])
 
 
-def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacement | None) -> runs.RunResult:
+def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacement | None,
+             ray_callbacks: Sequence) -> runs.RunResult:
     cfg, manifest = plan.cfg, plan.manifest
     runs.write_config(run_dir, {**tracking.public_config(cfg), **runs.versions()})
     runs.write_status(run_dir, "running", started=time.time())
@@ -272,10 +277,13 @@ def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacemen
             # would import before Ray starts, with nothing on the screen
             if cfg.backend == "local":
                 display.phase("importing PyTorch")
-                from imgtrain.training import local_backend as backend
+                from imgtrain.training import local_backend
+
+                local_backend.fit(cfg, manifest, run_dir, records, plan.resume)
             else:
-                from imgtrain.training import ray_backend as backend
-            backend.fit(cfg, manifest, run_dir, records, plan.resume)
+                from imgtrain.training import ray_backend
+
+                ray_backend.fit(cfg, manifest, run_dir, records, plan.resume, ray_callbacks)
     except BaseException as e:  # a truthful status behind, whatever the failure
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
         error = str(e) if isinstance(e, ImgtrainError) else f"{type(e).__name__}: {e}"

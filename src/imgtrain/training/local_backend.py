@@ -16,10 +16,10 @@ import torch
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import storage
+from imgtrain.cluster import threads_for
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import process
-from imgtrain.ops.cluster import threads_for
 from imgtrain.ops.files import disk_full
 from imgtrain.training import faults, tracking
 

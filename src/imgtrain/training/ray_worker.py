@@ -19,10 +19,10 @@ import torch
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import storage
+from imgtrain.cluster import threads_for
 from imgtrain.config import TrainConfig
 from imgtrain.data import stream
 from imgtrain.data.order import ordered_batches, sort_by_id
-from imgtrain.ops.cluster import threads_for
 from imgtrain.training import faults, health, ingest
 from imgtrain.training.health import Progress
 from imgtrain.training.ingest import BATCH_DTYPES

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from imgtrain import runs
+from imgtrain.commands.clean import plan_dataset, plan_runs, remove
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
-from imgtrain.ops.clean import plan_dataset, plan_runs, remove
 from tests.conftest import cli_here
 
 

@@ -91,7 +91,7 @@ def _object_store(storage: str, address: str | None, data: str | None) -> list[C
         checks.append(_data(data))
     import ray._private.services as services
 
-    from imgtrain.ops import cluster
+    from imgtrain import cluster
 
     address = address or os.environ.get("RAY_ADDRESS") or None
     running = sorted(services.find_gcs_addresses())
@@ -184,7 +184,7 @@ def _cluster(address: str | None, root: Path | None, data: str | None) -> list[C
 
 def _joined_cluster(address: str, root: Path | None, data: str | None) -> list[Check]:
     """Nodes and resources; whether every node sees the storage (and data set) as this one does."""
-    from imgtrain.ops import cluster
+    from imgtrain import cluster
 
     with process.loggers_to(Path(os.devnull), cluster.RAY_LOGGERS):  # a verdict, not Ray's log lines
         try:
@@ -200,7 +200,7 @@ def _joined_cluster(address: str, root: Path | None, data: str | None) -> list[C
 def _cluster_checks(address: str, root: Path | None, data: str | None) -> list[Check]:
     import ray
 
-    from imgtrain.ops import cluster
+    from imgtrain import cluster
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     total = ray.cluster_resources()
