@@ -26,7 +26,8 @@ from common import SAMPLE_DATA, ensure_data, environment, write_result  # noqa: 
 
 from imgtrain import checkpoint as ckpt  # noqa: E402
 from imgtrain.data.format import read_split  # noqa: E402
-from imgtrain.model import build_resnet18, random_affine, to_model_input  # noqa: E402
+from imgtrain.data.tensors import random_affine, to_model_input  # noqa: E402
+from imgtrain.models.resnet18 import build_resnet18  # noqa: E402
 
 
 def accuracy(model, images, labels) -> float:

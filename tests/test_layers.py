@@ -18,9 +18,9 @@ PACKAGE = ROOT / "src" / "imgtrain"
 # every unit it imports (the test says which unit is missing).
 LAYERS = [
     ["errors", "console", "ops"],  # utilities: ops/ imports nothing of imgtrain but errors
-    ["config", "model"],  # every setting; the ResNet-18 and batch augmentation (torch only)
-    ["data"],  # sources, the prepared data set, the streamed epoch
-    ["zoo"],  # models by name, held to the data set's bounds
+    ["config"],  # every setting
+    ["data"],  # sources, the prepared data set, the streamed epoch, batch augmentation
+    ["models"],  # model families by name, held to the data set's bounds
     ["checkpoint", "storage", "runs", "configfile"],  # the run store: checkpoints, bucket, run files
     ["cluster", "finetune"],  # starting or joining Ray; --init-from's weights (from a run)
     ["training", "inference"],

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 from imgtrain import checkpoint as ckpt
-from imgtrain import zoo
 from imgtrain.commands import doctor
 from imgtrain.data import format as fmt
 from imgtrain.data import stream
 from imgtrain.data.prepare import prepare
 from imgtrain.errors import ImgtrainError
+from imgtrain.models import zoo
 from tests.conftest_data_helpers import save_image
 
 QUICK_S = 0.5  # "well under a second": the refusals read one small file and compare numbers
@@ -176,7 +176,7 @@ LOAD_UNDER_A_LIMIT = """
 import json, resource, sys, time
 limit = 8 << 30  # a 51-GB allocation fails at once instead of thrashing the machine
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-import torch, torchvision, imgtrain.zoo  # imported first: the refusal itself is timed
+import torch, torchvision, imgtrain.models.zoo  # imported first: the refusal itself is timed
 from imgtrain.inference.predictor import load_checkpoint
 start = time.perf_counter()
 try:

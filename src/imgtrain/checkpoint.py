@@ -106,7 +106,7 @@ def history(meta: dict) -> list[dict]:
 def verify(directory: str | os.PathLike) -> dict:
     """Check every file against the sha256 in meta.json, and the model meta.json describes against
     the bounds of what imgtrain builds; return the meta or raise naming the file."""
-    from imgtrain.zoo import args_problems  # imports no torch
+    from imgtrain.models.zoo import args_problems  # imports no torch
 
     d = Path(directory)
     meta = read_meta(d)

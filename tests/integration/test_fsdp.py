@@ -23,9 +23,9 @@ from imgtrain import runs
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.batch import InferenceOptions, evaluate
+from imgtrain.models.zoo import build_from_args
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.progress import TrainingDisplay
-from imgtrain.zoo import build_from_args
 from tests.conftest import assert_one_line_error, cli_here, quiet_display
 from tests.integration.ledger import global_batches
 

@@ -46,7 +46,7 @@ class Preprocess:
     def __call__(self, images, device="cpu"):
         import torch
 
-        from imgtrain.model import to_model_input
+        from imgtrain.data.tensors import to_model_input
 
         if not isinstance(images, torch.Tensor):
             images = np.asarray(images)
@@ -82,7 +82,7 @@ def load_checkpoint(
     """Verify the checkpoint's checksums, rebuild its model and load the weights (eval mode)."""
     import torch
 
-    from imgtrain.zoo import build_from_args
+    from imgtrain.models.zoo import build_from_args
 
     path = runs.resolve_checkpoint(run_or_checkpoint, checkpoint, storage)  # verified
     meta = ckpt.read_meta(path)

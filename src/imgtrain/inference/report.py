@@ -297,7 +297,7 @@ def _table(table_id: str, header: list[str] | None, rows: list[list], text_colum
 
 
 def _model_line(args: dict, config: dict) -> str:
-    from imgtrain.zoo import describe
+    from imgtrain.models.zoo import describe
 
     line = describe({"architecture": args.get("architecture", "resnet18"), **args}).removeprefix("model ")
     start = config.get("init_from") or ("published weights" if config.get("pretrained") else None)

@@ -206,7 +206,7 @@ def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
     seconds, before Ray starts; downloads --pretrained weights once for every worker. The
     default model from scratch takes any image size: nothing to check, and no torch import
     (zoo imports it: seconds before anything else shows, so the default is TrainConfig's)."""
-    from imgtrain.zoo import chosen_stem  # imports no torch
+    from imgtrain.models.zoo import chosen_stem  # imports no torch
 
     stem = chosen_stem(cfg.model, manifest["image_shape"][:2]) if cfg.stem == "auto" else cfg.stem
     if cfg.model == TrainConfig.model and stem == "standard" and not (cfg.init_from or cfg.pretrained):
@@ -214,7 +214,8 @@ def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
     display.phase("checking the model")
     import torch
 
-    from imgtrain import finetune, zoo
+    from imgtrain import finetune
+    from imgtrain.models import zoo
 
     args = zoo.model_args(manifest, cfg.model, cfg.stem)
     try:

@@ -29,8 +29,9 @@ from imgtrain.config import TrainConfig, per_worker_batch_sizes
 from imgtrain.config import steps_per_epoch as epoch_steps
 from imgtrain.data.format import eval_split
 from imgtrain.data.order import epoch_augment_draws
+from imgtrain.data.tensors import affine_matrices, apply_affine, to_model_input
 from imgtrain.errors import ImgtrainError
-from imgtrain.model import affine_matrices, apply_affine, to_model_input
+from imgtrain.models.zoo import build_from_args, model_args
 from imgtrain.runs import versions
 from imgtrain.training import faults, fsdp
 from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
@@ -43,7 +44,6 @@ from imgtrain.training.recipe import (
     set_batchnorm_momentum,
     weight_average,
 )
-from imgtrain.zoo import build_from_args, model_args
 
 Batch = dict  # {"id": int64 [B], "image": uint8 [B, H, W, C], "label": int64 [B]} on the device
 

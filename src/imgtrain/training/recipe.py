@@ -25,7 +25,7 @@ def parameter_groups(model: nn.Module, cfg: TrainConfig):
     if cfg.backbone_lr_scale == 1 and not cfg.freeze_backbone:
         return model.parameters()
     from imgtrain.checkpoint import unwrap
-    from imgtrain.zoo import head_name
+    from imgtrain.models.parts import head_name
 
     net = unwrap(model)
     head = head_name(net) + "."
