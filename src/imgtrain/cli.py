@@ -528,7 +528,8 @@ def serve_cmd(
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
 ):
     """Serve the model over HTTP with Ray Serve: POST /predict, GET /healthz. Ctrl-C stops it."""
-    from imgtrain.inference.serve import Limits, run_server
+    from imgtrain.inference.requests import Limits
+    from imgtrain.inference.serve import run_server
 
     limits = Limits(max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels,
                     max_batch_images=max_batch_images, request_timeout_s=request_timeout, body_timeout_s=body_timeout,

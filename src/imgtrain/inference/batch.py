@@ -201,7 +201,7 @@ def evaluate(
     """Accuracy, per-class scores and confusion matrix of a checkpoint on a prepared split."""
     from imgtrain.data.format import eval_split, verify_dataset
     from imgtrain.inference.inputs import list_inputs
-    from imgtrain.storage import local_data
+    from imgtrain.storage.staging import local_data
 
     opts = options or InferenceOptions()
     loaded = load_checkpoint(run, checkpoint, storage)

@@ -18,12 +18,12 @@ from pathlib import Path
 from imgtrain import checkpoint as ckpt
 from imgtrain import cluster as cluster_mod
 from imgtrain import runs
-from imgtrain import storage as remote
 from imgtrain.config import TrainConfig, changed_fields, steps_per_epoch, validate
 from imgtrain.data import stream
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import ownership
 from imgtrain.ops.files import check_writable
+from imgtrain.storage import lease, mirror, remote, staging
 from imgtrain.training import tracking
 from imgtrain.training.progress import TrainingDisplay
 
@@ -74,7 +74,7 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool, ray_call
     store = remote.store(cfg.storage) if remote.is_remote(cfg.storage) else None
     with contextlib.ExitStack() as held:  # the run's lease and lock, held until training ends
         # another machine's driver of this run: refused before anything of the run is touched
-        token = held.enter_context(remote.leased(store, cfg.name, hint=_busy_hint(cfg, runs.run_path(cfg.storage, cfg.name))))
+        token = held.enter_context(lease.leased(store, cfg.name, hint=_busy_hint(cfg, runs.run_path(cfg.storage, cfg.name))))
         run_dir, locked = _working_copy(cfg, held)
         plan = _plan(cfg, run_dir, overwrite, display, held, locked)
         replaced = ownership.Replacement(run_dir) if plan.replace else None
@@ -88,7 +88,7 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool, ray_call
                     held.enter_context(ownership.locked(run_dir, "trained"))
             _probe_storage(run_dir, cfg.storage)
             # the driver's files go up every few seconds; the workers upload the checkpoints
-            with remote.mirrored(store, cfg.name, everything=cfg.backend == "local", token=token):
+            with mirror.mirrored(store, cfg.name, everything=cfg.backend == "local", token=token):
                 return _execute(plan, run_dir, display, replaced, ray_callbacks)
         finally:
             if replaced and not replaced.done:  # the new run failed before its first checkpoint
@@ -104,19 +104,19 @@ def _working_copy(cfg: TrainConfig, held: contextlib.ExitStack) -> tuple[Path, b
     if not remote.is_remote(cfg.storage):
         return run_dir, False
     st = remote.store(cfg.storage)
-    with remote.turn(st, cfg.name):
+    with mirror.turn(st, cfg.name):
         known = ownership.is_run(run_dir)
         if known:
             held.enter_context(ownership.locked(run_dir, "trained"))
-        remote.pull(st, cfg.name, owner=True)
+        mirror.pull(st, cfg.name, owner=True)
         if not known and ownership.is_run(run_dir):  # first brought to this machine just now
             held.enter_context(ownership.locked(run_dir, "trained"))
     return run_dir, ownership.is_run(run_dir)  # a run here is locked (one the store no longer has is gone)
 
 
 def _turn(storage: str, name: str):
-    """The run's turn on this machine's working copy (``storage.turn``); nothing for a folder."""
-    return remote.turn(remote.store(storage), name) if remote.is_remote(storage) else contextlib.nullcontext()
+    """The run's turn on this machine's working copy (``mirror.turn``); nothing for a folder."""
+    return mirror.turn(remote.store(storage), name) if remote.is_remote(storage) else contextlib.nullcontext()
 
 
 @dataclasses.dataclass
@@ -175,7 +175,7 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
         raise ImgtrainError("--data is required for a new run (a directory made by `imgtrain data prepare`)")
     display.phase("checking the data set")
     # one in an object store: copied here first, each file checked against its sha256 as it came
-    manifest = verify_dataset(remote.local_data(cfg.data), check_hashes=not remote.is_remote(cfg.data))
+    manifest = verify_dataset(staging.local_data(cfg.data), check_hashes=not remote.is_remote(cfg.data))
     n_train = manifest["splits"]["train"]["num_samples"]
     if steps_per_epoch(n_train, cfg.batch_size) == 0:
         raise ImgtrainError(
@@ -196,7 +196,7 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
 def _busy_hint(cfg: TrainConfig, run_dir: Path) -> str:
     if remote.is_remote(cfg.storage):  # the status comes from the store: deleting the copy here is undone
         return (f"wait for it or stop it; if that driver is gone, its heartbeat has stopped and the run counts "
-                f"as interrupted {remote.HEARTBEAT_STALE_S:.0f} s after the last one: run this again then")
+                f"as interrupted {lease.HEARTBEAT_STALE_S:.0f} s after the last one: run this again then")
     return f"wait for it or stop it (if that process is gone, delete {run_dir / runs.STATUS_FILE})"
 
 
@@ -309,7 +309,7 @@ def _checkpoint_records(cfg: TrainConfig, display) -> None:
     from them; the weights stay in the store until a command needs them). Training is over: a
     store failing now is a warning, and the run is still recorded as finished."""
     try:
-        remote.pull(remote.store(cfg.storage), cfg.name, checkpoints=False, only_checkpoints=True, owner=True)
+        mirror.pull(remote.store(cfg.storage), cfg.name, checkpoints=False, only_checkpoints=True, owner=True)
     except Exception as e:  # noqa: BLE001 - whatever it is, the run's status is written next
         display.note(f"warning: the checkpoints' records could not be read from the store ({one_line(e)}); "
                      f"`imgtrain runs show {cfg.name} --storage {cfg.storage}` reads them later")

@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 from imgtrain import checkpoint as ckpt
-from imgtrain import storage
 from imgtrain.cluster import threads_for
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import process
 from imgtrain.ops.files import disk_full
+from imgtrain.storage.staging import local_data
 from imgtrain.training import faults, tracking
 
 
@@ -36,7 +36,7 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
     for stale in run_dir.glob(f".{ckpt.PREFIX}*.tmp"):  # a copy cut short by a killed driver
         shutil.rmtree(stale, ignore_errors=True)
     in_memory = stream.in_memory(cfg, manifest)
-    data_cfg = dataclasses.replace(cfg, data=storage.local_data(cfg.data))  # an object store's: copied here
+    data_cfg = dataclasses.replace(cfg, data=local_data(cfg.data))  # an object store's: copied here
     if in_memory:
         from imgtrain.data.format import read_split
         from imgtrain.data.order import ordered_batches, sort_by_id

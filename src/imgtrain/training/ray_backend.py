@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 from imgtrain import checkpoint as ckpt
 from imgtrain import cluster as cluster_mod
 from imgtrain import runs
-from imgtrain import storage as remote
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import process
 from imgtrain.ops.files import disk_full, link_dir
+from imgtrain.storage import mirror, remote, staging
 from imgtrain.training import faults, tracking
 
 if TYPE_CHECKING:
@@ -88,10 +88,10 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callb
         unread = None
         try:
             if store:  # what the workers uploaded, to be judged here
-                remote.pull(store, cfg.name, only_checkpoints=True, owner=True)  # this driver holds the lock
+                mirror.pull(store, cfg.name, only_checkpoints=True, owner=True)  # this driver holds the lock
             removed = ckpt.remove_incomplete(run_dir, keep=resume.damaged)
             for name in removed if store else ():
-                remote.delete(store, cfg.name, name)
+                mirror.delete(store, cfg.name, name)
         except ImgtrainError:  # the bucket failing too: the training failure is the one to tell
             removed, unread = [], store.uri
         if removed:
@@ -170,7 +170,7 @@ def _datasets(cfg: TrainConfig, manifest: dict):
         return None
     from imgtrain.data.dataset import ray_dataset
 
-    return {"train": ray_dataset(remote.local_data(cfg.data), "train")}
+    return {"train": ray_dataset(staging.local_data(cfg.data), "train")}
 
 
 def _failure_message(error: Exception, watchdog: Watchdog, run_dir: Path, logs: Path, unread: str | None = None) -> str:
