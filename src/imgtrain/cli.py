@@ -67,10 +67,13 @@ def data_prepare(
     out_dir: Path = typer.Argument(..., help="Directory to write the prepared data set to."),
     source_path: Optional[Path] = typer.Option(
         None, "--source", help="What the source reads: a folder or a file (Sources, above)."),
-    download: bool = typer.Option(False, "--download", help=_used_by("download") + "download with torchvision (needs internet)."),
-    image_column: str = typer.Option("image", help=_used_by("image_column") + "the image column (PNG/JPEG bytes or pixel arrays)."),
+    download: bool = typer.Option(False, "--download",
+                                  help=_used_by("download") + "fetch the files into --source first (needs internet)."),
+    image_column: str = typer.Option("image", help=_used_by("image_column") + "the image column (PNG/JPEG bytes or "
+                                     "pixel arrays)."),
     label_column: str = typer.Option("label", help=_used_by("label_column") + "the label column (class ids or names)."),
-    path_column: str = typer.Option("path", help=_used_by("path_column") + "the column of image paths (relative to the table)."),
+    path_column: str = typer.Option("path", help=_used_by("path_column") + "the column of image paths (relative to "
+                                    "the table)."),
     channels: Optional[int] = typer.Option(None, help="1 (grayscale) or 3 (RGB); default: 1 when every image is gray."),
     size: Optional[str] = typer.Option(None, help="Resize (and re-encode) every image to HxW, e.g. 64x64; default: "
                                         "keep them, train at their size (or the median one)."),

@@ -99,8 +99,10 @@ def carve_val(raw: RawDataset, val_fraction: float, seed: int) -> RawDataset:
     if not val_fraction:
         return raw
     train, val = stratified_split(raw.train.labels, val_fraction / (1 - 0.2), seed + 1)
-    take = lambda idx: Split(take_images(raw.train.images, idx), raw.train.labels[idx],  # noqa: E731
-                                     raw.train.ids[idx])
+
+    def take(idx):
+        return Split(take_images(raw.train.images, idx), raw.train.labels[idx], raw.train.ids[idx])
+
     return RawDataset(raw.classes, take(np.sort(train)), raw.test, take(np.sort(val)))
 
 

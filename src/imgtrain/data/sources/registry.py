@@ -101,7 +101,7 @@ def problems(spec: SourceSpec, source_path, opts: PrepareOptions) -> list[str]:
 
 def _not_taken(spec: SourceSpec, given: set[str], flags: str) -> list[str]:
     fields = SOURCE_OPTIONS[flags]
-    if given & set(fields) <= spec.options | spec.ignores:
+    if (given & set(fields)) <= (spec.options | spec.ignores):
         return []
     names = using(*fields)
     where = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
