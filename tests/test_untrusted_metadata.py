@@ -22,6 +22,7 @@ from imgtrain import checkpoint as ckpt
 from imgtrain.commands import doctor
 from imgtrain.data import format as fmt
 from imgtrain.data import stream
+from imgtrain.data.options import PrepareOptions
 from imgtrain.data.prepare import prepare
 from imgtrain.errors import ImgtrainError
 from imgtrain.models import zoo
@@ -57,7 +58,7 @@ def photos(tmp_path_factory) -> Path:
     for c, base in (("a", 0), ("b", 100)):
         for i in range(20):
             save_image(root / "src" / c / f"{i}.png", base + 5 * i, size=(16, 16), mode="RGB")
-    prepare("folder", root / "data", source_path=root / "src", seed=3)
+    prepare("folder", root / "data", root / "src", PrepareOptions(seed=3))
     return root / "data"
 
 

@@ -25,7 +25,7 @@ from imgtrain.ops import process
 DEFAULT_BATCH_SIZE = 500
 # evaluate's confusion matrix is the dense K x K list of lists (rows: true class) up to this many
 # classes; above, only the pairs that occur (``confusion_json``). A checkpoint's K is its owner's
-# choice, up to sources.MAX_CLASSES = 100,000: dense, 80 GB.
+# choice, up to limits.MAX_CLASSES = 100,000: dense, 80 GB.
 DENSE_CONFUSION_MAX_CLASSES = 1_000
 
 

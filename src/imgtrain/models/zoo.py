@@ -66,7 +66,7 @@ def args_problems(args) -> list[str]:
     position embeddings by image_size squared (65,536 px: a 51-GB tensor). No torch
     needed: checkpoint.verify asks before any model is built."""
     from imgtrain.data.format import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, short_repr
-    from imgtrain.data.sources import MAX_CLASSES
+    from imgtrain.data.limits import MAX_CLASSES
 
     if not isinstance(args, dict):
         return [f"model_args {short_repr(args)} is not an object"]
