@@ -247,7 +247,7 @@ def require_shared_paths(run_dir: Path, data_dir: str | None, storage: str | Non
         raise ImgtrainError(
             f"storage is not shared by every node of the cluster: {'; '.join(problems)}; --storage and --data must "
             "be on a filesystem every node mounts at the same path (NFS or another shared file system, see "
-            "'From a laptop to a cluster' in the README)"
+            "docs/clusters.md, 'From a laptop to a cluster')"
         )
 
 

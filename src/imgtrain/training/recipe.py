@@ -1,4 +1,4 @@
-"""The recipe: optimizer, moving average of the weights, one-cycle learning rate (see the README's
+"""The recipe: optimizer, moving average of the weights, one-cycle learning rate (see docs/training.md
 "The default recipe" and docs/NOTES.md for the measurements behind it)."""
 
 from __future__ import annotations
