@@ -34,6 +34,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from imgtrain.checkpoint_policy import POLICY, PREFIX, RAY_SNAPSHOT_FILE
 from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
 from imgtrain.ops import ownership, process
 from imgtrain.ops.files import atomic_write_text, sha256_file
@@ -56,8 +57,7 @@ HEARTBEAT_STALE_S = 60.0
 SYNCED_FILE = ".imgtrain-synced.json"
 LOCAL_ONLY = (".lock", "logs/ray", SYNCED_FILE)
 # Written straight to the store (by Ray Train; the heartbeat): a copy pulled here is older, never sent back.
-STORE_ONLY = ("checkpoint_manager_snapshot.json", HEARTBEAT_FILE)
-CHECKPOINT_PREFIX = "checkpoint_"
+STORE_ONLY = (RAY_SNAPSHOT_FILE, HEARTBEAT_FILE)
 META_FILE = "meta.json"
 
 
@@ -361,7 +361,7 @@ def _record_synced(local: Path, add=(), drop=()) -> None:
 def _local_checkpoints(local: Path) -> list[Path]:
     if not local.is_dir():
         return []
-    return [d for d in local.iterdir() if d.name.startswith(CHECKPOINT_PREFIX) and d.is_dir() and not d.is_symlink()]
+    return [d for d in local.iterdir() if POLICY.is_checkpoint(d.name) and d.is_dir() and not d.is_symlink()]
 
 
 def _step(folder: Path) -> int | None:
@@ -414,7 +414,7 @@ def _read_json_file(path: Path):
 
 
 def _in_checkpoint(rel: str) -> bool:
-    return rel.startswith(CHECKPOINT_PREFIX) and "/" in rel
+    return "/" in rel and POLICY.is_checkpoint(rel.split("/", 1)[0])
 
 
 def _same(path: Path, size: int, mtime: float) -> bool:
@@ -456,7 +456,7 @@ def push(st: Store, name: str, sent: dict[str, tuple[int, int]] | None = None, e
     _record_synced(local, add=uploaded)
     if uploaded and prune:  # the local backend's retention may have deleted older ones
         gone = {rel.split("/", 1)[0] for rel in remote_files(st, name) if _in_checkpoint(rel)}
-        gone -= {p.name for p in local.glob(CHECKPOINT_PREFIX + "*")}
+        gone -= {p.name for p in local.glob(PREFIX + "*") if POLICY.is_checkpoint(p.name)}
         for folder in sorted(gone):
             delete(st, name, folder)
             for rel in [r for r in sent if r.startswith(folder + "/")]:

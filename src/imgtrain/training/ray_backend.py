@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain import storage as remote
+from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import cluster as cluster_mod
@@ -123,10 +124,7 @@ def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, e
         run_config=ray.train.RunConfig(
             name=cfg.name, **_storage(cfg, run_dir),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=cfg.num_to_keep, checkpoint_score_attribute="val_accuracy",
-                checkpoint_score_order="max",
-            ),
+            checkpoint_config=POLICY.keeping(cfg.num_to_keep).ray_config(),  # as the local backend's retention
             callbacks=sweep_trial.callbacks(),  # inside a sweep's trial: epoch metrics to Ray Tune
         ),
         datasets=_datasets(cfg, manifest),
