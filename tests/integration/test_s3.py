@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
+from imgtrain.checkpoint_policy import POLICY, RAY_SNAPSHOT_FILE
 from imgtrain.data.format import read_split
 from imgtrain.inference.predictor import Predictor
 from tests.conftest import assert_one_line_error, cli_here, wait_for
@@ -45,7 +46,7 @@ def objects(env: dict, prefix: str) -> dict[str, int]:
 def snapshot(env: dict, run: str) -> str:
     """Ray Train's record of the run's checkpoints in the bucket ('' before the first)."""
     try:
-        with bucket(env).open_input_stream(f"{BUCKET}/runs/{run}/checkpoint_manager_snapshot.json") as f:
+        with bucket(env).open_input_stream(f"{BUCKET}/runs/{run}/{RAY_SNAPSHOT_FILE}") as f:
             return f.read().decode()
     except OSError:
         return ""
@@ -134,7 +135,7 @@ def test_the_run_lives_in_the_bucket(s3_run):
     found = objects(s3_run, "runs/srv")
     for name in ("config.json", "metrics.jsonl", "status.json", ".imgtrain-run", "logs/driver.log"):
         assert name in found, sorted(found)
-    checkpoints = {k.split("/")[0] for k in found if k.startswith("checkpoint_epoch")}
+    checkpoints = {k.split("/")[0] for k in found if POLICY.parse(k.split("/")[0]) is not None}
     assert checkpoints and all(f"{c}/model.pt" in found and f"{c}/meta.json" in found for c in checkpoints)
     assert ".lock" not in found and not any(k.startswith("logs/ray") for k in found)  # this machine's own
     status = json.loads(bucket(s3_run).open_input_stream(f"{BUCKET}/runs/srv/status.json").read())
@@ -191,7 +192,7 @@ def test_a_driver_killed_mid_run_resumes_from_the_bucket_on_another_machine(s3_s
                              stderr=subprocess.PIPE, text=True, env=machine(s3_server, tmp_path, "first"),
                              start_new_session=True)
     try:  # Ray Train has registered the first epoch's checkpoint: its upload to the bucket is complete
-        wait_for(lambda: "checkpoint_epoch_0000" in snapshot(s3_server, "killed"), 240,
+        wait_for(lambda: POLICY.epoch_name(0) in snapshot(s3_server, "killed"), 240,
                  "the first checkpoint in the bucket", first, poll_s=0.2)
         killed = kill_tree(first.pid)  # the driver and the Ray cluster it started: a lost machine
         first.wait(timeout=30)
@@ -218,7 +219,7 @@ def test_a_driver_killed_mid_run_resumes_from_the_bucket_on_another_machine(s3_s
         assert again.returncode == 0, again.stderr
         assert "resuming run 'killed' at epoch" in again.stdout
         copy = Path(env["IMGTRAIN_CACHE"]) / "stores" / "s3" / BUCKET / "runs" / "killed"
-        last = copy / "checkpoint_epoch_0002"  # the run's end brings down its checkpoints' records only
+        last = copy / POLICY.epoch_name(2)  # the run's end brings down its checkpoints' records only
         assert (last / "meta.json").is_file() and not (last / "model.pt").exists()
         shown = json.loads(cli_here(capsys, "runs", "show", "killed", "--storage", RUNS, "--json").stdout)
     assert shown["status"] == "finished"

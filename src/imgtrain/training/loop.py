@@ -35,8 +35,19 @@ from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
 from imgtrain.training.backend import Backend, Batch
 from imgtrain.training.calibration import calibrate_batchnorm
 from imgtrain.training.checkpointing import checkpoint_inside_epoch, restore, save
-from imgtrain.training.evaluation import evaluate, evaluated_model, global_means, plain_model
-from imgtrain.training.recipe import freeze, one_cycle, optimizer_for, set_batchnorm_momentum, weight_average
+from imgtrain.training.evaluation import (
+    evaluate,
+    evaluated_model,
+    global_means,
+    plain_model,
+)
+from imgtrain.training.recipe import (
+    freeze,
+    one_cycle,
+    optimizer_for,
+    set_batchnorm_momentum,
+    weight_average,
+)
 from imgtrain.training.run_state import Resumed, Run
 from imgtrain.zoo import build_from_args, model_args
 

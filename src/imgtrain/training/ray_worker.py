@@ -24,9 +24,9 @@ from imgtrain.data import stream
 from imgtrain.data.order import ordered_batches, sort_by_id
 from imgtrain.ops.cluster import threads_for
 from imgtrain.training import faults, health, ingest
+from imgtrain.training.backend import Backend, single_process_collectives
 from imgtrain.training.health import Progress
 from imgtrain.training.ingest import BATCH_DTYPES
-from imgtrain.training.backend import Backend, single_process_collectives
 from imgtrain.training.loop import phase_record, run_loop
 
 

@@ -16,6 +16,7 @@ from imgtrain.training.accounting import Ledger
 from imgtrain.training.backend import Backend
 from imgtrain.training.recipe import WeightAverage
 
+
 @dataclass
 class Resumed:
     """Where training stands: restored from a checkpoint, or fresh."""
