@@ -28,15 +28,14 @@ def checkpoint_inside_epoch(run: Run, epoch: int, steps_done: int, sums: torch.T
     backend.progress.enter("sync")
     total = backend.all_reduce_sum(sums)
     progress = {"steps": steps_done, "sums": total.cpu(), "elapsed_s": elapsed}
-    # Not evaluated: the policy's stand-in ranks it below every evaluated checkpoint in Ray's
-    # retention, which reads the ranking metric from what is reported
+    # Not evaluated: the policy's stand-in for the ranking metric puts it below every evaluated
+    # checkpoint, in Ray's retention (which ranks by the reported metrics) as in the local one
     metrics = {"epoch": epoch, "step": run.step, **POLICY.unevaluated_metrics(), "time": time.time()}
     name = POLICY.step_name(epoch, run.step, backend.damaged)
     save(run, epoch, metrics, progress, name)
     if backend.rank == 0:
         backend.send({"kind": "checkpoint", "epoch": epoch, "step": run.step, "checkpoint": name, "time": time.time()})
     return total.to(backend.device) if backend.rank == 0 else torch.zeros_like(sums)
-
 
 
 def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name: str,
