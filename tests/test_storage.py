@@ -13,6 +13,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY, RAY_SNAPSHOT_FILE
 from imgtrain.data.format import verify_dataset
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
@@ -71,25 +72,26 @@ def test_push_then_pull_elsewhere_gives_the_same_files_and_fetches_only_what_cha
 def test_checkpoints_deleted_in_the_store_leave_the_working_copy_and_a_light_pull_gets_meta_only(s3, tmp_path):
     run = s3.local / "r"
     write(run / "config.json", "{}")
-    for name in ("checkpoint_epoch_0000", "checkpoint_epoch_0001"):
+    for name in (POLICY.epoch_name(0), POLICY.epoch_name(1)):
         write(run / name / "model.pt", "weights")
         write(run / name / "meta.json", "{}")
     mirror.push(s3, "r", everything=True)
     there = other_machine(s3, tmp_path)
     light = mirror.pull(there, "r", checkpoints=False)
-    assert (light / "checkpoint_epoch_0000" / "meta.json").is_file()
-    assert not (light / "checkpoint_epoch_0000" / "model.pt").exists()
+    assert (light / POLICY.epoch_name(0) / "meta.json").is_file()
+    assert not (light / POLICY.epoch_name(0) / "model.pt").exists()
     mirror.pull(there, "r")
-    assert (light / "checkpoint_epoch_0000" / "model.pt").read_text() == "weights"
+    assert (light / POLICY.epoch_name(0) / "model.pt").read_text() == "weights"
 
     import shutil
 
-    shutil.rmtree(run / "checkpoint_epoch_0000")  # the local backend's retention
-    write(run / "checkpoint_epoch_0002" / "meta.json", "{}")
+    shutil.rmtree(run / POLICY.epoch_name(0))  # the local backend's retention
+    write(run / POLICY.epoch_name(2) / "meta.json", "{}")
     mirror.push(s3, "r", everything=True)
-    assert not any(k.startswith("checkpoint_epoch_0000") for k in mirror.remote_files(s3, "r"))
+    assert not any(k.startswith(POLICY.epoch_name(0)) for k in mirror.remote_files(s3, "r"))
     mirror.pull(there, "r")
-    assert sorted(p.name for p in light.glob("checkpoint_*")) == ["checkpoint_epoch_0001", "checkpoint_epoch_0002"]
+    pulled = sorted(p.name for p in light.iterdir() if POLICY.is_checkpoint(p.name))
+    assert pulled == [POLICY.epoch_name(1), POLICY.epoch_name(2)]
 
 
 def test_the_mirror_uploads_while_the_block_runs_and_once_more_at_its_end(s3):
@@ -165,7 +167,7 @@ def trained_here(st: remote.Store, name: str = "r"):
     mirror.push(st, name)
     with open(run / "metrics.jsonl", "a") as f:  # the driver's next record, not uploaded yet
         f.write('{"epoch": 1}\n')
-    write(run / "checkpoint_epoch_0001" / "model.pt", "weights")  # the local backend's, not uploaded yet
+    write(run / POLICY.epoch_name(1) / "model.pt", "weights")  # the local backend's, not uploaded yet
     return run
 
 
@@ -175,7 +177,7 @@ def test_a_pull_leaves_a_run_trained_on_this_machine_as_its_driver_has_it(s3):
         assert mirror.pull(s3, "r") == run
         assert runs.fetch(s3.uri, "r") == run and [r.name for r in runs.list_runs(s3.uri)] == ["r"]
         assert (run / "metrics.jsonl").read_text().count("epoch") == 2  # not the store's older copy
-        assert (run / "checkpoint_epoch_0001" / "model.pt").is_file()  # not dropped as "deleted in the store"
+        assert (run / POLICY.epoch_name(1) / "model.pt").is_file()  # not dropped as "deleted in the store"
 
 
 def test_a_pull_never_replaces_a_file_changed_here_since_its_upload(s3):
@@ -202,7 +204,7 @@ def test_a_second_train_on_this_machine_is_refused_before_it_touches_the_working
 def test_what_was_uploaded_or_fetched_here_is_not_fetched_again(s3):
     run = s3.local / "r"
     write(run / "config.json", "{}")
-    write(run / "checkpoint_epoch_0000" / "model.pt", "weights")
+    write(run / POLICY.epoch_name(0) / "model.pt", "weights")
     mirror.push(s3, "r", everything=True)
     inodes = {p: p.stat().st_ino for p in run.rglob("*") if p.is_file()}
     mirror.pull(s3, "r")
@@ -213,17 +215,17 @@ def test_the_mirror_sends_nothing_that_a_pull_brought_down_nor_ray_trains_own_re
     run = s3.local / "r"
     write(run / "config.json", "{}")
     mirror.push(s3, "r")
-    put_object(s3, "r/checkpoint_manager_snapshot.json", b'{"checkpoints": []}')
+    put_object(s3, f"r/{RAY_SNAPSHOT_FILE}", b'{"checkpoints": []}')
     there = other_machine(s3, tmp_path)
     mirror.pull(there, "r")
-    put_object(s3, "r/checkpoint_manager_snapshot.json", b'{"checkpoints": ["newer, by Ray Train"]}')
+    put_object(s3, f"r/{RAY_SNAPSHOT_FILE}", b'{"checkpoints": ["newer, by Ray Train"]}')
     before = mirror.remote_files(s3, "r")
     time.sleep(1.1)  # the store's times are in seconds: anything sent again would show
     with mirror.mirrored(there, "r", interval_s=0.1):
         time.sleep(0.3)
     after = mirror.remote_files(there, "r")
     assert {k: after[k] for k in before} == before
-    assert read_object(s3, "r/checkpoint_manager_snapshot.json") == {"checkpoints": ["newer, by Ray Train"]}
+    assert read_object(s3, f"r/{RAY_SNAPSHOT_FILE}") == {"checkpoints": ["newer, by Ray Train"]}
 
 
 # ---------------------------------------------------------------- a driver on another machine
@@ -263,7 +265,7 @@ def test_the_mirror_skips_a_file_deleted_under_it_and_survives_any_error(s3, mon
     listed = mirror._mirrored_files
 
     def with_a_vanished_checkpoint(local):  # retention deleted it between the listing and its upload
-        yield "checkpoint_epoch_0000/model.pt"
+        yield f"{POLICY.epoch_name(0)}/model.pt"
         yield from listed(local)
 
     monkeypatch.setattr(mirror, "_mirrored_files", with_a_vanished_checkpoint)
@@ -300,8 +302,8 @@ def test_processes_pulling_one_run_at_once_each_get_it_whole(s3, tmp_path):
     run = s3.local / "r"
     payload = os.urandom(10 << 20)  # several chunks: the pulls overlap
     write(run / "config.json", "{}")
-    (run / "checkpoint_epoch_0000").mkdir()
-    (run / "checkpoint_epoch_0000" / "model.pt").write_bytes(payload)
+    (run / POLICY.epoch_name(0)).mkdir()
+    (run / POLICY.epoch_name(0) / "model.pt").write_bytes(payload)
     mirror.push(s3, "r", everything=True)
     there = other_machine(s3, tmp_path)
     errors = []
@@ -318,7 +320,7 @@ def test_processes_pulling_one_run_at_once_each_get_it_whole(s3, tmp_path):
     for t in threads:
         t.join()
     assert not errors
-    assert (there.local / "r" / "checkpoint_epoch_0000" / "model.pt").read_bytes() == payload
+    assert (there.local / "r" / POLICY.epoch_name(0) / "model.pt").read_bytes() == payload
     assert not [p for p in there.local.rglob("*.part")]
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY, PREFIX
 from imgtrain.errors import ImgtrainError, ImgtrainWarning
 from imgtrain.ops import ownership
 from imgtrain.storage import lease, mirror, remote, staging
@@ -43,7 +44,7 @@ def keys(s3_server, prefix: str) -> list[str]:
 
 
 def checkpoint_names(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.glob("checkpoint_*") if p.is_dir())
+    return sorted(p.name for p in folder.iterdir() if POLICY.is_checkpoint(p.name) and p.is_dir())
 
 
 def files_under(folder: Path) -> set[str]:
@@ -58,14 +59,14 @@ def test_checkpoints_made_while_the_store_was_unreachable_are_kept_and_uploaded_
     from imgtrain.training import driver
 
     prefix = env.removeprefix("s3://imgtrain/")
-    first_meta = f"HEAD /imgtrain/{prefix}/outage/checkpoint_epoch_0000/meta.json".encode()
+    first_meta = f"HEAD /imgtrain/{prefix}/outage/{POLICY.epoch_name(0)}/meta.json".encode()
     proxy = FlakyStore(s3_server["IMGTRAIN_S3_ENDPOINT"], cut_on=first_meta)  # the store goes away there
     monkeypatch.setenv("IMGTRAIN_S3_ENDPOINT", proxy.endpoint)
     sent = driver.Records.send
 
     def slow_first_epoch(records, record):  # training goes on once the mirror has uploaded epoch 0 (and the
         sent(records, record)  # store is gone), as it would after a longer epoch: the outage falls between two
-        if record.get("checkpoint") == "checkpoint_epoch_0000":
+        if record.get("checkpoint") == POLICY.epoch_name(0):
             assert proxy.was_cut.wait(60), "the first checkpoint never went up"
 
     monkeypatch.setattr(driver.Records, "send", slow_first_epoch)
@@ -75,15 +76,15 @@ def test_checkpoints_made_while_the_store_was_unreachable_are_kept_and_uploaded_
             driver.train(cfg, display=quiet_display())
         assert proxy.was_cut.is_set()
         copy = remote.store(env).local / "outage"
-        made = [n for n in checkpoint_names(copy) if n != "checkpoint_epoch_0000"]  # never uploaded
-        assert made == ["checkpoint_epoch_0001"], made
-        in_bucket = {k.split("/")[2] for k in keys(s3_server, env) if "/checkpoint_" in k}
-        assert in_bucket == {"checkpoint_epoch_0000"}
+        made = [n for n in checkpoint_names(copy) if n != POLICY.epoch_name(0)]  # never uploaded
+        assert made == [POLICY.epoch_name(1)], made
+        in_bucket = {k.split("/")[2] for k in keys(s3_server, env) if f"/{PREFIX}" in k}
+        assert in_bucket == {POLICY.epoch_name(0)}
 
         proxy.restore()
         result = runs.load_run(env, "outage")  # `imgtrain runs show outage`: the first command after
         assert set(made) <= set(checkpoint_names(copy))  # nothing made here was deleted
-        assert result.latest_checkpoint.name == "checkpoint_epoch_0001"
+        assert result.latest_checkpoint.name == POLICY.epoch_name(1)
         uploaded = keys(s3_server, f"{env}/outage")
         for name in made:  # ... and what the store lacked went up, meta.json with the rest
             assert f"{prefix}/outage/{name}/meta.json" in uploaded and f"{prefix}/outage/{name}/model.pt" in uploaded
@@ -94,7 +95,7 @@ def test_checkpoints_made_while_the_store_was_unreachable_are_kept_and_uploaded_
     elsewhere = remote.Store(uri=env, root=f"imgtrain/{prefix}", local=copy.parent.parent / "other")
     there = mirror.pull(elsewhere, "outage")  # another machine sees the whole run
     assert [r["epoch"] for r in runs.read_run(there).history] == [0, 1]
-    assert "checkpoint_epoch_0001" in checkpoint_names(there)
+    assert POLICY.epoch_name(1) in checkpoint_names(there)
 
 
 def test_a_pull_drops_only_checkpoints_that_were_in_the_store(env, s3_server):
@@ -103,19 +104,19 @@ def test_a_pull_drops_only_checkpoints_that_were_in_the_store(env, s3_server):
     (run / ownership.MARKER_FILE).parent.mkdir(parents=True)
     (run / ownership.MARKER_FILE).write_text("{}")
     for epoch in (0, 1):
-        folder = run / f"checkpoint_epoch_{epoch:04d}"
+        folder = run / POLICY.epoch_name(epoch)
         folder.mkdir()
         (folder / "model.pt").write_text("w")
         (folder / "meta.json").write_text(json.dumps({"step": 8 * (epoch + 1)}))
     mirror.push(st, "r", everything=True)
-    mirror.delete(st, "r", "checkpoint_epoch_0000")  # Ray Train's retention, in the store
-    never_sent = run / "checkpoint_epoch_0002"  # made here while the store was away
+    mirror.delete(st, "r", POLICY.epoch_name(0))  # Ray Train's retention, in the store
+    never_sent = run / POLICY.epoch_name(2)  # made here while the store was away
     never_sent.mkdir()
     (never_sent / "model.pt").write_text("w")
     (never_sent / "meta.json").write_text(json.dumps({"step": 24}))
     mirror.pull(st, "r")
-    assert checkpoint_names(run) == ["checkpoint_epoch_0001", "checkpoint_epoch_0002"]
-    assert any(k.endswith("r/checkpoint_epoch_0002/meta.json") for k in keys(s3_server, env))
+    assert checkpoint_names(run) == [POLICY.epoch_name(1), POLICY.epoch_name(2)]
+    assert any(k.endswith(f"r/{POLICY.epoch_name(2)}/meta.json") for k in keys(s3_server, env))
 
 
 # ---------------------------------------------------------------- 2. a bucket never writes outside the cache
@@ -153,7 +154,7 @@ def test_a_key_through_a_link_in_the_working_copy_is_refused(tmp_path):
     for key in ("../x", "a/../../x", "a//b", "/etc/passwd", "a/./b", "a\\..\\b", "a\x1b[2J"):
         with pytest.raises(remote.UnsafeKey):
             remote.local_file(run, key)
-    assert remote.local_file(run, "checkpoint_epoch_0000/model.pt") == run / "checkpoint_epoch_0000" / "model.pt"
+    assert remote.local_file(run, f"{POLICY.epoch_name(0)}/model.pt") == run / POLICY.epoch_name(0) / "model.pt"
 
 
 @pytest.mark.parametrize("uri", ["s3://imgtrain/x/../../DIR", "s3://imgtrain/x//y", "s3://imgtrain/./x"])

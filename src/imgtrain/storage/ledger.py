@@ -12,11 +12,11 @@ import json
 import threading
 from pathlib import Path
 
+from imgtrain.checkpoint_policy import POLICY
 from imgtrain.ops.files import atomic_write_text
 
 # In the working copy, never mirrored (mirror.LOCAL_ONLY). Inside the run's folder: it goes with the folder.
 SYNCED_FILE = ".imgtrain-synced.json"
-CHECKPOINT_PREFIX = "checkpoint_"
 META_FILE = "meta.json"
 _ledger = threading.Lock()  # the driver's mirror thread and its own pulls write it
 
@@ -42,7 +42,7 @@ def record_synced(local: Path, add=(), drop=()) -> None:
 def _local_checkpoints(local: Path) -> list[Path]:
     if not local.is_dir():
         return []
-    return [d for d in local.iterdir() if d.name.startswith(CHECKPOINT_PREFIX) and d.is_dir() and not d.is_symlink()]
+    return [d for d in local.iterdir() if POLICY.is_checkpoint(d.name) and d.is_dir() and not d.is_symlink()]
 
 
 def _step(folder: Path) -> int | None:

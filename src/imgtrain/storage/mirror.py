@@ -18,12 +18,13 @@ import threading
 import warnings
 from pathlib import Path
 
+from imgtrain.checkpoint_policy import POLICY, PREFIX, RAY_SNAPSHOT_FILE
 from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
 from imgtrain.ops import ownership
 from imgtrain.ops.ownership import LOCK_FILE, MARKER_FILE
 from imgtrain.storage import ledger
 from imgtrain.storage.lease import HEARTBEAT_FILE, beat, lease_holder
-from imgtrain.storage.ledger import CHECKPOINT_PREFIX, META_FILE, SYNCED_FILE
+from imgtrain.storage.ledger import META_FILE, SYNCED_FILE
 from imgtrain.storage.remote import Store, UnsafeKey, check_key, copy_down, local_file, where
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ PUSH_INTERVAL_S = 2.0  # also the heartbeat's (lease.py)
 # this machine's own record (ledger.py).
 LOCAL_ONLY = (".lock", "logs/ray", SYNCED_FILE)
 # Written straight to the store (by Ray Train; the heartbeat): a copy pulled here is older, never sent back.
-STORE_ONLY = ("checkpoint_manager_snapshot.json", HEARTBEAT_FILE)
+STORE_ONLY = (RAY_SNAPSHOT_FILE, HEARTBEAT_FILE)
 
 
 def _local_only(rel: str) -> bool:
@@ -198,7 +199,7 @@ def _read_json_file(path: Path):
 
 
 def _in_checkpoint(rel: str) -> bool:
-    return rel.startswith(CHECKPOINT_PREFIX) and "/" in rel
+    return "/" in rel and POLICY.is_checkpoint(rel.split("/", 1)[0])
 
 
 def _same(path: Path, size: int, mtime: float) -> bool:
@@ -240,7 +241,7 @@ def push(st: Store, name: str, sent: dict[str, tuple[int, int]] | None = None, e
     ledger.record_synced(local, add=uploaded)
     if uploaded and prune:  # the local backend's retention may have deleted older ones
         gone = {rel.split("/", 1)[0] for rel in remote_files(st, name) if _in_checkpoint(rel)}
-        gone -= {p.name for p in local.glob(CHECKPOINT_PREFIX + "*")}
+        gone -= {p.name for p in local.glob(PREFIX + "*") if POLICY.is_checkpoint(p.name)}
         for folder in sorted(gone):
             delete(st, name, folder)
             for rel in [r for r in sent if r.startswith(folder + "/")]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from imgtrain import checkpoint as ckpt
 from imgtrain import cluster as cluster_mod
 from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import process
@@ -124,10 +125,7 @@ def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, e
         run_config=ray.train.RunConfig(
             name=cfg.name, **_storage(cfg, run_dir),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=cfg.num_to_keep, checkpoint_score_attribute="val_accuracy",
-                checkpoint_score_order="max",
-            ),
+            checkpoint_config=POLICY.keeping(cfg.num_to_keep).ray_config(),  # as the local backend's retention
             callbacks=list(callbacks),
         ),
         datasets=_datasets(cfg, manifest),

@@ -25,9 +25,10 @@ from imgtrain.data.order import ordered_batches, sort_by_id
 from imgtrain.storage import remote
 from imgtrain.storage.staging import local_data
 from imgtrain.training import faults, health, ingest
+from imgtrain.training.backend import Backend, single_process_collectives
 from imgtrain.training.health import Progress
 from imgtrain.training.ingest import BATCH_DTYPES
-from imgtrain.training.loop import Backend, phase_record, run_loop, single_process_collectives
+from imgtrain.training.loop import phase_record, run_loop
 
 
 def train_loop_per_worker(config: dict) -> None:
