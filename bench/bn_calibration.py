@@ -25,8 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SAMPLE_DATA, ensure_data, environment, write_result  # noqa: E402
 
 from imgtrain import checkpoint as ckpt  # noqa: E402
+from imgtrain.checkpoint_policy import POLICY  # noqa: E402
 from imgtrain.data.format import read_split  # noqa: E402
-from imgtrain.model import build_resnet18, random_affine, to_model_input  # noqa: E402
+from imgtrain.data.tensors import random_affine, to_model_input  # noqa: E402
+from imgtrain.models.resnet18 import build_resnet18  # noqa: E402
 
 
 def accuracy(model, images, labels) -> float:
@@ -69,7 +71,7 @@ def main() -> None:
                             "--name", "bn", "--workers", "2", "--seed", str(args.seed), "--bn-calibration", "0",
                             "--quiet", *shlex.split(args.extra)], check=True, capture_output=True)
             run = Path(tmp) / "bn"
-        final = max(p for p in run.glob(f"{ckpt.PREFIX}*") if p.is_dir())
+        final = max(p for p in run.iterdir() if POLICY.is_checkpoint(p.name) and p.is_dir())
         config = ckpt.read_meta(final)["config"]
         data = config["data"]
         affine = {k: config[k] for k in ("max_rotate_deg", "max_shift", "max_scale")}

@@ -57,7 +57,7 @@ def tutorial_rate(checkpoint: Path, images: np.ndarray) -> float:
     import ray
     import torch
 
-    from imgtrain.model import build_resnet18
+    from imgtrain.models.resnet18 import build_resnet18
 
     @ray.remote(num_cpus=1)
     class ModelWorker:

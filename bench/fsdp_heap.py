@@ -31,9 +31,9 @@ def rank_main(rank: int, world: int, strategy: str, threshold: int, out: str) ->
     import torch.distributed as dist
     import torch.nn as nn
 
+    from imgtrain.models.zoo import build_from_args
     from imgtrain.training import fsdp
     from imgtrain.training.recipe import WeightAverage
-    from imgtrain.zoo import build_from_args
 
     if threshold:
         ctypes.CDLL("libc.so.6").mallopt(-3, threshold)

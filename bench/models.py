@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_result  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from imgtrain.zoo import LISTED_MODELS  # noqa: E402
+from imgtrain.models.zoo import LISTED_MODELS  # noqa: E402
 
 SHAPES = ("disc", "square", "triangle", "cross", "ring", "diamond", "hbar", "vbar", "dots", "ell")
 

@@ -24,7 +24,8 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from imgtrain.data.format import load_manifest, read_split  # noqa: E402
-from imgtrain.model import build_resnet18, random_affine, to_model_input  # noqa: E402
+from imgtrain.data.tensors import random_affine, to_model_input  # noqa: E402
+from imgtrain.models.resnet18 import build_resnet18  # noqa: E402
 
 
 def main() -> None:

@@ -54,11 +54,11 @@ def step_rate(run_dir: Path) -> float:
 def upload_seconds(checkpoint: Path, tmp: str) -> tuple[float, float]:
     import pyarrow.fs as pafs
 
-    from imgtrain import storage
+    from imgtrain.storage import remote
 
     started = time.monotonic()
     pafs.copy_files(str(checkpoint), f"bench/upload/{time.monotonic_ns()}", source_filesystem=pafs.LocalFileSystem(),
-                    destination_filesystem=storage.s3_filesystem())
+                    destination_filesystem=remote.s3_filesystem())
     s3 = time.monotonic() - started
     target = f"{tmp}/copy-{time.monotonic_ns()}"
     os.makedirs(target)

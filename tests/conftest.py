@@ -62,14 +62,14 @@ def s3_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def sample_raw():
     """The embedded 5,000 real MNIST digits, split 4,000 / 1,000."""
-    from imgtrain.data.sources import load_mnist_sample
+    from imgtrain.data.sources.mnist_sample import load_mnist_sample
 
     return load_mnist_sample()
 
 
 def subset(raw, n_train: int, n_test: int):
     """The first rows of each split (already in seeded random order, so classes are mixed)."""
-    from imgtrain.data.sources import RawDataset, Split
+    from imgtrain.data.raw import RawDataset, Split
 
     def take(split, n):
         return Split(images=split.images[:n], labels=split.labels[:n], ids=split.ids[:n])

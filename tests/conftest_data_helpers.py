@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from imgtrain.data.sources import RawDataset, Split
+from imgtrain.data.raw import RawDataset, Split
 
 IDX_TYPE_CODES = {np.dtype("u1"): 0x08, np.dtype(">i4"): 0x0C}
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from imgtrain import checkpoint as ckpt
-from imgtrain.model import build_resnet18
+from imgtrain.models.resnet18 import build_resnet18
 
 
 def save_one(path):

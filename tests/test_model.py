@@ -3,7 +3,8 @@ import torch.nn as nn
 from torchvision.models import resnet18
 
 from imgtrain.data.order import augment_draw
-from imgtrain.model import build_resnet18, random_affine, to_model_input
+from imgtrain.data.tensors import random_affine, to_model_input
+from imgtrain.models.resnet18 import build_resnet18
 
 
 def tutorial_build_model() -> nn.Module:

@@ -2,6 +2,7 @@ import json
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY
 
 
 def test_metrics_log_drops_records_past_a_restart_point(tmp_path):
@@ -20,22 +21,22 @@ def test_metrics_log_drops_records_past_a_restart_point(tmp_path):
 
 
 def make_ckpt(run_dir, epoch, acc):
-    d = run_dir / f"checkpoint_epoch_{epoch:04d}"
+    d = run_dir / POLICY.epoch_name(epoch)
     ckpt.save(d, {}, {}, {"epoch": epoch, "step": epoch * 10, "metrics": {"val_accuracy": acc}})
     return d
 
 
 def test_retention_keeps_best_and_latest(tmp_path):
     dirs = [make_ckpt(tmp_path, e, acc) for e, acc in enumerate([0.5, 0.9, 0.7, 0.6])]
-    ckpt.retain(tmp_path, num_to_keep=1)
+    ckpt.retain(tmp_path, POLICY.keeping(1))
     assert [p for p, _ in ckpt.listing(tmp_path)] == [dirs[1], dirs[3]]
     assert ckpt.best_and_latest(tmp_path) == (dirs[1], dirs[3])
 
 
 def test_incomplete_checkpoint_is_invisible(tmp_path):
     make_ckpt(tmp_path, 0, 0.5)
-    (tmp_path / "checkpoint_epoch_0001").mkdir()  # a crash before meta.json was written
-    assert [p.name for p, _ in ckpt.listing(tmp_path)] == ["checkpoint_epoch_0000"]
+    (tmp_path / POLICY.epoch_name(1)).mkdir()  # a crash before meta.json was written
+    assert [p.name for p, _ in ckpt.listing(tmp_path)] == [POLICY.epoch_name(0)]
 
 
 def test_status_of_a_killed_driver_reads_interrupted(tmp_path):
@@ -45,7 +46,7 @@ def test_status_of_a_killed_driver_reads_interrupted(tmp_path):
 
 
 def test_checkpoint_meta_without_metrics_does_not_break_listing(tmp_path):
-    ckpt.save(tmp_path / "checkpoint_epoch_0000", {}, {}, {"epoch": 0})
+    ckpt.save(tmp_path / POLICY.epoch_name(0), {}, {}, {"epoch": 0})
     good = make_ckpt(tmp_path, 1, 0.7)
     assert ckpt.best_and_latest(tmp_path) == (good, good)
 
@@ -63,15 +64,15 @@ def test_a_start_record_brings_back_the_epochs_its_checkpoint_holds(tmp_path):
     tracked = Logged()
     records = Records(tmp_path, TrainingDisplay(quiet=True), trackers=[tracked])
     records.send({"kind": "start", "step": 0, "history": [], "restored_from": None})
-    epoch0 = {"kind": "epoch", "epoch": 0, "step": 10, "val_accuracy": 0.5, "checkpoint": "checkpoint_epoch_0000"}
+    epoch0 = {"kind": "epoch", "epoch": 0, "step": 10, "val_accuracy": 0.5, "checkpoint": POLICY.epoch_name(0)}
     records.send(dict(epoch0))
-    epoch1 = dict(epoch0, epoch=1, step=20, checkpoint="checkpoint_epoch_0001")
+    epoch1 = dict(epoch0, epoch=1, step=20, checkpoint=POLICY.epoch_name(1))
     records.send({"kind": "step", "epoch": 2, "step": 25})  # trained after the lost record: dropped
-    restart = {"kind": "start", "step": 20, "history": [epoch0, epoch1], "restored_from": "checkpoint_epoch_0001"}
+    restart = {"kind": "start", "step": 20, "history": [epoch0, epoch1], "restored_from": POLICY.epoch_name(1)}
     records.send(dict(restart))
     records.send(dict(restart))  # a second retry from the same checkpoint adds nothing
     epochs = [r for r in runs.read_metrics(tmp_path) if r["kind"] == "epoch"]
-    assert [(r["epoch"], r.get("recovered_from")) for r in epochs] == [(0, None), (1, "checkpoint_epoch_0001")]
+    assert [(r["epoch"], r.get("recovered_from")) for r in epochs] == [(0, None), (1, POLICY.epoch_name(1))]
     assert not any(r["kind"] == "step" for r in runs.read_metrics(tmp_path))
     assert all("history" not in r for r in runs.read_metrics(tmp_path))  # not copied into every start line
     assert [(r["kind"], r.get("epoch")) for r in tracked if r["kind"] == "epoch"] == [("epoch", 0), ("epoch", 1)]

@@ -21,15 +21,18 @@ from PIL import Image
 
 import imgtrain
 from imgtrain import runs
+from imgtrain.commands.clean import plan_dataset, plan_runs, remove
 from imgtrain.config import TrainConfig, validate
 from imgtrain.data import format as parquet
-from imgtrain.data import images, sources
+from imgtrain.data import images
 from imgtrain.data.dataset import ray_dataset
+from imgtrain.data.idx import read_idx
+from imgtrain.data.options import PrepareOptions
 from imgtrain.data.prepare import prepare
+from imgtrain.data.sources.mnist import load_mnist_idx
 from imgtrain.data.writer import write_dataset
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
-from imgtrain.ops.clean import plan_dataset, plan_runs, remove
 from imgtrain.ops.files import atomic_write_text
 from imgtrain.training import tracking
 from tests.conftest import cli_here, copy_run, quiet_display
@@ -107,7 +110,7 @@ def test_user_parquet_with_a_pickled_column_is_refused_by_prepare_and_predict(tm
     source = tmp_path / "table.parquet"
     pq.write_table(table, source)
     with pytest.raises(ImgtrainError, match="column 'label' has the Arrow extension type 'ray.data.arrow_pickled_object'"):
-        prepare("parquet", tmp_path / "out", source_path=source)
+        prepare("parquet", tmp_path / "out", source)
     with pytest.raises(ImgtrainError, match="column 'id' has the Arrow extension type"):
         read_inputs_whole(str(source), (2, 2, 1))
     assert not proof.exists() and not (tmp_path / "out").exists()
@@ -205,9 +208,9 @@ def test_prepare_refuses_a_source_inside_the_output(tmp_path):
         for i in range(3):
             save_image(photos / c / f"{i}.png", 40 * i)
     with pytest.raises(ImgtrainError, match="overlap"):
-        prepare("folder", out, source_path=photos, overwrite=True)
+        prepare("folder", out, photos, PrepareOptions(overwrite=True))
     with pytest.raises(ImgtrainError, match="overlap"):  # and an output inside the image folder
-        prepare("folder", photos / "prepared", source_path=photos)
+        prepare("folder", photos / "prepared", photos)
     assert len(list(photos.rglob("*.png"))) == 6
 
 
@@ -295,9 +298,9 @@ def test_idx_labels_must_be_integers_with_a_sane_class_count(tmp_path):
             raw = bytes([0, 0, 0x0D if labels.dtype.kind == "f" else 0x0C, 1]) + np.asarray([4], ">u4").tobytes()
             path.write_bytes(raw + labels.tobytes())
     with pytest.raises(ImgtrainError, match="20,000,001 classes, more than the 100,000"):
-        sources.load_mnist_idx(tmp_path / "big")
+        load_mnist_idx(tmp_path / "big")
     with pytest.raises(ImgtrainError, match="labels must be integers"):
-        sources.load_mnist_idx(tmp_path / "float")
+        load_mnist_idx(tmp_path / "float")
 
 
 def test_a_gzip_bomb_idx_header_is_refused_before_decompressing(tmp_path):
@@ -306,7 +309,7 @@ def test_a_gzip_bomb_idx_header_is_refused_before_decompressing(tmp_path):
     path = tmp_path / "train-images-idx3-ubyte.gz"
     path.write_bytes(gzip.compress(header + bytes(10_000)))
     with pytest.raises(ImgtrainError, match="more than the file can hold"):
-        sources.read_idx(path)
+        read_idx(path)
 
 
 def sixteen_bit_ramp(path: Path) -> Path:
@@ -321,7 +324,7 @@ def test_sixteen_bit_png_is_scaled_not_saturated_everywhere(tmp_path):
         folder.joinpath(c).mkdir(parents=True)
         for i in range(3):
             sixteen_bit_ramp(folder / c / f"{i}.png")
-    prepare("folder", tmp_path / "data", source_path=folder)
+    prepare("folder", tmp_path / "data", folder)
     stored = read_back(tmp_path / "data")["train"][2]
     assert abs(stored.mean() - 127.5) < 2  # convert("L") alone gave ~254
     predicted = read_inputs_whole(str(folder), (64, 64, 1))
@@ -386,7 +389,7 @@ def test_every_float_must_be_finite_and_every_field_in_range_all_reported_at_onc
 
 
 def test_logs_without_a_run_go_to_a_folder_of_this_users_own(tmp_path, monkeypatch):
-    from imgtrain.ops.cluster import user_log_dir
+    from imgtrain.cluster import user_log_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     folder = user_log_dir()

@@ -1,4 +1,4 @@
-"""The object-store working copy (``storage.py``) against a real S3 server (moto), no Ray."""
+"""The object-store working copy (the ``storage`` package) against a real S3 server (moto), no Ray."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import time
 import pyarrow.fs as pafs
 import pytest
 
-from imgtrain import runs, storage
+from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY, RAY_SNAPSHOT_FILE
 from imgtrain.data.format import verify_dataset
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
+from imgtrain.storage import lease, mirror, remote, staging
 from tests.conftest import wait_for
 
 
@@ -24,7 +26,7 @@ def s3(s3_server, monkeypatch, tmp_path):
     for key, value in s3_server.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("IMGTRAIN_CACHE", str(tmp_path / "cache"))
-    return storage.store(f"s3://imgtrain/unit-{time.monotonic_ns()}")
+    return remote.store(f"s3://imgtrain/unit-{time.monotonic_ns()}")
 
 
 def write(path, text: str) -> None:
@@ -32,16 +34,16 @@ def write(path, text: str) -> None:
     path.write_text(text)
 
 
-def other_machine(st: storage.Store, tmp_path) -> storage.Store:
-    return storage.Store(uri=st.uri, root=st.root, local=tmp_path / "elsewhere")
+def other_machine(st: remote.Store, tmp_path) -> remote.Store:
+    return remote.Store(uri=st.uri, root=st.root, local=tmp_path / "elsewhere")
 
 
-def read_object(st: storage.Store, rel: str):
+def read_object(st: remote.Store, rel: str):
     with st.fs.open_input_stream(f"{st.root}/{rel}") as f:
         return json.loads(f.read())
 
 
-def put_object(st: storage.Store, rel: str, data: bytes) -> None:
+def put_object(st: remote.Store, rel: str, data: bytes) -> None:
     with st.fs.open_output_stream(f"{st.root}/{rel}") as f:
         f.write(data)
 
@@ -52,17 +54,17 @@ def test_push_then_pull_elsewhere_gives_the_same_files_and_fetches_only_what_cha
     write(run / "metrics.jsonl", '{"epoch": 0}\n')
     write(run / ".lock", "pid")  # this machine's own
     sent = {}
-    storage.push(s3, "r", sent)
-    assert set(storage.remote_files(s3, "r")) == {"config.json", "metrics.jsonl"}
+    mirror.push(s3, "r", sent)
+    assert set(mirror.remote_files(s3, "r")) == {"config.json", "metrics.jsonl"}
 
     there = other_machine(s3, tmp_path)
-    got = storage.pull(there, "r")
+    got = mirror.pull(there, "r")
     assert (got / "config.json").read_text() == '{"a": 1}' and not (got / ".lock").exists()
     inode = (got / "config.json").stat().st_ino
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"epoch": 1}\n')
-    storage.push(s3, "r", sent)
-    storage.pull(there, "r")
+    mirror.push(s3, "r", sent)
+    mirror.pull(there, "r")
     assert (got / "metrics.jsonl").read_text().count("epoch") == 2
     assert (got / "config.json").stat().st_ino == inode  # unchanged: not fetched again
 
@@ -70,37 +72,38 @@ def test_push_then_pull_elsewhere_gives_the_same_files_and_fetches_only_what_cha
 def test_checkpoints_deleted_in_the_store_leave_the_working_copy_and_a_light_pull_gets_meta_only(s3, tmp_path):
     run = s3.local / "r"
     write(run / "config.json", "{}")
-    for name in ("checkpoint_epoch_0000", "checkpoint_epoch_0001"):
+    for name in (POLICY.epoch_name(0), POLICY.epoch_name(1)):
         write(run / name / "model.pt", "weights")
         write(run / name / "meta.json", "{}")
-    storage.push(s3, "r", everything=True)
+    mirror.push(s3, "r", everything=True)
     there = other_machine(s3, tmp_path)
-    light = storage.pull(there, "r", checkpoints=False)
-    assert (light / "checkpoint_epoch_0000" / "meta.json").is_file()
-    assert not (light / "checkpoint_epoch_0000" / "model.pt").exists()
-    storage.pull(there, "r")
-    assert (light / "checkpoint_epoch_0000" / "model.pt").read_text() == "weights"
+    light = mirror.pull(there, "r", checkpoints=False)
+    assert (light / POLICY.epoch_name(0) / "meta.json").is_file()
+    assert not (light / POLICY.epoch_name(0) / "model.pt").exists()
+    mirror.pull(there, "r")
+    assert (light / POLICY.epoch_name(0) / "model.pt").read_text() == "weights"
 
     import shutil
 
-    shutil.rmtree(run / "checkpoint_epoch_0000")  # the local backend's retention
-    write(run / "checkpoint_epoch_0002" / "meta.json", "{}")
-    storage.push(s3, "r", everything=True)
-    assert not any(k.startswith("checkpoint_epoch_0000") for k in storage.remote_files(s3, "r"))
-    storage.pull(there, "r")
-    assert sorted(p.name for p in light.glob("checkpoint_*")) == ["checkpoint_epoch_0001", "checkpoint_epoch_0002"]
+    shutil.rmtree(run / POLICY.epoch_name(0))  # the local backend's retention
+    write(run / POLICY.epoch_name(2) / "meta.json", "{}")
+    mirror.push(s3, "r", everything=True)
+    assert not any(k.startswith(POLICY.epoch_name(0)) for k in mirror.remote_files(s3, "r"))
+    mirror.pull(there, "r")
+    pulled = sorted(p.name for p in light.iterdir() if POLICY.is_checkpoint(p.name))
+    assert pulled == [POLICY.epoch_name(1), POLICY.epoch_name(2)]
 
 
 def test_the_mirror_uploads_while_the_block_runs_and_once_more_at_its_end(s3):
     run = s3.local / "r"
     write(run / "status.json", '{"status": "running"}')
-    with storage.mirrored(s3, "r", interval_s=0.1):
+    with mirror.mirrored(s3, "r", interval_s=0.1):
         deadline = time.monotonic() + 30
-        while "status.json" not in storage.remote_files(s3, "r"):
+        while "status.json" not in mirror.remote_files(s3, "r"):
             assert time.monotonic() < deadline, "nothing uploaded while the block ran"
             time.sleep(0.05)
         write(run / "status.json", '{"status": "finished!"}')
-        wait_for(lambda: "heartbeat.json" in storage.remote_files(s3, "r"), 30, "a heartbeat")
+        wait_for(lambda: "heartbeat.json" in mirror.remote_files(s3, "r"), 30, "a heartbeat")
         first = read_object(s3, "r/heartbeat.json")
         assert (first["host"], first["pid"]) == (socket.gethostname(), os.getpid())
         wait_for(lambda: read_object(s3, "r/heartbeat.json")["time"] > first["time"], 30, "a second heartbeat")
@@ -112,11 +115,11 @@ def test_a_data_set_in_the_store_is_copied_once_and_checked_against_its_manifest
     uri = f"{s3.uri}/data/tiny"
     pafs.copy_files(str(tiny_data), uri.removeprefix("s3://"), source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=s3.fs)
-    local = storage.stage_dataset(uri)
+    local = staging.stage_dataset(uri)
     assert verify_dataset(local)["splits"] == verify_dataset(tiny_data)["splits"]
     shard = next(local.rglob("*.parquet"))
     inode = shard.stat().st_ino
-    assert storage.stage_dataset(uri) == local and shard.stat().st_ino == inode  # not copied again
+    assert staging.stage_dataset(uri) == local and shard.stat().st_ino == inode  # not copied again
 
     rel = shard.relative_to(local).as_posix()
     data = bytearray((tiny_data / rel).read_bytes())
@@ -128,10 +131,10 @@ def test_a_data_set_in_the_store_is_copied_once_and_checked_against_its_manifest
             with s3.fs.open_output_stream(f"{s3.root}/data/bad/{other.relative_to(tiny_data).as_posix()}") as f:
                 f.write(other.read_bytes())
     with pytest.raises(ImgtrainError, match="sha256"):  # on every node, not only by the driver's reader
-        storage.stage_dataset(f"{s3.uri}/data/bad")
+        staging.stage_dataset(f"{s3.uri}/data/bad")
 
     with pytest.raises(ImgtrainError, match="not a prepared data set"):
-        storage.stage_dataset(f"{s3.uri}/data/nothing-here")
+        staging.stage_dataset(f"{s3.uri}/data/nothing-here")
 
 
 def test_a_manifest_cannot_reach_outside_its_folder(s3):
@@ -139,49 +142,49 @@ def test_a_manifest_cannot_reach_outside_its_folder(s3):
     with s3.fs.open_output_stream(f"{s3.root}/data/evil/manifest.json") as f:
         f.write(json.dumps(manifest).encode())
     with pytest.raises(ImgtrainError, match="outside the data set"):
-        storage.stage_dataset(f"{s3.uri}/data/evil")
+        staging.stage_dataset(f"{s3.uri}/data/evil")
 
 
 def test_storage_uris_and_their_errors(s3, monkeypatch):
-    assert storage.is_remote("s3://b/p") and not storage.is_remote("./runs") and not storage.is_remote("file:///x")
+    assert remote.is_remote("s3://b/p") and not remote.is_remote("./runs") and not remote.is_remote("file:///x")
     with pytest.raises(ImgtrainError, match="name a bucket"):
-        storage.store("s3://")
+        remote.store("s3://")
     monkeypatch.setenv("IMGTRAIN_S3_ENDPOINT", "http://127.0.0.1:1")  # nothing listens there
     with pytest.raises(ImgtrainError, match="IMGTRAIN_S3_ENDPOINT"):
-        storage.probe(storage.store("s3://imgtrain/x"))
-    assert "testing" not in repr(storage.s3_filesystem().__reduce__())  # no credentials inside: pickled to workers
+        remote.probe(remote.store("s3://imgtrain/x"))
+    assert "testing" not in repr(remote.s3_filesystem().__reduce__())  # no credentials inside: pickled to workers
 
 
 # ---------------------------------------------------------------- a run trained on this machine
 
 
-def trained_here(st: storage.Store, name: str = "r"):
+def trained_here(st: remote.Store, name: str = "r"):
     """A run whose driver (this process, as far as the working copy can tell) holds its lock,
     uploaded once, then written to further as a driver does: the store is behind it."""
     run = st.local / name
     write(run / ownership.MARKER_FILE, "{}")
     write(run / "metrics.jsonl", '{"epoch": 0}\n')
-    storage.push(st, name)
+    mirror.push(st, name)
     with open(run / "metrics.jsonl", "a") as f:  # the driver's next record, not uploaded yet
         f.write('{"epoch": 1}\n')
-    write(run / "checkpoint_epoch_0001" / "model.pt", "weights")  # the local backend's, not uploaded yet
+    write(run / POLICY.epoch_name(1) / "model.pt", "weights")  # the local backend's, not uploaded yet
     return run
 
 
 def test_a_pull_leaves_a_run_trained_on_this_machine_as_its_driver_has_it(s3):
     run = trained_here(s3)
     with ownership.locked(run, "trained"):
-        assert storage.pull(s3, "r") == run
+        assert mirror.pull(s3, "r") == run
         assert runs.fetch(s3.uri, "r") == run and [r.name for r in runs.list_runs(s3.uri)] == ["r"]
         assert (run / "metrics.jsonl").read_text().count("epoch") == 2  # not the store's older copy
-        assert (run / "checkpoint_epoch_0001" / "model.pt").is_file()  # not dropped as "deleted in the store"
+        assert (run / POLICY.epoch_name(1) / "model.pt").is_file()  # not dropped as "deleted in the store"
 
 
 def test_a_pull_never_replaces_a_file_changed_here_since_its_upload(s3):
     run = trained_here(s3)  # its driver is gone: nobody holds the lock
-    uploaded = storage.remote_files(s3, "r")["metrics.jsonl"][1]
+    uploaded = mirror.remote_files(s3, "r")["metrics.jsonl"][1]
     os.utime(run / "metrics.jsonl", (uploaded + 2, uploaded + 2))  # written here after the upload
-    storage.pull(s3, "r")
+    mirror.pull(s3, "r")
     assert (run / "metrics.jsonl").read_text().count("epoch") == 2
 
 
@@ -201,28 +204,28 @@ def test_a_second_train_on_this_machine_is_refused_before_it_touches_the_working
 def test_what_was_uploaded_or_fetched_here_is_not_fetched_again(s3):
     run = s3.local / "r"
     write(run / "config.json", "{}")
-    write(run / "checkpoint_epoch_0000" / "model.pt", "weights")
-    storage.push(s3, "r", everything=True)
+    write(run / POLICY.epoch_name(0) / "model.pt", "weights")
+    mirror.push(s3, "r", everything=True)
     inodes = {p: p.stat().st_ino for p in run.rglob("*") if p.is_file()}
-    storage.pull(s3, "r")
+    mirror.pull(s3, "r")
     assert {p: p.stat().st_ino for p in inodes} == inodes  # the same files: nothing downloaded
 
 
 def test_the_mirror_sends_nothing_that_a_pull_brought_down_nor_ray_trains_own_record(s3, tmp_path):
     run = s3.local / "r"
     write(run / "config.json", "{}")
-    storage.push(s3, "r")
-    put_object(s3, "r/checkpoint_manager_snapshot.json", b'{"checkpoints": []}')
+    mirror.push(s3, "r")
+    put_object(s3, f"r/{RAY_SNAPSHOT_FILE}", b'{"checkpoints": []}')
     there = other_machine(s3, tmp_path)
-    storage.pull(there, "r")
-    put_object(s3, "r/checkpoint_manager_snapshot.json", b'{"checkpoints": ["newer, by Ray Train"]}')
-    before = storage.remote_files(s3, "r")
+    mirror.pull(there, "r")
+    put_object(s3, f"r/{RAY_SNAPSHOT_FILE}", b'{"checkpoints": ["newer, by Ray Train"]}')
+    before = mirror.remote_files(s3, "r")
     time.sleep(1.1)  # the store's times are in seconds: anything sent again would show
-    with storage.mirrored(there, "r", interval_s=0.1):
+    with mirror.mirrored(there, "r", interval_s=0.1):
         time.sleep(0.3)
-    after = storage.remote_files(there, "r")
+    after = mirror.remote_files(there, "r")
     assert {k: after[k] for k in before} == before
-    assert read_object(s3, "r/checkpoint_manager_snapshot.json") == {"checkpoints": ["newer, by Ray Train"]}
+    assert read_object(s3, f"r/{RAY_SNAPSHOT_FILE}") == {"checkpoints": ["newer, by Ray Train"]}
 
 
 # ---------------------------------------------------------------- a driver on another machine
@@ -230,9 +233,9 @@ def test_the_mirror_sends_nothing_that_a_pull_brought_down_nor_ray_trains_own_re
 
 def status_from_elsewhere(run, beat_age: float | None, pid: int = 4242):
     write(run / runs.STATUS_FILE, json.dumps({"status": "running", "host": "another-machine", "pid": 4242}))
-    (run / storage.HEARTBEAT_FILE).unlink(missing_ok=True)
+    (run / lease.HEARTBEAT_FILE).unlink(missing_ok=True)
     if beat_age is not None:
-        write(run / storage.HEARTBEAT_FILE, json.dumps(
+        write(run / lease.HEARTBEAT_FILE, json.dumps(
             {"host": "another-machine", "pid": pid, "time": time.time() - beat_age}))
 
 
@@ -243,13 +246,13 @@ def test_another_machines_driver_is_gone_once_its_heartbeat_is_old(tmp_path):
     with pytest.raises(ImgtrainError, match=r"on another-machine \(its heartbeat 5 s ago\); try later"):
         runs.refuse_if_trained(run, hint="try later")
 
-    status_from_elsewhere(run, beat_age=storage.HEARTBEAT_STALE_S + 30)
+    status_from_elsewhere(run, beat_age=lease.HEARTBEAT_STALE_S + 30)
     assert runs.read_status(run)["status"] == "interrupted"
     runs.refuse_if_trained(run, hint="resumable")  # no error
 
     status_from_elsewhere(run, beat_age=None)  # no heartbeat (a shared folder): believed
     assert runs.read_status(run)["status"] == "running"
-    status_from_elsewhere(run, beat_age=storage.HEARTBEAT_STALE_S + 30, pid=1)  # an earlier driver's
+    status_from_elsewhere(run, beat_age=lease.HEARTBEAT_STALE_S + 30, pid=1)  # an earlier driver's
     assert runs.read_status(run)["status"] == "running"
 
 
@@ -259,17 +262,17 @@ def test_another_machines_driver_is_gone_once_its_heartbeat_is_old(tmp_path):
 def test_the_mirror_skips_a_file_deleted_under_it_and_survives_any_error(s3, monkeypatch):
     run = s3.local / "r"
     write(run / "config.json", "{}")
-    listed = storage._mirrored_files
+    listed = mirror._mirrored_files
 
     def with_a_vanished_checkpoint(local):  # retention deleted it between the listing and its upload
-        yield "checkpoint_epoch_0000/model.pt"
+        yield f"{POLICY.epoch_name(0)}/model.pt"
         yield from listed(local)
 
-    monkeypatch.setattr(storage, "_mirrored_files", with_a_vanished_checkpoint)
-    storage.push(s3, "r", everything=True)
-    assert set(storage.remote_files(s3, "r")) == {"config.json"}
+    monkeypatch.setattr(mirror, "_mirrored_files", with_a_vanished_checkpoint)
+    mirror.push(s3, "r", everything=True)
+    assert set(mirror.remote_files(s3, "r")) == {"config.json"}
 
-    real_push, calls = storage.push, []
+    real_push, calls = mirror.push, []
 
     def flaky_push(*args, **kwargs):
         calls.append(1)
@@ -277,21 +280,21 @@ def test_the_mirror_skips_a_file_deleted_under_it_and_survives_any_error(s3, mon
             raise RuntimeError("a bug in one round")
         return real_push(*args, **kwargs)
 
-    monkeypatch.setattr(storage, "push", flaky_push)
-    with storage.mirrored(s3, "r", interval_s=0.05):
+    monkeypatch.setattr(mirror, "push", flaky_push)
+    with mirror.mirrored(s3, "r", interval_s=0.05):
         write(run / "metrics.jsonl", "{}\n")
-        wait_for(lambda: "metrics.jsonl" in storage.remote_files(s3, "r"), 30, "a round after the failed one")
+        wait_for(lambda: "metrics.jsonl" in mirror.remote_files(s3, "r"), 30, "a round after the failed one")
 
 
 def test_the_last_rounds_failure_never_hides_the_runs_own(s3, monkeypatch):
     def broken_push(*args, **kwargs):
         raise RuntimeError("the bucket went away")
 
-    monkeypatch.setattr(storage, "push", broken_push)
-    with pytest.raises(ValueError, match="training failed"), storage.mirrored(s3, "r", interval_s=0.05):
+    monkeypatch.setattr(mirror, "push", broken_push)
+    with pytest.raises(ValueError, match="training failed"), mirror.mirrored(s3, "r", interval_s=0.05):
         raise ValueError("training failed")
     with pytest.raises(ImgtrainError, match="the last upload failed: the bucket went away"), \
-            storage.mirrored(s3, "r", interval_s=0.05):
+            mirror.mirrored(s3, "r", interval_s=0.05):
         pass
 
 
@@ -299,15 +302,15 @@ def test_processes_pulling_one_run_at_once_each_get_it_whole(s3, tmp_path):
     run = s3.local / "r"
     payload = os.urandom(10 << 20)  # several chunks: the pulls overlap
     write(run / "config.json", "{}")
-    (run / "checkpoint_epoch_0000").mkdir()
-    (run / "checkpoint_epoch_0000" / "model.pt").write_bytes(payload)
-    storage.push(s3, "r", everything=True)
+    (run / POLICY.epoch_name(0)).mkdir()
+    (run / POLICY.epoch_name(0) / "model.pt").write_bytes(payload)
+    mirror.push(s3, "r", everything=True)
     there = other_machine(s3, tmp_path)
     errors = []
 
     def pull():
         try:
-            storage.pull(there, "r")
+            mirror.pull(there, "r")
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -317,7 +320,7 @@ def test_processes_pulling_one_run_at_once_each_get_it_whole(s3, tmp_path):
     for t in threads:
         t.join()
     assert not errors
-    assert (there.local / "r" / "checkpoint_epoch_0000" / "model.pt").read_bytes() == payload
+    assert (there.local / "r" / POLICY.epoch_name(0) / "model.pt").read_bytes() == payload
     assert not [p for p in there.local.rglob("*.part")]
 
 
@@ -326,26 +329,26 @@ def test_a_data_set_file_damaged_on_this_node_is_fetched_again_and_a_checked_one
     uri = f"{s3.uri}/data/tiny"
     pafs.copy_files(str(tiny_data), uri.removeprefix("s3://"), source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=s3.fs)
-    local = storage.stage_dataset(uri)
+    local = staging.stage_dataset(uri)
     shard = next(local.rglob("*.parquet"))
     good = shard.read_bytes()
     damaged = bytearray(good)
     damaged[len(damaged) // 2] ^= 0xFF  # the same size
     shard.write_bytes(bytes(damaged))
-    storage.stage_dataset(uri)
+    staging.stage_dataset(uri)
     assert shard.read_bytes() == good
 
     hashed = []
-    real = storage.sha256_file
-    monkeypatch.setattr(storage, "sha256_file", lambda path: hashed.append(path) or real(path))
-    storage.stage_dataset(uri)
+    real = staging.sha256_file
+    monkeypatch.setattr(staging, "sha256_file", lambda path: hashed.append(path) or real(path))
+    staging.stage_dataset(uri)
     assert hashed == []  # checked once, remembered by size and time
     verify_dataset(local)
 
 
 def test_store_paths_come_from_pyarrow_and_an_s3_uri_is_a_bucket_and_prefix_only(s3):
-    assert storage.store("abfs://container@acct.dfs.core.windows.net/runs").root == "container/runs"
+    assert remote.store("abfs://container@acct.dfs.core.windows.net/runs").root == "container/runs"
     for uri in ("s3://imgtrain/runs?region=eu-west-1", "s3://key:secret@imgtrain/runs"):
         with pytest.raises(ImgtrainError, match=r"s3://bucket/prefix, nothing more") as e:
-            storage.store(uri)
+            remote.store(uri)
         assert "\n" not in str(e.value)

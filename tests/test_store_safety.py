@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from imgtrain import runs, storage
+from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY, PREFIX
 from imgtrain.errors import ImgtrainError, ImgtrainWarning
 from imgtrain.ops import ownership
+from imgtrain.storage import lease, mirror, remote, staging
 from tests.conftest import quiet_display, tiny_config
 from tests.store_proxy import FlakyStore
 
@@ -42,7 +44,7 @@ def keys(s3_server, prefix: str) -> list[str]:
 
 
 def checkpoint_names(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.glob("checkpoint_*") if p.is_dir())
+    return sorted(p.name for p in folder.iterdir() if POLICY.is_checkpoint(p.name) and p.is_dir())
 
 
 def files_under(folder: Path) -> set[str]:
@@ -57,14 +59,14 @@ def test_checkpoints_made_while_the_store_was_unreachable_are_kept_and_uploaded_
     from imgtrain.training import driver
 
     prefix = env.removeprefix("s3://imgtrain/")
-    first_meta = f"HEAD /imgtrain/{prefix}/outage/checkpoint_epoch_0000/meta.json".encode()
+    first_meta = f"HEAD /imgtrain/{prefix}/outage/{POLICY.epoch_name(0)}/meta.json".encode()
     proxy = FlakyStore(s3_server["IMGTRAIN_S3_ENDPOINT"], cut_on=first_meta)  # the store goes away there
     monkeypatch.setenv("IMGTRAIN_S3_ENDPOINT", proxy.endpoint)
     sent = driver.Records.send
 
     def slow_first_epoch(records, record):  # training goes on once the mirror has uploaded epoch 0 (and the
         sent(records, record)  # store is gone), as it would after a longer epoch: the outage falls between two
-        if record.get("checkpoint") == "checkpoint_epoch_0000":
+        if record.get("checkpoint") == POLICY.epoch_name(0):
             assert proxy.was_cut.wait(60), "the first checkpoint never went up"
 
     monkeypatch.setattr(driver.Records, "send", slow_first_epoch)
@@ -73,16 +75,16 @@ def test_checkpoints_made_while_the_store_was_unreachable_are_kept_and_uploaded_
         with pytest.raises(ImgtrainError, match=f"storage {env}"):  # its last upload failed: said, not hidden
             driver.train(cfg, display=quiet_display())
         assert proxy.was_cut.is_set()
-        copy = storage.store(env).local / "outage"
-        made = [n for n in checkpoint_names(copy) if n != "checkpoint_epoch_0000"]  # never uploaded
-        assert made == ["checkpoint_epoch_0001"], made
-        in_bucket = {k.split("/")[2] for k in keys(s3_server, env) if "/checkpoint_" in k}
-        assert in_bucket == {"checkpoint_epoch_0000"}
+        copy = remote.store(env).local / "outage"
+        made = [n for n in checkpoint_names(copy) if n != POLICY.epoch_name(0)]  # never uploaded
+        assert made == [POLICY.epoch_name(1)], made
+        in_bucket = {k.split("/")[2] for k in keys(s3_server, env) if f"/{PREFIX}" in k}
+        assert in_bucket == {POLICY.epoch_name(0)}
 
         proxy.restore()
         result = runs.load_run(env, "outage")  # `imgtrain runs show outage`: the first command after
         assert set(made) <= set(checkpoint_names(copy))  # nothing made here was deleted
-        assert result.latest_checkpoint.name == "checkpoint_epoch_0001"
+        assert result.latest_checkpoint.name == POLICY.epoch_name(1)
         uploaded = keys(s3_server, f"{env}/outage")
         for name in made:  # ... and what the store lacked went up, meta.json with the rest
             assert f"{prefix}/outage/{name}/meta.json" in uploaded and f"{prefix}/outage/{name}/model.pt" in uploaded
@@ -90,31 +92,31 @@ def test_checkpoints_made_while_the_store_was_unreachable_are_kept_and_uploaded_
         proxy.close()
 
     monkeypatch.setenv("IMGTRAIN_S3_ENDPOINT", s3_server["IMGTRAIN_S3_ENDPOINT"])
-    elsewhere = storage.Store(uri=env, root=f"imgtrain/{prefix}", local=copy.parent.parent / "other")
-    there = storage.pull(elsewhere, "outage")  # another machine sees the whole run
+    elsewhere = remote.Store(uri=env, root=f"imgtrain/{prefix}", local=copy.parent.parent / "other")
+    there = mirror.pull(elsewhere, "outage")  # another machine sees the whole run
     assert [r["epoch"] for r in runs.read_run(there).history] == [0, 1]
-    assert "checkpoint_epoch_0001" in checkpoint_names(there)
+    assert POLICY.epoch_name(1) in checkpoint_names(there)
 
 
 def test_a_pull_drops_only_checkpoints_that_were_in_the_store(env, s3_server):
-    st = storage.store(env)
+    st = remote.store(env)
     run = st.local / "r"
     (run / ownership.MARKER_FILE).parent.mkdir(parents=True)
     (run / ownership.MARKER_FILE).write_text("{}")
     for epoch in (0, 1):
-        folder = run / f"checkpoint_epoch_{epoch:04d}"
+        folder = run / POLICY.epoch_name(epoch)
         folder.mkdir()
         (folder / "model.pt").write_text("w")
         (folder / "meta.json").write_text(json.dumps({"step": 8 * (epoch + 1)}))
-    storage.push(st, "r", everything=True)
-    storage.delete(st, "r", "checkpoint_epoch_0000")  # Ray Train's retention, in the store
-    never_sent = run / "checkpoint_epoch_0002"  # made here while the store was away
+    mirror.push(st, "r", everything=True)
+    mirror.delete(st, "r", POLICY.epoch_name(0))  # Ray Train's retention, in the store
+    never_sent = run / POLICY.epoch_name(2)  # made here while the store was away
     never_sent.mkdir()
     (never_sent / "model.pt").write_text("w")
     (never_sent / "meta.json").write_text(json.dumps({"step": 24}))
-    storage.pull(st, "r")
-    assert checkpoint_names(run) == ["checkpoint_epoch_0001", "checkpoint_epoch_0002"]
-    assert any(k.endswith("r/checkpoint_epoch_0002/meta.json") for k in keys(s3_server, env))
+    mirror.pull(st, "r")
+    assert checkpoint_names(run) == [POLICY.epoch_name(1), POLICY.epoch_name(2)]
+    assert any(k.endswith(f"r/{POLICY.epoch_name(2)}/meta.json") for k in keys(s3_server, env))
 
 
 # ---------------------------------------------------------------- 2. a bucket never writes outside the cache
@@ -135,7 +137,7 @@ def test_a_key_with_dot_dot_never_becomes_a_file_outside_the_working_copy(env, s
     assert [r.name for r in listed] == ["r"]
     with pytest.warns(ImgtrainWarning, match="will not copy here"):
         runs.load_run(env, "r")  # `runs show`, `evaluate`, `report`, `serve`, a resume
-    run = storage.store(env).local / "r"
+    run = remote.store(env).local / "r"
     assert files_under(cache) - {f"stores/s3/imgtrain/{prefix}/r/{f}" for f in files_under(run)} \
         <= {f"stores/s3/imgtrain/{prefix}/.r.pull-lock"}
     assert not any("planted" in f for f in files_under(tmp_path))
@@ -147,21 +149,21 @@ def test_a_key_through_a_link_in_the_working_copy_is_refused(tmp_path):
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
     (run / "logs" / "ray").symlink_to(outside)
-    with pytest.raises(storage.UnsafeKey, match="link"):
-        storage.local_file(run, "logs/ray/x")
+    with pytest.raises(remote.UnsafeKey, match="link"):
+        remote.local_file(run, "logs/ray/x")
     for key in ("../x", "a/../../x", "a//b", "/etc/passwd", "a/./b", "a\\..\\b", "a\x1b[2J"):
-        with pytest.raises(storage.UnsafeKey):
-            storage.local_file(run, key)
-    assert storage.local_file(run, "checkpoint_epoch_0000/model.pt") == run / "checkpoint_epoch_0000" / "model.pt"
+        with pytest.raises(remote.UnsafeKey):
+            remote.local_file(run, key)
+    assert remote.local_file(run, f"{POLICY.epoch_name(0)}/model.pt") == run / POLICY.epoch_name(0) / "model.pt"
 
 
 @pytest.mark.parametrize("uri", ["s3://imgtrain/x/../../DIR", "s3://imgtrain/x//y", "s3://imgtrain/./x"])
 def test_a_location_with_dot_dot_is_refused_before_anything_is_written(env, tmp_path, uri):
     cache = tmp_path / "cache"
     with pytest.raises(ImgtrainError, match="plain names"):
-        storage.stage_dataset(uri)  # --data
+        staging.stage_dataset(uri)  # --data
     with pytest.raises(ImgtrainError, match="plain names"):
-        storage.store(uri)  # --storage
+        remote.store(uri)  # --storage
     assert not cache.exists() or files_under(cache) == set()
     assert not (tmp_path.parent / "DIR").exists()
 
@@ -178,7 +180,7 @@ def test_a_run_name_that_leaves_the_storage_touches_nothing(env, tmp_path, tiny_
     (victim / "precious.txt").write_text("keep me")
     (tmp_path / "cache").mkdir()
     for read in (lambda: runs.load_run(env, name), lambda: runs.fetch(env, name),
-                 lambda: storage.pull(storage.store(env), name),
+                 lambda: mirror.pull(remote.store(env), name),
                  lambda: train(tiny_config(tiny_data, env, name, backend="local"), display=quiet_display())):
         with pytest.raises(ImgtrainError, match="plain name|not a run name"):
             read()
@@ -189,9 +191,9 @@ def test_a_run_name_that_leaves_the_storage_touches_nothing(env, tmp_path, tiny_
 
 
 def test_two_drivers_starting_one_run_at_the_same_moment_one_trains_one_is_refused(env, monkeypatch):
-    st = storage.store(env)
+    st = remote.store(env)
     both_read = threading.Barrier(2, timeout=30)
-    real_read, first_reads = storage.read_beat, set()
+    real_read, first_reads = lease.read_beat, set()
 
     def read_then_meet(st_, name):  # each driver's first look finds the lease free, before either writes
         found = real_read(st_, name)
@@ -200,14 +202,14 @@ def test_two_drivers_starting_one_run_at_the_same_moment_one_trains_one_is_refus
             both_read.wait()
         return found
 
-    monkeypatch.setattr(storage, "read_beat", read_then_meet)
-    monkeypatch.setattr(storage, "LEASE_SETTLE_S", 0.5)
+    monkeypatch.setattr(lease, "read_beat", read_then_meet)
+    monkeypatch.setattr(lease, "LEASE_SETTLE_S", 0.5)
     outcomes: dict[str, object] = {}
     release = threading.Event()
 
     def driver(label: str) -> None:
         try:
-            with storage.leased(st, "r") as token:
+            with lease.leased(st, "r") as token:
                 outcomes[label] = token
                 release.wait(30)
         except ImgtrainError as e:
@@ -230,20 +232,20 @@ def test_two_drivers_starting_one_run_at_the_same_moment_one_trains_one_is_refus
 
 
 def test_a_held_lease_refuses_a_later_driver_and_a_released_one_does_not(env):
-    st = storage.store(env)
-    with storage.leased(st, "r"):
+    st = remote.store(env)
+    with lease.leased(st, "r"):
         with pytest.raises(ImgtrainError, match="being trained right now by process"):
-            with storage.leased(st, "r"):
+            with lease.leased(st, "r"):
                 pass
-    with storage.leased(st, "r"):  # released: taken again at once
+    with lease.leased(st, "r"):  # released: taken again at once
         pass
-    storage.beat(st, "r", token="someone-elses")  # a driver of another machine, beating now
-    record = storage.read_beat(st, "r")
+    lease.beat(st, "r", token="someone-elses")  # a driver of another machine, beating now
+    record = lease.read_beat(st, "r")
     record.update(host="another-machine")
-    with st.fs.open_output_stream(f"{st.root}/r/{storage.HEARTBEAT_FILE}") as f:
+    with st.fs.open_output_stream(f"{st.root}/r/{lease.HEARTBEAT_FILE}") as f:
         f.write(json.dumps(record).encode())
     with pytest.raises(ImgtrainError, match="on another-machine"):
-        with storage.leased(st, "r"):
+        with lease.leased(st, "r"):
             pass
 
 
@@ -251,7 +253,7 @@ def test_a_held_lease_refuses_a_later_driver_and_a_released_one_does_not(env):
 
 
 def test_a_double_slash_key_does_not_break_runs_list_or_clean(env, s3_server):
-    from imgtrain.ops import clean
+    from imgtrain.commands import clean
 
     prefix = env.removeprefix("s3://imgtrain/")
     s3 = boto(s3_server)

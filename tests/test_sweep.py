@@ -6,6 +6,7 @@ import pytest
 import torch
 from ray import tune
 
+from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.sweep import space
@@ -148,7 +149,7 @@ def test_a_stopped_trials_epochs_come_back_from_its_latest_whole_checkpoint(tmp_
     st.write(sweep_dir, {"trials": {"trial-00001": {"status": "stopped", "epochs_done": 1}}})
     runs.MetricsLog(run_dir).append({"kind": "start", "step": 0})
     epochs = [{"kind": "epoch", "epoch": e, "step": 4 * (e + 1), "val_accuracy": 0.1 + e,
-               "checkpoint": f"checkpoint_epoch_000{e}"} for e in range(2)]
+               "checkpoint": POLICY.epoch_name(e)} for e in range(2)]
     for e, record in enumerate(epochs):
         ckpt.save(run_dir / record["checkpoint"], {"w": torch.zeros(2)}, {}, {
             "epoch": e, "step": record["step"], "metrics": record, ckpt.HISTORY_KEY: epochs[:e + 1]})
@@ -157,7 +158,7 @@ def test_a_stopped_trials_epochs_come_back_from_its_latest_whole_checkpoint(tmp_
 
     _mark_stopped(sweep_dir, SimpleNamespace(scheduler="asha", base=SimpleNamespace(epochs=2)))
 
-    assert [(r["epoch"], r["recovered_from"]) for r in runs.epoch_history(run_dir)] == [(0, "checkpoint_epoch_0000")]
+    assert [(r["epoch"], r["recovered_from"]) for r in runs.epoch_history(run_dir)] == [(0, POLICY.epoch_name(0))]
     status = runs.read_status(run_dir)
     assert status["status"] == "stopped" and "ASHA after epoch 1 of 2" in status["reason"]
     _mark_stopped(sweep_dir, SimpleNamespace(scheduler="asha", base=SimpleNamespace(epochs=2)))

@@ -19,12 +19,14 @@ from pathlib import Path
 import pytest
 
 from imgtrain import checkpoint as ckpt
-from imgtrain import zoo
+from imgtrain.checkpoint_policy import POLICY
+from imgtrain.commands import doctor
 from imgtrain.data import format as fmt
 from imgtrain.data import stream
+from imgtrain.data.options import PrepareOptions
 from imgtrain.data.prepare import prepare
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import doctor
+from imgtrain.models import zoo
 from tests.conftest_data_helpers import save_image
 
 QUICK_S = 0.5  # "well under a second": the refusals read one small file and compare numbers
@@ -57,7 +59,7 @@ def photos(tmp_path_factory) -> Path:
     for c, base in (("a", 0), ("b", 100)):
         for i in range(20):
             save_image(root / "src" / c / f"{i}.png", base + 5 * i, size=(16, 16), mode="RGB")
-    prepare("folder", root / "data", source_path=root / "src", seed=3)
+    prepare("folder", root / "data", root / "src", PrepareOptions(seed=3))
     return root / "data"
 
 
@@ -153,7 +155,7 @@ def real_checkpoint(tmp_path_factory) -> Path:
     args = zoo.model_args(manifest, "resnet18", "small")
     assert args["image_size"] == [8, 8]
     model = zoo.build_from_args(args)
-    path = tmp_path_factory.mktemp("run") / "checkpoint_epoch_0000"
+    path = tmp_path_factory.mktemp("run") / POLICY.epoch_name(0)
     state = {ckpt.EPOCH_KEY: 0, ckpt.STEP_KEY: 1, ckpt.RNG_KEY: {"torch": torch.get_rng_state()}}
     ckpt.save(path, model.state_dict(), state, {"model_args": args, "data": manifest, "config": {}, "epoch": 0,
                                                 "step": 1, "metrics": {"val_accuracy": 0.5}})
@@ -176,7 +178,7 @@ LOAD_UNDER_A_LIMIT = """
 import json, resource, sys, time
 limit = 8 << 30  # a 51-GB allocation fails at once instead of thrashing the machine
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-import torch, torchvision, imgtrain.zoo  # imported first: the refusal itself is timed
+import torch, torchvision, imgtrain.models.zoo  # imported first: the refusal itself is timed
 from imgtrain.inference.predictor import load_checkpoint
 start = time.perf_counter()
 try:
@@ -209,7 +211,7 @@ def test_a_vit_checkpoint_claiming_65536_px_images_is_refused_before_any_model_i
 def test_a_checkpoint_with_model_args_out_of_bounds_is_passed_over_like_a_damaged_one(real_checkpoint, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(real_checkpoint, run / real_checkpoint.name)
-    evil = tampered(real_checkpoint, run / "checkpoint_epoch_0001",
+    evil = tampered(real_checkpoint, run / POLICY.epoch_name(1),
                     lambda m: m.update(model_args=VIT_65536, epoch=1, step=2, metrics={"val_accuracy": 0.9}))
     message, seconds = refused(ckpt.verify, evil)
     assert_names(message, str(evil / ckpt.META_FILE), "image_size [65536, 65536]", "8192")

@@ -9,9 +9,10 @@ import pytest
 import torch
 from torchvision import models
 
-from imgtrain import finetune, zoo
+from imgtrain import finetune
 from imgtrain.errors import ImgtrainError
-from imgtrain.model import ResNet18
+from imgtrain.models import parts, zoo
+from imgtrain.models.resnet18 import ResNet18
 
 
 def args(name, channels=1, classes=10, stem="standard", size=32):
@@ -22,7 +23,7 @@ def args(name, channels=1, classes=10, stem="standard", size=32):
 @pytest.mark.parametrize("name", [n for n in zoo.LISTED_MODELS if n != "resnet18"])
 def test_each_listed_model_takes_the_data_sets_channels_and_classes(name):
     model = zoo.build_from_args(args(name, channels=1, classes=7)).eval()
-    assert zoo.first_conv(model)[1].in_channels == 1
+    assert parts.first_conv(model)[1].in_channels == 1
     with torch.no_grad():
         assert model(torch.zeros(2, 1, 32, 32)).shape == (2, 7)
 
@@ -153,7 +154,7 @@ def test_a_timm_model_by_name_with_its_own_channel_and_head_handling(tmp_path):
     model = zoo.build_from_args(args("timm:resnet10t", channels=1, classes=5)).eval()
     with torch.no_grad():
         assert model(torch.zeros(2, 1, 32, 32)).shape == (2, 5)
-    assert zoo.head_name(model) == "fc" and zoo.first_conv(model)[1].in_channels == 1
+    assert parts.head_name(model) == "fc" and parts.first_conv(model)[1].in_channels == 1
     rgb = zoo.build_from_args(args("timm:resnet10t", channels=3, classes=1000))
     torch.save(rgb.state_dict(), tmp_path / "timm.pt")
     report = finetune.initialise(model, str(tmp_path / "timm.pt"), "timm:resnet10t")

@@ -1,7 +1,7 @@
 """imgtrain: train image classifiers with data-parallel PyTorch on Ray.
 
 Every CLI verb is one function here:
-    imgtrain.prepare(...)   -> dataset manifest       (imgtrain data prepare)
+    imgtrain.prepare(source, out, path, PrepareOptions(...)) -> dataset manifest (imgtrain data prepare)
     imgtrain.train(cfg)     -> RunResult              (imgtrain train)
     imgtrain.load_run(...)  -> RunResult              (imgtrain runs show)
     imgtrain.list_runs(...) -> list[RunResult]        (imgtrain runs list)
@@ -13,6 +13,7 @@ Every CLI verb is one function here:
 """
 
 from imgtrain.config import TrainConfig
+from imgtrain.data.options import PrepareOptions
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.batch import EvalResult, InferenceOptions, evaluate, predict
 from imgtrain.inference.predictor import Predictor, load_model
@@ -28,11 +29,11 @@ def train(cfg: TrainConfig, display=None, overwrite: bool = False) -> RunResult:
     return _train(cfg, display=display, overwrite=overwrite)
 
 
-def prepare(source: str, out_dir, **options) -> dict:
+def prepare(source: str, out_dir, source_path=None, options: PrepareOptions | None = None, progress=None) -> dict:
     """Prepare a data set directory. See ``imgtrain.data.prepare.prepare``."""
     from imgtrain.data.prepare import prepare as _prepare
 
-    return _prepare(source, out_dir, **options)
+    return _prepare(source, out_dir, source_path, options, progress)
 
 
 def write_report(run, checkpoint: str = "best", storage: str = "./runs"):
@@ -43,6 +44,6 @@ def write_report(run, checkpoint: str = "best", storage: str = "./runs"):
 
 
 __all__ = [
-    "TrainConfig", "ImgtrainError", "RunResult", "train", "prepare", "load_run", "list_runs",
+    "TrainConfig", "ImgtrainError", "RunResult", "train", "prepare", "PrepareOptions", "load_run", "list_runs",
     "EvalResult", "InferenceOptions", "Predictor", "evaluate", "load_model", "predict", "write_report",
 ]

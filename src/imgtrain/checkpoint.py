@@ -1,6 +1,7 @@
-"""Checkpoints: the format (save, verify, load) and their life in a run directory (names,
-listing, best/latest, retention, resolution with fallback to the newest one that verifies),
-used by training (save, resume) and inference (load). The one module that knows them.
+"""Checkpoints: the format (save, verify, load) and their folders in a run directory (listing,
+best/latest, deleting those the policy lets go, resolution with fallback to the newest one that
+verifies), used by training (save, resume) and inference (load). What they are called, which is
+best and which are kept is decided by the policy (checkpoint_policy.py).
 
 A checkpoint directory holds:
   model.pt        the unwrapped ``state_dict`` of the model that was evaluated (the moving
@@ -23,6 +24,7 @@ import pickle
 import warnings
 from pathlib import Path
 
+from imgtrain.checkpoint_policy import POLICY, CheckpointPolicy
 from imgtrain.errors import ImgtrainError, ImgtrainWarning
 from imgtrain.ops.files import atomic_write_text, sha256_file
 
@@ -106,7 +108,7 @@ def history(meta: dict) -> list[dict]:
 def verify(directory: str | os.PathLike) -> dict:
     """Check every file against the sha256 in meta.json, and the model meta.json describes against
     the bounds of what imgtrain builds; return the meta or raise naming the file."""
-    from imgtrain.zoo import args_problems  # imports no torch
+    from imgtrain.models.zoo import args_problems  # imports no torch
 
     d = Path(directory)
     meta = read_meta(d)
@@ -163,21 +165,6 @@ def unwrap(model):
 
 # ---------------------------------------------------------------- checkpoints in a run directory
 
-PREFIX = "checkpoint_"
-
-
-def dir_name(epoch: int, taken=(), step: int | None = None) -> str:
-    """``checkpoint_epoch_0003`` at the end of epoch 3; ``checkpoint_epoch_0003_step_0000120``
-    for a checkpoint inside it, after global step 120. A name in ``taken`` (a damaged
-    checkpoint still on disk) is not reused: Ray Train's retention deletes by path, and would
-    delete the replacement along with the damaged original."""
-    name = f"{PREFIX}epoch_{epoch:04d}" + (f"_step_{step:07d}" if step is not None else "")
-    k, candidate = 1, name
-    while candidate in taken:
-        k += 1
-        candidate = f"{name}-{k}"
-    return candidate
-
 
 def listing(run_dir: Path) -> list[tuple[Path, dict]]:
     """Complete checkpoints (a valid meta.json) in a run directory, oldest first."""
@@ -185,7 +172,7 @@ def listing(run_dir: Path) -> list[tuple[Path, dict]]:
     if not run_dir.is_dir():
         return found
     for d in run_dir.iterdir():
-        if d.is_dir() and d.name.startswith(PREFIX) and (d / META_FILE).is_file():
+        if d.is_dir() and POLICY.is_checkpoint(d.name) and (d / META_FILE).is_file():
             try:
                 found.append((d, read_meta(d)))
             except CheckpointError:
@@ -212,7 +199,7 @@ def remove_incomplete(run_dir: Path, keep=()) -> list[str]:
 
     removed = []
     for d in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
-        if not d.is_dir() or not d.name.startswith(PREFIX) or d.name in keep:
+        if not d.is_dir() or not POLICY.is_checkpoint(d.name) or d.name in keep:
             continue
         try:
             verify(d)
@@ -222,33 +209,21 @@ def remove_incomplete(run_dir: Path, keep=()) -> list[str]:
     return removed
 
 
-def rank_key(meta: dict) -> tuple[float, int]:
-    """How good a checkpoint is: validation accuracy, then the later one (step checkpoints,
-    not evaluated, record -1 and rank below every evaluated one)."""
-    return (meta.get("metrics") or {}).get("val_accuracy", -1.0), meta.get("step", 0)
-
-
 def best_and_latest(run_dir: Path) -> tuple[Path | None, Path | None]:
     found = listing(run_dir)
     if not found:
         return None, None
-    return max(found, key=lambda item: rank_key(item[1]))[0], found[-1][0]
+    return max(found, key=lambda item: POLICY.rank_key(item[1]))[0], found[-1][0]
 
 
-def retain(run_dir: Path, num_to_keep: int, ignore=()) -> None:
-    """Delete old checkpoints (local backend; Ray Train does the same itself): keep the
-    ``num_to_keep`` best by validation accuracy, and always the latest. Checkpoints named in
-    ``ignore`` (known damaged) are neither counted nor deleted."""
+def retain(run_dir: Path, policy: CheckpointPolicy, ignore=()) -> None:
+    """Delete the checkpoints ``policy`` lets go (local backend; Ray Train does the same itself,
+    from ``policy.ray_config()``). Checkpoints named in ``ignore`` (known damaged) are neither
+    counted nor deleted."""
     import shutil
 
-    found = [(p, m) for p, m in listing(run_dir) if p.name not in ignore]
-    if not found:
-        return
-    ranked = sorted(found, key=lambda item: rank_key(item[1]), reverse=True)
-    keep = {path for path, _ in ranked[:num_to_keep]} | {found[-1][0]}
-    for path, _ in found:
-        if path not in keep:
-            shutil.rmtree(path, ignore_errors=True)
+    for path in policy.expendable(listing(run_dir), damaged=ignore):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def choose(run_dir: Path, which: str, run_name: str) -> Path:
@@ -268,7 +243,7 @@ def choose(run_dir: Path, which: str, run_name: str) -> Path:
         warnings.warn(f"skipping checkpoint {path.name}: {why}", DamagedCheckpointWarning, stacklevel=2)
     if not good:
         raise ImgtrainError(f"run {run_name!r} has no checkpoint that passes verification ({run_dir})")
-    return good[-1] if which == "latest" else max(good, key=lambda p: rank_key(read_meta(p)))
+    return good[-1] if which == "latest" else max(good, key=lambda p: POLICY.rank_key(read_meta(p)))
 
 
 class DamagedCheckpointWarning(ImgtrainWarning):

@@ -18,6 +18,7 @@ import typer
 from rich.table import Table
 
 from imgtrain.console import SafeConsole
+from imgtrain.data.sources import registry as source_registry
 from imgtrain.errors import ImgtrainError, ImgtrainWarning
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -61,16 +62,31 @@ def _options(version: bool = typer.Option(False, "--version", is_eager=True, cal
     """Train image classifiers with data-parallel PyTorch on Ray."""
 
 
-@data_app.command("prepare")
+def _prepare_help() -> str:
+    """data prepare's help: what it does, then one line per registered source."""
+    # \[: rich would read [val/] as markup and drop it
+    return ("Convert a source into a prepared data set (manifest.json + train/ \\[val/] test/ Parquet), streamed."
+            "\n\nSources:\n\n" + "\n".join(source_registry.help_lines()))
+
+
+def _used_by(option: str) -> str:
+    """The start of a source-specific option's help: the sources that use it ("parquet, list: ")."""
+    return ", ".join(source_registry.using(option)) + ": "
+
+
+@data_app.command("prepare", help=_prepare_help())
 def data_prepare(
-    source: str = typer.Argument(..., help="mnist-sample | mnist | folder | parquet | list"),
+    source: str = typer.Argument(..., help=" | ".join(source_registry.SOURCES)),
     out_dir: Path = typer.Argument(..., help="Directory to write the prepared data set to."),
     source_path: Optional[Path] = typer.Option(
-        None, "--source", help="Input: IDX dir, image folder, Parquet table, or (list) a CSV/Parquet of path,label."),
-    download: bool = typer.Option(False, "--download", help="mnist: download with torchvision (needs internet)."),
-    image_column: str = typer.Option("image", help="parquet: the image column (PNG/JPEG bytes or pixel arrays)."),
-    label_column: str = typer.Option("label", help="parquet, list: the label column (class ids or names)."),
-    path_column: str = typer.Option("path", help="list: the column of image paths (relative to the table)."),
+        None, "--source", help="What the source reads: a folder or a file (Sources, above)."),
+    download: bool = typer.Option(False, "--download",
+                                  help=_used_by("download") + "fetch the files into --source first (needs internet)."),
+    image_column: str = typer.Option("image", help=_used_by("image_column") + "the image column (PNG/JPEG bytes or "
+                                     "pixel arrays)."),
+    label_column: str = typer.Option("label", help=_used_by("label_column") + "the label column (class ids or names)."),
+    path_column: str = typer.Option("path", help=_used_by("path_column") + "the column of image paths (relative to "
+                                    "the table)."),
     channels: Optional[int] = typer.Option(None, help="1 (grayscale) or 3 (RGB); default: 1 when every image is gray."),
     size: Optional[str] = typer.Option(None, help="Resize (and re-encode) every image to HxW, e.g. 64x64; default: "
                                         "keep them, train at their size (or the median one)."),
@@ -82,7 +98,6 @@ def data_prepare(
     seed: int = typer.Option(0, help="Seed of the splits."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing data set in OUT_DIR."),
 ):
-    """Convert a source into a prepared data set (manifest.json + train/ [val/] test/ Parquet), streamed."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -92,20 +107,20 @@ def data_prepare(
     )
 
     from imgtrain.data.format import describe
+    from imgtrain.data.options import PrepareOptions, parse_size
     from imgtrain.data.prepare import prepare
-    from imgtrain.data.sources import parse_size
 
-    hw = parse_size(size) if size else None
+    options = PrepareOptions(
+        download=download, image_column=image_column, label_column=label_column, path_column=path_column,
+        channels=channels, size=parse_size(size) if size else None, test_fraction=test_fraction,
+        val_fraction=val_fraction, seed=seed, overwrite=overwrite, on_error=on_error, workers=workers,
+    )
     bar = Progress(TextColumn("prepare"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                    console=err_console, transient=True, disable=not err_console.is_terminal)
     with bar:
         task = bar.add_task("prepare", total=None)
-        manifest = prepare(
-            source, out_dir, source_path=source_path, download=download, image_column=image_column,
-            label_column=label_column, path_column=path_column, channels=channels, size=hw,
-            test_fraction=test_fraction, val_fraction=val_fraction, on_error=on_error, workers=workers,
-            seed=seed, overwrite=overwrite, progress=lambda done, total: bar.update(task, completed=done, total=total),
-        )
+        manifest = prepare(source, out_dir, source_path, options,
+                           progress=lambda done, total: bar.update(task, completed=done, total=total))
     skipped = manifest.get("skipped") or {}
     for name, why in skipped.get("files", []):
         err_console.print(f"skipped {name}: {why}", soft_wrap=True)
@@ -528,7 +543,8 @@ def serve_cmd(
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
 ):
     """Serve the model over HTTP with Ray Serve: POST /predict, GET /healthz. Ctrl-C stops it."""
-    from imgtrain.inference.serve import Limits, run_server
+    from imgtrain.inference.requests import Limits
+    from imgtrain.inference.serve import run_server
 
     limits = Limits(max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels,
                     max_batch_images=max_batch_images, request_timeout_s=request_timeout, body_timeout_s=body_timeout,
@@ -553,7 +569,7 @@ def clean_runs(
                                "host whose driver is gone (a run locked on this machine is never deleted)."),
 ):
     """Delete runs: their checkpoints, metrics, logs and reports. Never a run being trained."""
-    from imgtrain.ops.clean import plan_runs
+    from imgtrain.commands.clean import plan_runs
 
     _clean(plan_runs(storage, names or [], everything=all_runs, force=force), yes, dry_run)
 
@@ -564,13 +580,13 @@ def clean_data(
     yes: bool = YES_OPTION, dry_run: bool = DRY_RUN_OPTION,
 ):
     """Delete prepared data sets: the manifest and the Parquet files it lists, nothing else."""
-    from imgtrain.ops.clean import plan_dataset
+    from imgtrain.commands.clean import plan_dataset
 
     _clean([plan_dataset(d) for d in data_dirs], yes, dry_run)
 
 
 def _clean(plan, yes: bool, dry_run: bool) -> None:
-    from imgtrain.ops.clean import remove
+    from imgtrain.commands.clean import remove
 
     if not plan:
         console.print("nothing to delete")
@@ -607,7 +623,7 @@ def doctor_cmd(
 
     Exits 0 when ready to train, 1 when something needs fixing first.
     """
-    from imgtrain.ops.doctor import diagnose
+    from imgtrain.commands.doctor import diagnose
 
     with _json_alone_on_stdout(json_out):
         found = diagnose(storage=storage, address=address, data=data)

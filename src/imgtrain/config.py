@@ -4,7 +4,7 @@ Each field is declared with ``setting(default, doc, ...)``: its description (the
 becomes the ``--help`` line and ``config show``), its command-line flag, the values or range it
 accepts, and whether it may change when a run is resumed. The ``train`` options, the config
 file parser, ``config show`` and ``validate`` are all generated from these fields, so adding a
-setting is one line here (README, "Adding a setting").
+setting is one line here (docs/development.md, "Adding a setting").
 
 The worker boundary is a plain dict (``dataclasses.asdict``) turned back into a
 ``TrainConfig`` at once on the other side (``TrainConfig(**d)``).

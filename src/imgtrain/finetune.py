@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 
 from imgtrain.errors import ImgtrainError
-from imgtrain.zoo import TIMM_PREFIX, first_conv, head_name
+from imgtrain.models.parts import first_conv, head_name
+from imgtrain.models.registry import family_of
 
 DOWNLOAD_TIMEOUT_S = 15  # an offline machine fails in seconds, not after TCP's minutes of retries
 
@@ -44,7 +45,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
     p = Path(path).expanduser()
     if p.is_dir():  # a checkpoint (its checksums verified) or a run (its best checkpoint)
-        from imgtrain.inference.predictor import resolve_checkpoint
+        from imgtrain.runs import resolve_checkpoint
 
         p = resolve_checkpoint(str(p), "best", str(p.parent)) / ckpt.MODEL_FILE
     if not p.is_file():
@@ -128,29 +129,20 @@ def initialise(model: nn.Module, source: str, model_name: str) -> Adapted:
 def published_weights_file(model_name: str, download: bool = True) -> Path:
     """The model's published (ImageNet) weights as a local state-dict file, downloaded once into
     torch's hub cache. Raises ImgtrainError in seconds where the machine is offline."""
-    cache = Path(torch.hub.get_dir()) / "checkpoints" / "imgtrain"
-    if model_name.startswith(TIMM_PREFIX):
-        name = model_name.removeprefix(TIMM_PREFIX)
-        path = cache / f"timm-{name.replace('/', '_')}.pt"
-        fetch, url = (lambda: _timm_weights(name)), f"timm's hub entry for {name}"
-    else:
-        from torchvision import models
-
-        try:
-            weights = models.get_model_weights(model_name).DEFAULT
-        except ValueError:
-            raise ImgtrainError(f"--pretrained: torchvision publishes no weights for {model_name!r}") from None
-        path, url = cache / Path(weights.url).name, weights.url
-        fetch = lambda: weights.get_state_dict(progress=False)  # noqa: E731
+    family = family_of(model_name)
+    published = family.weights(family.own_name(model_name)) if family.weights else None
+    if published is None:
+        raise ImgtrainError(f"--pretrained: {family.source} publishes no weights for {model_name!r}")
+    path = Path(torch.hub.get_dir()) / "checkpoints" / "imgtrain" / published.file
     if path.is_file() or not download:
         return path
     before = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
     try:
-        state = fetch()
+        state = published.fetch()
     except Exception as e:  # noqa: BLE001 - URLError, timeouts, HF hub errors: all mean "could not get it"
         reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-        raise ImgtrainError(f"--pretrained: could not download the weights of {model_name} from {url} ({reason}); "
+        raise ImgtrainError(f"--pretrained: could not download the weights of {model_name} from {published.source} ({reason}); "
                             "where this machine is offline, download the file elsewhere and pass --init-from FILE"
                             ) from None
     finally:
@@ -160,12 +152,6 @@ def published_weights_file(model_name: str, download: bool = True) -> Path:
     torch.save(state, tmp)
     tmp.replace(path)
     return path
-
-
-def _timm_weights(name: str) -> dict:
-    import timm
-
-    return timm.create_model(name, pretrained=True).state_dict()
 
 
 def initial_weights(cfg) -> str | None:

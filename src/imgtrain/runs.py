@@ -9,7 +9,7 @@ Ray Train owns its checkpoint folders and snapshot files there; imgtrain adds
   heartbeat.json  a run in an object store only: the driver's host, pid and time, every 2 s
   .imgtrain-run   the marker that makes this directory a run (``ownership.py``), and .lock
 
-With ``--storage s3://...`` (``storage.py``) the same files live in the object store, and these
+With ``--storage s3://...`` (the ``storage`` package) the same files live in the object store, and these
 functions work on a local working copy of them, brought down first.
 """
 
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgtrain import checkpoint as ckpt
-from imgtrain import storage as remote
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership, process
 from imgtrain.ops.files import atomic_write_text
+from imgtrain.storage import lease, mirror, remote
 
 CONFIG_FILE = ownership.CONFIG_FILE
 METRICS_FILE = "metrics.jsonl"
@@ -50,7 +50,7 @@ def fetch(storage: str, name: str, checkpoints: bool = True) -> Path:
     whole, or without the checkpoints' weights. A run that a process on this machine trains is
     read as that process has it."""
     if remote.is_remote(storage):
-        return remote.pull(remote.store(storage), name, checkpoints=checkpoints)
+        return mirror.pull(remote.store(storage), name, checkpoints=checkpoints)
     return run_path(storage, name)
 
 
@@ -123,18 +123,18 @@ def read_status(run_dir: Path) -> dict:
 
 def _driver_gone(run_dir: Path, status: dict) -> bool:
     """On this host the recorded pid tells. The driver of a run in an object store writes a
-    heartbeat there every few seconds (``storage.mirrored``): one of that driver older than
+    heartbeat there every few seconds (``mirror.mirrored``): one of that driver older than
     ``HEARTBEAT_STALE_S`` means it is gone. Another host's driver without a heartbeat (a run on
     a shared folder) cannot be checked: it is believed."""
     if status.get("host") == socket.gethostname():
         return not process.pid_alive(status.get("pid", -1))
     age = heartbeat_age(run_dir, status)
-    return age is not None and age > remote.HEARTBEAT_STALE_S
+    return age is not None and age > lease.HEARTBEAT_STALE_S
 
 
 def heartbeat_age(run_dir: Path, status: dict) -> float | None:
     """Seconds since the heartbeat of the driver ``status`` names; None without one."""
-    beat = _read_json(run_dir / remote.HEARTBEAT_FILE)
+    beat = _read_json(run_dir / lease.HEARTBEAT_FILE)
     if not isinstance(beat, dict) or [beat.get("host"), beat.get("pid")] != [status.get("host"), status.get("pid")] \
             or not isinstance(beat.get("time"), (int, float)):
         return None
@@ -298,6 +298,25 @@ def locate(run: str | Path, storage: str) -> Path:
     return load_run(storage, str(run)).path  # "no run named ..." with the list of runs
 
 
+def resolve_checkpoint(run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs") -> Path:
+    """A verified checkpoint directory from: a checkpoint directory, a run directory, or a run
+    name in ``storage``; ``checkpoint`` picks best/latest in a run, or is itself a checkpoint
+    path. A named checkpoint that fails its sha256 is an error naming the file; a damaged
+    best/latest is skipped (with a warning) for the best/latest of those that verify."""
+    if checkpoint not in ("best", "latest"):
+        path = Path(checkpoint).expanduser()
+        if not path.is_dir():
+            raise ImgtrainError(f"checkpoint {path} does not exist; pass best, latest or a checkpoint directory")
+        ckpt.verify(path)
+        return path.resolve()
+    target = Path(str(run_or_checkpoint)).expanduser()
+    if (target / ckpt.META_FILE).is_file():
+        ckpt.verify(target)
+        return target.resolve()
+    run_dir = locate(run_or_checkpoint, storage)
+    return ckpt.choose(run_dir, checkpoint, run_dir.name)
+
+
 def load_run(storage: str, name: str) -> RunResult:
     run_dir = fetch(storage, name)
     if not ownership.is_run(run_dir):
@@ -327,9 +346,9 @@ def read_run(run_dir: Path, storage: str | None = None) -> RunResult:
 def list_runs(storage: str) -> list[RunResult]:
     if remote.is_remote(storage):  # each run's small files and checkpoint metadata, not the weights
         st = remote.store(storage)
-        names = remote.run_names(st)
+        names = mirror.run_names(st)
         for name in names:
-            remote.pull(st, name, checkpoints=False)
+            mirror.pull(st, name, checkpoints=False)
         found = [read_run(st.local / n, storage) for n in names if ownership.is_run(st.local / n)]
         return sorted(found, key=lambda r: _mtime(r.path / CONFIG_FILE) or _mtime(r.path))
     root = storage_root(storage)

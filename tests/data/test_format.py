@@ -16,8 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from imgtrain.data import format as parquet
-from imgtrain.data import sources, tables
+from imgtrain.data import tables
+from imgtrain.data.options import PrepareOptions
 from imgtrain.data.prepare import prepare
+from imgtrain.data.raw import RawDataset, Split
+from imgtrain.data.sources.mnist_sample import load_mnist_sample
 from imgtrain.data.writer import write_dataset
 from imgtrain.errors import ImgtrainError
 from tests.conftest_data_helpers import rehash, rewrite_columns, save_image, tiny_raw
@@ -71,7 +74,7 @@ def test_written_schema_is_tensor_and_rows_are_shuffled(sample_dir):
 
 
 def test_read_split_round_trips_the_loader(sample_dir):
-    raw = sources.load_mnist_sample(seed=0)
+    raw = load_mnist_sample(seed=0)
     for name, split in (("train", raw.train), ("test", raw.test)):
         ids, images, labels = parquet.read_split(sample_dir, name)
         assert images.dtype == np.uint8 and images.shape == (len(split), 28, 28, 1)
@@ -128,9 +131,9 @@ def test_rows_per_file_and_deterministic_prepare(tmp_path, tiny_dir):
     for c in ("a", "b"):
         for i in range(5):
             save_image(folder / c / f"{i}.png", 20 * i + (c == "b"), mode="RGB")
-    one = prepare("folder", tmp_path / "one", source_path=folder, seed=3)
-    two = prepare("folder", tmp_path / "two", source_path=folder, seed=3)
-    three = prepare("folder", tmp_path / "three", source_path=folder, seed=4)
+    one = prepare("folder", tmp_path / "one", folder, PrepareOptions(seed=3))
+    two = prepare("folder", tmp_path / "two", folder, PrepareOptions(seed=3))
+    three = prepare("folder", tmp_path / "three", folder, PrepareOptions(seed=4))
     assert one["sha256"] == two["sha256"] and one["sha256"] != three["sha256"]
     assert one["image_shape"] == [8, 8, 3] and one["storage"] == "encoded"
     assert one["normalize"]["mean"][0] == pytest.approx(np.mean([20 * i for i in range(5)] * 2) / 255, abs=0.01)
@@ -154,10 +157,10 @@ def test_write_refuses_to_overwrite(tmp_path, tiny_dir):
 
 def test_write_validates_before_writing(tmp_path):
     raw = tiny_raw()
-    bad = sources.RawDataset(
+    bad = RawDataset(
         raw.classes,
-        sources.Split(raw.train.images.astype(np.float32), raw.train.labels + 3, raw.train.ids),
-        sources.Split(raw.test.images[:0], raw.test.labels[:0], raw.test.ids[:0]),
+        Split(raw.train.images.astype(np.float32), raw.train.labels + 3, raw.train.ids),
+        Split(raw.test.images[:0], raw.test.labels[:0], raw.test.ids[:0]),
     )
     with pytest.raises(ImgtrainError) as e:
         write_dataset(bad, tmp_path / "out", name="x", source="test")
@@ -172,9 +175,9 @@ def test_prepare_rejects_bad_arguments(tmp_path):
     with pytest.raises(ImgtrainError, match="'folder' needs --source PATH"):
         prepare("folder", tmp_path / "x")
     with pytest.raises(ImgtrainError, match="--download only applies.*--path-column only applies"):
-        prepare("parquet", tmp_path / "x", source_path=tmp_path, download=True, path_column="p")
+        prepare("parquet", tmp_path / "x", tmp_path, PrepareOptions(download=True, path_column="p"))
     with pytest.raises(ImgtrainError, match="--channels/--size do not apply to mnist-sample"):
-        prepare("mnist-sample", tmp_path / "x", size=(8, 8))
+        prepare("mnist-sample", tmp_path / "x", None, PrepareOptions(size=(8, 8)))
     assert not (tmp_path / "x").exists()
 
 

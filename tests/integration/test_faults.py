@@ -13,6 +13,7 @@ from rich.console import Console
 import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
@@ -85,8 +86,8 @@ def test_a_full_disk_leaves_no_broken_checkpoint_and_says_the_disk_is_full(ray_c
         assert "resumes from checkpoint_epoch_0000" in message
         run_dir = storage / "full"
         good, bad = ckpt.verified(run_dir)
-        assert [p.name for p in good] == ["checkpoint_epoch_0000"] and bad == []
-        leftovers = [d.name for d in run_dir.iterdir() if d.is_dir() and d.name.startswith("checkpoint_epoch")
+        assert [p.name for p in good] == [POLICY.epoch_name(0)] and bad == []
+        leftovers = [d.name for d in run_dir.iterdir() if d.is_dir() and POLICY.is_checkpoint(d.name)
                      and d not in good]
         assert leftovers == []  # nothing half written left visible
         model, _ = imgtrain.load_model(good[0])  # the last good checkpoint still loads

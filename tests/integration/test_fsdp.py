@@ -20,12 +20,13 @@ import torch
 import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.batch import InferenceOptions, evaluate
+from imgtrain.models.zoo import build_from_args
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.progress import TrainingDisplay
-from imgtrain.zoo import build_from_args
 from tests.conftest import assert_one_line_error, cli_here, quiet_display
 from tests.integration.ledger import global_batches
 
@@ -88,7 +89,7 @@ def history(run_dir) -> list[dict]:
 
 def final_model(run_dir) -> dict:
     _, latest = ckpt.best_and_latest(run_dir)
-    assert latest.name == "checkpoint_epoch_0001"
+    assert latest.name == POLICY.epoch_name(1)
     return ckpt.load_model_state(latest)
 
 

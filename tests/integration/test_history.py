@@ -27,6 +27,7 @@ import pytest
 import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.progress import TrainingDisplay
@@ -175,7 +176,7 @@ def test_a_driver_killed_at_any_moment_loses_no_epoch_of_the_history(tiny_data, 
     records = epoch_records(run_dir)
     assert [r["epoch"] for r in records] == [0, 1, 2]  # ...and its record is recovered from it
     recovered = {r["epoch"]: r.get("recovered_from") for r in records}
-    assert recovered == {0: "checkpoint_epoch_0000", 1: None, 2: "checkpoint_epoch_0002"}
+    assert recovered == {0: POLICY.epoch_name(0), 1: None, 2: POLICY.epoch_name(2)}
     assert history(run_dir) == history(reference.path)  # the same numbers as an uninterrupted run
     assert runs.read_status(run_dir)["status"] == "finished"
     assert not list(run_dir.glob(".checkpoint_*.tmp"))  # the half-copied checkpoint was cleaned up

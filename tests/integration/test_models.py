@@ -20,6 +20,7 @@ import torch
 import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig
 from imgtrain.data.format import read_split
 from imgtrain.inference.batch import InferenceOptions, evaluate
@@ -117,8 +118,8 @@ def test_fine_tuning_from_a_run_freezes_the_backbone_then_trains_it(mobilenet, t
                     "--ema-decay", "0", "--num-to-keep", "2")
     assert proc.returncode == 0, proc.stderr
     run_dir = tmp_path / "ft"
-    epoch0 = weights(run_dir / "checkpoint_epoch_0000")
-    epoch1 = weights(run_dir / "checkpoint_epoch_0001")
+    epoch0 = weights(run_dir / POLICY.epoch_name(0))
+    epoch1 = weights(run_dir / POLICY.epoch_name(1))
     conv = "features.1.block.0.0.weight"  # a backbone convolution
     assert torch.equal(epoch0[conv], start[conv])  # frozen in epoch 0
     assert not torch.equal(epoch1[conv], start[conv])  # trained in epoch 1

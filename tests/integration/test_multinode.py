@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY
 from imgtrain.training.watchdog import read_workers
 
 pytestmark = pytest.mark.integration
@@ -165,7 +166,7 @@ def test_storage_one_node_cannot_see_is_refused_before_training(two_nodes, tiny_
                     rf"cannot see {re.escape(str(private / 'hidden'))} ", message), message
     assert "NFS" in message and len(message.splitlines()) == 1
     assert time.monotonic() - start < 60
-    assert not [p for p in (private / "hidden").iterdir() if p.name.startswith("checkpoint_")]
+    assert not [p for p in (private / "hidden").iterdir() if POLICY.is_checkpoint(p.name)]
 
 
 def test_a_wrong_token_is_refused_in_seconds_with_what_to_do(two_nodes, tiny_data, tmp_path):

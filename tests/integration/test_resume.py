@@ -20,6 +20,7 @@ import pytest
 import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig, rank_share
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.watchdog import read_workers
@@ -70,7 +71,7 @@ def starts(run_dir: Path) -> list[dict]:
 
 def final_weights(run_dir: Path) -> dict:
     _, latest = ckpt.best_and_latest(run_dir)
-    assert latest.name == "checkpoint_epoch_0002"
+    assert latest.name == POLICY.epoch_name(2)
     return ckpt.load_model_state(latest)
 
 

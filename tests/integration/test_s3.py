@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
+from imgtrain.checkpoint_policy import POLICY
 from imgtrain.data.format import read_split
 from imgtrain.inference.predictor import Predictor
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
@@ -96,13 +97,13 @@ def test_the_run_lives_in_the_bucket(s3_run, trainer):
     found = objects(s3_run, "runs/srv")
     for name in ("config.json", "metrics.jsonl", "status.json", ".imgtrain-run", "logs/driver.log"):
         assert name in found, sorted(found)
-    checkpoints = {k.split("/")[0] for k in found if k.startswith("checkpoint_epoch")}
+    checkpoints = {k.split("/")[0] for k in found if POLICY.parse(k.split("/")[0]) is not None}
     assert checkpoints and all(f"{c}/model.pt" in found and f"{c}/meta.json" in found for c in checkpoints)
     assert ".lock" not in found and not any(k.startswith("logs/ray") for k in found)  # this machine's own
     status = json.loads(bucket(s3_run).open_input_stream(f"{BUCKET}/runs/srv/status.json").read())
     assert status["status"] == "finished"
     # Ray Train's workers uploaded the checkpoints: the driver's machine brought down their records only
-    last = trainer / "cache-trainer" / "stores" / "s3" / BUCKET / "runs" / "srv" / "checkpoint_epoch_0001"
+    last = trainer / "cache-trainer" / "stores" / "s3" / BUCKET / "runs" / "srv" / POLICY.epoch_name(1)
     assert (last / "meta.json").is_file() and not (last / "model.pt").exists()
 
 
@@ -161,7 +162,7 @@ def test_a_driver_killed_mid_run_resumes_from_the_bucket_on_another_machine(s3_s
                              stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
                              env={**machine(s3_server, tmp_path, "first"), FAULT_ENV: "hang:0:12"})
     try:  # meta.json is the last file of a checkpoint to go up: the checkpoint is whole
-        wait_for(lambda: "checkpoint_epoch_0000/meta.json" in objects(s3_server, "runs/killed"), 240,
+        wait_for(lambda: f"{POLICY.epoch_name(0)}/meta.json" in objects(s3_server, "runs/killed"), 240,
                  "the first checkpoint in the bucket", first, poll_s=0.2)
     finally:
         first.kill()

@@ -19,6 +19,7 @@ from rich.console import Console
 import imgtrain
 from imgtrain import runs
 from imgtrain.config import TrainConfig, rank_share
+from imgtrain.data.options import PrepareOptions
 from imgtrain.data.prepare import prepare
 from imgtrain.errors import ImgtrainError
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
@@ -60,7 +61,7 @@ def make_photos(root: Path, per_class: int, size: int = 40, seed: int = 0) -> No
 def photos(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("photos")
     make_photos(root / "src", per_class=40)
-    manifest = prepare("folder", root / "data", source_path=root / "src", size=(32, 32), val_fraction=0.1)
+    manifest = prepare("folder", root / "data", root / "src", PrepareOptions(size=(32, 32), val_fraction=0.1))
     assert manifest["storage"] == "encoded" and manifest["preset"] == "photos"
     assert manifest["splits"]["train"]["num_samples"] == 112
     return root / "data"
@@ -198,7 +199,7 @@ def test_predict_streams_a_large_folder_in_bounded_memory(tmp_path):
     # 60 s of the 6,000 here (230 s with two threads on a busy machine).
     src = tmp_path / "train-src"
     make_photos(src, per_class=10, size=96)
-    prepare("folder", tmp_path / "data96", source_path=src, size=(96, 96))
+    prepare("folder", tmp_path / "data96", src, PrepareOptions(size=(96, 96)))
     cfg = TrainConfig(data=str(tmp_path / "data96"), storage=str(tmp_path / "runs"), name="m96", backend="local",
                       model="mobilenet_v3_small", epochs=1, batch_size=8, limit_train_batches=1, eval_batch_size=8,
                       threads_per_worker=1)

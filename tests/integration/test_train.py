@@ -21,6 +21,7 @@ from torchvision.models import resnet18
 import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from tests.conftest import cli_here, copy_run, quiet_display, run_cli, tiny_config, wait_for
@@ -61,7 +62,7 @@ def assert_a_two_worker_run(result, run_dir):
     kinds = [r["kind"] for r in runs.read_metrics(run_dir)]
     assert kinds.count("epoch") == 2 and "step" in kinds and kinds[0] == "start"
     assert "phase" not in kinds  # start-up phases are for the screen
-    assert result.latest_checkpoint.name == "checkpoint_epoch_0001"
+    assert result.latest_checkpoint.name == POLICY.epoch_name(1)
     meta = ckpt.verify(result.latest_checkpoint)
     # what wrote the run, beside its settings
     assert {k: meta[k] for k in runs.VERSION_KEYS} == runs.versions() and runs.versions()["imgtrain_version"]
@@ -246,7 +247,7 @@ def two_checkpoints(tiny_data, tmp_path_factory):
     storage = tmp_path_factory.mktemp("two-checkpoints")
     config = tiny_config(tiny_data, storage, "dmg", backend="local", workers=1, num_to_keep=2, limit_train_batches=2)
     result = imgtrain.train(config, display=QUIET)
-    assert [p.name for p, _ in ckpt.listing(result.path)] == ["checkpoint_epoch_0000", "checkpoint_epoch_0001"]
+    assert [p.name for p, _ in ckpt.listing(result.path)] == [POLICY.epoch_name(0), POLICY.epoch_name(1)]
     return result
 
 
@@ -257,7 +258,7 @@ def damage(checkpoint_dir):
 
 def test_resume_skips_a_damaged_checkpoint_for_the_previous_good_one(two_checkpoints, tmp_path, capsys, monkeypatch):
     storage = copy_run(two_checkpoints, tmp_path)
-    damage(storage / "dmg" / "checkpoint_epoch_0001")
+    damage(storage / "dmg" / POLICY.epoch_name(1))
 
     # The name alone resumes the run with its stored settings: epoch 1 is trained again.
     proc = cli_train_here(capsys, monkeypatch, "train", "--name", "dmg", "--storage", str(storage))
@@ -266,21 +267,22 @@ def test_resume_skips_a_damaged_checkpoint_for_the_previous_good_one(two_checkpo
     assert "resuming from checkpoint_epoch_0000" in proc.stdout
     result = runs.load_run(str(storage), "dmg")
     assert [r["epoch"] for r in result.history] == [0, 1]
-    assert result.history[1]["checkpoint"] == "checkpoint_epoch_0001-2"  # never the damaged one's path
+    replacement = POLICY.epoch_name(1, taken=[POLICY.epoch_name(1)])  # checkpoint_epoch_0001-2
+    assert result.history[1]["checkpoint"] == replacement  # never the damaged one's path
     starts = [r["step"] for r in runs.read_metrics(result.path) if r["kind"] == "start"]
     assert starts == [0, 2]  # resumed after epoch 0 (2 steps), the last good checkpoint
-    assert result.latest_checkpoint.name == "checkpoint_epoch_0001-2"
+    assert result.latest_checkpoint.name == replacement
     ckpt.verify(result.latest_checkpoint)
 
 
 def test_loading_best_or_latest_skips_a_damaged_checkpoint(two_checkpoints, tmp_path, capsys):
-    from imgtrain.inference.predictor import resolve_checkpoint
+    from imgtrain.runs import resolve_checkpoint
 
     storage = copy_run(two_checkpoints, tmp_path)
-    damage(storage / "dmg" / "checkpoint_epoch_0001")
+    damage(storage / "dmg" / POLICY.epoch_name(1))
     for which in ("latest", "best"):
         with pytest.warns(ckpt.DamagedCheckpointWarning, match="skipping checkpoint checkpoint_epoch_0001"):
-            assert resolve_checkpoint("dmg", which, str(storage)).name == "checkpoint_epoch_0000"
+            assert resolve_checkpoint("dmg", which, str(storage)).name == POLICY.epoch_name(0)
     proc = cli_here(capsys, "evaluate", "dmg", "--checkpoint", "latest", "--backend", "local", "--storage", str(storage))
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.startswith("warning: skipping checkpoint checkpoint_epoch_0001:")  # one line, no traceback

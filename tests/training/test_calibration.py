@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from imgtrain.model import to_model_input
-from imgtrain.training.loop import calibrate_batchnorm
+from imgtrain.data.tensors import to_model_input
+from imgtrain.training.calibration import calibrate_batchnorm
 
 NORMALIZE = {"normalize": {"mean": [0.5], "std": [0.5]}}
 

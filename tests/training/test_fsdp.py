@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from imgtrain.model import build_resnet18
+from imgtrain.models.resnet18 import build_resnet18
+from imgtrain.models.zoo import build_from_args
 from imgtrain.training import fsdp
 from imgtrain.training.recipe import WeightAverage
-from imgtrain.zoo import build_from_args
 
 CPU = torch.device("cpu")
 

@@ -15,6 +15,7 @@ from imgtrain.config import TrainConfig
 from imgtrain.data.format import load_manifest, read_split
 from imgtrain.data.order import ordered_batches, sort_by_id
 from imgtrain.training import loop
+from imgtrain.training.backend import Backend, single_process_collectives
 
 FROM_PYTHON = {"tensor", "as_tensor", "scalar_tensor", "from_numpy"}  # a copy from the host on a GPU
 READ_BACK = {"item", "__float__", "__int__", "__bool__", "tolist", "numpy", "cpu"}  # waits for a GPU
@@ -36,11 +37,11 @@ def training_run(data, device: torch.device, **settings):
     cfg = TrainConfig(name="steps", data=str(data), batch_size=32, **settings)
     manifest = load_manifest(data)
     rows = sort_by_id(*map(torch.from_numpy, read_split(data, "train")))
-    backend = loop.Backend(
+    backend = Backend(
         rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device),
         train_batches=ordered_batches(rows, cfg.seed, cfg.batch_size, 8, 1, 0, device, on_device=True),
         val_batches=lambda: iter(()), restored_checkpoint=_nothing_to_restore, report=lambda *a: None,
-        send=lambda record: None, **loop.single_process_collectives(),
+        send=lambda record: None, **single_process_collectives(),
     )
     run, _ = loop.setup(cfg, manifest, backend)
     return run, iter(backend.train_batches(0, 0)), loop.epoch_affines(run, 0)

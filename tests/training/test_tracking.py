@@ -15,6 +15,7 @@ import torch
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.training.tracking import (
@@ -51,7 +52,7 @@ def run_dir(tmp_path):
 
 
 def best_checkpoint(run_dir):
-    return ckpt.save(run_dir / "checkpoint_epoch_0000", {"w": torch.ones(2)}, {}, {"epoch": 0})
+    return ckpt.save(run_dir / POLICY.epoch_name(0), {"w": torch.ones(2)}, {}, {"epoch": 0})
 
 
 def test_metric_names():

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from imgtrain.data import tables
 from imgtrain.data.images import MAX_DECODE_PIXELS
-from imgtrain.data.sources import MAX_CLASSES
+from imgtrain.data.limits import MAX_CLASSES
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops.files import sha256_file
 
@@ -111,7 +111,7 @@ def manifest_problems(manifest: dict) -> list[str]:
     issues = []
     classes, k = manifest["classes"], manifest["num_classes"]
     if not _is_int(k) or not 1 <= k <= MAX_CLASSES:  # the classifier's output layer and every per-class table
-        issues.append(f"num_classes {short_repr(k)} is not between 1 and {MAX_CLASSES:,} (sources.MAX_CLASSES)")
+        issues.append(f"num_classes {short_repr(k)} is not between 1 and {MAX_CLASSES:,} (limits.MAX_CLASSES)")
     elif not (isinstance(classes, list) and len(classes) == k and all(isinstance(c, str) for c in classes)):
         issues.append(f"classes is not a list of {k} names (num_classes)")
     shape, channels = manifest["image_shape"], manifest["channels"]

@@ -146,30 +146,19 @@ class Checked:
 
 def check_chunk(chunk, size: tuple[int, int] | None) -> list[Checked]:
     """Check every image of a ``listing.Chunk`` (runs in the preparation pool)."""
-    return [check_image(data, size) for data in _chunk_bytes(chunk)]
+    return [check_image(data, size) for data in chunk.read()]
 
 
-def _chunk_bytes(chunk):
-    """The encoded bytes of each image of a chunk, or the reason there are none."""
-    if chunk.paths is not None:
-        for path in chunk.paths:
-            if Path(path).suffix.lower() not in IMAGE_SUFFIXES:
-                yield ImageRejected("not a .png/.jpg/.jpeg file")
-                continue
-            try:
-                yield read_image_file(path)
-            except ImageRejected as e:
-                yield e
-        return
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    file, group, column = chunk.parquet
-    values = pq.ParquetFile(file).read_row_group(group, columns=[column]).column(column)
-    if str(values.type).startswith("struct"):  # Hugging Face's {bytes, path} images
-        values = pc.struct_field(values, "bytes")
-    for value in values.to_pylist():
-        yield value if isinstance(value, (bytes, bytearray)) else ImageRejected("empty (null) image")
+def read_image_files(paths: list[str]):
+    """The bytes of each image file, or the reason there are none (a ``Chunk.read`` of files)."""
+    for path in paths:
+        if Path(path).suffix.lower() not in IMAGE_SUFFIXES:
+            yield ImageRejected("not a .png/.jpg/.jpeg file")
+            continue
+        try:
+            yield read_image_file(path)
+        except ImageRejected as e:
+            yield e
 
 
 def check_image(data, size: tuple[int, int] | None) -> Checked:

@@ -22,87 +22,50 @@ from typing import Callable
 
 import numpy as np
 
-from imgtrain.data import images, listing, sources
+from imgtrain.data import images
 from imgtrain.data.format import NORMALIZE_MEAN, NORMALIZE_STD, default_preset
-from imgtrain.data.sources import RawDataset
+from imgtrain.data.listing import Listing, PixelListing
+from imgtrain.data.options import PrepareOptions
+from imgtrain.data.raw import RawDataset, Split, take_images
+from imgtrain.data.sources import registry  # importing the package registers every source
+from imgtrain.data.splits import stratified_split
 from imgtrain.data.writer import DatasetWriter, write_dataset
 from imgtrain.errors import ImgtrainError
 
-SOURCES = ("mnist-sample", "mnist", "folder", "parquet", "list")
-ON_ERROR = ("skip", "fail")
 SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
 MAX_LISTED_BAD = 1000  # skipped files named in the manifest (and counted beyond)
 
 
-def prepare(source: str, out_dir, *, source_path=None, download: bool = False, image_column: str = "image",
-            label_column: str = "label", path_column: str = "path", channels: int | None = None,
-            size: tuple[int, int] | None = None, test_fraction: float = 0.2, val_fraction: float = 0.0,
-            seed: int = 0, overwrite: bool = False, on_error: str = "skip", workers: int = 0,
+def prepare(source: str, out_dir, source_path=None, options: PrepareOptions | None = None,
             progress: Callable[[int, int], None] | None = None) -> dict:
-    """Prepare ``source`` into ``out_dir``; returns the manifest. ``progress(done, total)`` is
-    called as images are processed; options that do not apply to the source are errors."""
-    _check_options(source, source_path, download, image_column, label_column, path_column, channels, size,
-                   test_fraction, val_fraction, on_error)
-    if source_path is not None:
-        _check_not_nested(source, source_path, out_dir)
-    where = f"{source}:{Path(source_path).absolute()}" if source_path is not None else source
-    options = {"seed": seed, "test_fraction": test_fraction, "val_fraction": val_fraction, "channels": channels,
-               "size": list(size) if size else None}
-    name = Path(out_dir).absolute().name
-    if source in ("mnist-sample", "mnist"):
-        raw = sources.load_mnist_sample(seed=seed) if source == "mnist-sample" else \
-            sources.load_mnist_idx(source_path, download=download, seed=seed)
-        return write_dataset(carve_val(raw, val_fraction, seed), out_dir, name=name, source=where,
-                             overwrite=overwrite, options=options)
-    if source == "parquet" and not listing.holds_encoded_images(source_path, image_column):
-        return _prepare_tensor_table(source_path, out_dir, image_column, label_column, test_fraction, val_fraction,
-                                     seed, overwrite, name, where, options)
-    listed = (listing.list_image_folder(source_path, seed) if source == "folder"
-              else listing.list_file_table(source_path, path_column, label_column, seed) if source == "list"
-              else listing.list_parquet_images(source_path, image_column, label_column))
-    fields = dict(name=name, source=where, options=options)
-    return _prepare_encoded(listed, out_dir, fields, channels, size, test_fraction, val_fraction, seed, overwrite,
-                            on_error, workers, progress)
-
-
-def _check_options(source, source_path, download, image_column, label_column, path_column, channels, size,
-                   test_fraction, val_fraction, on_error) -> None:
-    if source not in SOURCES:
-        raise ImgtrainError(f"unknown data source {source!r}; choose one of: {', '.join(SOURCES)}")
-    issues = []
-    needs_path = source != "mnist-sample"
-    if needs_path and source_path is None:
-        issues.append(f"source {source!r} needs --source PATH")
-    if not needs_path and source_path is not None:
-        issues.append("mnist-sample is built in and takes no --source")
-    if download and source != "mnist":
-        issues.append("--download only applies to the mnist source")
-    if source in ("mnist-sample", "mnist") and (channels is not None or size is not None):
-        issues.append(f"--channels/--size do not apply to {source} (28x28 grayscale)")
-    if source not in ("parquet", "list") and (image_column, label_column) != ("image", "label"):
-        issues.append("--image-column/--label-column only apply to the parquet and list sources")
-    if source != "list" and path_column != "path":
-        issues.append("--path-column only applies to the list source")
-    if source in ("mnist-sample", "mnist") and test_fraction != 0.2:
-        issues.append(f"{source} has a fixed train/test split; drop --test-fraction")
-    if not (0 <= val_fraction < 1) or not (0 < test_fraction < 1) or val_fraction + test_fraction >= 1:
-        issues.append(f"--test-fraction {test_fraction} and --val-fraction {val_fraction} must be in (0, 1) "
-                      "and [0, 1) with room left for training")
-    if on_error not in ON_ERROR:
-        issues.append(f"--on-error must be skip or fail, got {on_error!r}")
-    try:
-        sources.check_channels_size(channels, size)
-    except ImgtrainError as e:
-        issues.append(str(e))
+    """Prepare ``source`` (a name in ``registry.SOURCES``), read from ``source_path``, into
+    ``out_dir``; returns the manifest. ``progress(done, total)`` is called as images are
+    processed; options that do not apply to the source are errors."""
+    opts = options or PrepareOptions()
+    spec = registry.get(source)
+    issues = registry.problems(spec, source_path, opts) + opts.problems()
     if issues:
         raise ImgtrainError("; ".join(issues))
+    if source_path is not None:
+        _check_not_nested(spec, source_path, out_dir)
+    where = f"{source}:{Path(source_path).absolute()}" if source_path is not None else source
+    fields = {"name": Path(out_dir).absolute().name, "source": where,
+              "options": {"seed": opts.seed, "test_fraction": opts.test_fraction, "val_fraction": opts.val_fraction,
+                          "channels": opts.channels, "size": list(opts.size) if opts.size else None}}
+    listed = spec.lister(source_path, opts)
+    if isinstance(listed, RawDataset):
+        return write_dataset(carve_val(listed, opts.val_fraction, opts.seed), out_dir, overwrite=opts.overwrite,
+                             **fields)
+    if isinstance(listed, PixelListing):
+        return _prepare_pixels(listed, out_dir, fields, opts)
+    return _prepare_encoded(listed, out_dir, fields, opts, progress)
 
 
-def _check_not_nested(source: str, source_path, out_dir) -> None:
-    """A source inside the output would be deleted by replacing the output; an output inside an
-    image folder would be read as one more class folder the next time it is prepared."""
+def _check_not_nested(spec: registry.SourceSpec, source_path, out_dir) -> None:
+    """A source inside the output would be deleted by replacing the output; an output inside a
+    source read whole (an image folder) would be read as one more class folder the next time."""
     src, out = Path(source_path).resolve(), Path(out_dir).resolve()
-    if src == out or out in src.parents or (source == "folder" and src in out.parents):
+    if src == out or out in src.parents or (spec.walks_source and src in out.parents):
         raise ImgtrainError(
             f"--source {source_path} and the output folder {out_dir} overlap; write the data set "
             "to a folder outside the source (and keep the source outside it)"
@@ -120,13 +83,13 @@ def assign_splits(labels: np.ndarray, fixed_test: np.ndarray | None, test_fracti
     if fixed_test is not None:
         split[fixed_test] = SPLIT_CODES["test"]
     else:
-        _, test = sources.stratified_split(labels, test_fraction, seed)
+        _, test = stratified_split(labels, test_fraction, seed)
         split[test] = SPLIT_CODES["test"]
     if val_fraction:
         train = np.flatnonzero(split == 0)
         # of the training rows, the share that makes val_fraction of them all
         share = val_fraction / (1 - test_fraction) if fixed_test is None else val_fraction
-        _, val = sources.stratified_split(labels[train], min(share, 0.5), seed + 1)
+        _, val = stratified_split(labels[train], min(share, 0.5), seed + 1)
         split[train[val]] = SPLIT_CODES["val"]
     return split
 
@@ -135,9 +98,11 @@ def carve_val(raw: RawDataset, val_fraction: float, seed: int) -> RawDataset:
     """A validation split drawn (stratified) from an in-memory data set's training split."""
     if not val_fraction:
         return raw
-    train, val = sources.stratified_split(raw.train.labels, val_fraction / (1 - 0.2), seed + 1)
-    take = lambda idx: sources.Split(sources.take_images(raw.train.images, idx), raw.train.labels[idx],  # noqa: E731
-                                     raw.train.ids[idx])
+    train, val = stratified_split(raw.train.labels, val_fraction / (1 - 0.2), seed + 1)
+
+    def take(idx):
+        return Split(take_images(raw.train.images, idx), raw.train.labels[idx], raw.train.ids[idx])
+
     return RawDataset(raw.classes, take(np.sort(train)), raw.test, take(np.sort(val)))
 
 
@@ -164,14 +129,13 @@ class _Measured:
         self.count += 1
 
 
-def _prepare_encoded(listed: listing.Listing, out_dir, fields, channels, size, test_fraction, val_fraction, seed, overwrite,
-                     on_error, workers, progress) -> dict:
-    split = assign_splits(listed.labels, listed.fixed_test, test_fraction, val_fraction, seed)
+def _prepare_encoded(listed: Listing, out_dir, fields: dict, opts: PrepareOptions, progress) -> dict:
+    split = assign_splits(listed.labels, listed.fixed_test, opts.test_fraction, opts.val_fraction, opts.seed)
     names = [s for s, code in SPLIT_CODES.items() if (split == code).any()]
     measured = _Measured()
     total, done = len(listed.labels), 0
-    with DatasetWriter(out_dir, listed.classes, "encoded", names, overwrite) as out:
-        for chunk, results in _run_chunks(listed.chunks, size, workers):
+    with DatasetWriter(out_dir, listed.classes, "encoded", names, opts.overwrite) as out:
+        for chunk, results in _run_chunks(listed.chunks, opts.size, opts.workers):
             positions = np.arange(chunk.first, chunk.first + len(results))
             good = np.array([r.data is not None for r in results], bool)
             for name in names:
@@ -189,9 +153,9 @@ def _prepare_encoded(listed: listing.Listing, out_dir, fields, channels, size, t
             done += len(results)
             if progress:
                 progress(done, total)
-        if measured.bad and (on_error == "fail" or not measured.count):
-            raise _bad_files_error(measured, on_error)
-        fields = {**fields, **_shape_and_statistics(measured, channels, size)}
+        if measured.bad and (opts.on_error == "fail" or not measured.count):
+            raise _bad_files_error(measured, opts.on_error)
+        fields = {**fields, **_shape_and_statistics(measured, opts.channels, opts.size)}
         fields["skipped"] = {"count": measured.bad_count, "files": [list(b) for b in measured.bad]}
         return out.finish(fields)
 
@@ -248,26 +212,24 @@ def _run_chunks(chunks: list, size, workers: int):
 # ---------------------------------------------------------------- tensor columns (Parquet)
 
 
-def _prepare_tensor_table(path, out_dir, image_column, label_column, test_fraction, val_fraction, seed,
-                          overwrite, name, where, options) -> dict:
-    """A Parquet table of pixel arrays (nested lists or a tensor column): streamed row group by
-    row group into tensor storage; every image must have one shape."""
-    table = listing.list_parquet_table(path, image_column, label_column)
-    split = assign_splits(table.labels, table.fixed_test, test_fraction, val_fraction, seed)
+def _prepare_pixels(listed: PixelListing, out_dir, fields: dict, opts: PrepareOptions) -> dict:
+    """Pixel arrays (a Parquet table's nested lists or tensor column), streamed batch by batch
+    into tensor storage; every image must have one shape."""
+    split = assign_splits(listed.labels, listed.fixed_test, opts.test_fraction, opts.val_fraction, opts.seed)
     names = [s for s, code in SPLIT_CODES.items() if (split == code).any()]
     shape = None
-    with DatasetWriter(out_dir, table.classes, "tensor", names, overwrite) as out:
-        for rows, pixels in listing.iter_parquet_pixels(table, image_column):  # rows: positions [n]
+    with DatasetWriter(out_dir, listed.classes, "tensor", names, opts.overwrite) as out:
+        for rows, pixels in listed.batches():  # rows: positions [n]
             if shape is None:
                 shape = pixels.shape[1:]
             elif pixels.shape[1:] != shape:
-                raise ImgtrainError(f"column {image_column!r} mixes image shapes {list(shape)} and "
+                raise ImgtrainError(f"{listed.images_name} mixes image shapes {list(shape)} and "
                                     f"{list(pixels.shape[1:])}; give every image the same shape")
             for split_name in names:
                 keep = rows[split[rows] == SPLIT_CODES[split_name]]
-                out.add(split_name, table.ids[keep], table.labels[keep], pixels[keep - rows[0]])
+                out.add(split_name, listed.ids[keep], listed.labels[keep], pixels[keep - rows[0]])
         h, w, c = shape
-        return out.finish({"name": name, "source": where, "image_shape": [h, w, c], "channels": c,
-                           "preset": default_preset([h, w, c]),
+        return out.finish({"name": fields["name"], "source": fields["source"], "image_shape": [h, w, c],
+                           "channels": c, "preset": default_preset([h, w, c]),
                            "normalize": {"mean": [NORMALIZE_MEAN] * c, "std": [NORMALIZE_STD] * c},
-                           "options": options})
+                           "options": fields["options"]})

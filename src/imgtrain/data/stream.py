@@ -254,10 +254,10 @@ def _draws(positions: np.ndarray, reader: Reader) -> np.ndarray:
 
 
 def _affine(pixels: np.ndarray, draws: np.ndarray, reader: Reader) -> np.ndarray:
-    """The digits' random affine (``model.random_affine``), on uint8 images."""
+    """The digits' random affine (``tensors.random_affine``), on uint8 images."""
     import torch
 
-    from imgtrain.model import random_affine
+    from imgtrain.data.tensors import random_affine
 
     x = torch.from_numpy(pixels).permute(0, 3, 1, 2).float().div_(127.5).sub_(1)  # [-1, 1], background -1
     x = random_affine(x, torch.from_numpy(draws), reader.max_rotate_deg, reader.max_shift, reader.max_scale)

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from imgtrain.data.sources import check_class_count
+from imgtrain.data.limits import check_class_count
 from imgtrain.errors import ImgtrainError
 
 _RAY_TENSOR_EXTENSIONS = ("ray.data.arrow_tensor", "ray.data.arrow_tensor_v2")

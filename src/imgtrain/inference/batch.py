@@ -25,7 +25,7 @@ from imgtrain.ops import process
 DEFAULT_BATCH_SIZE = 500
 # evaluate's confusion matrix is the dense K x K list of lists (rows: true class) up to this many
 # classes; above, only the pairs that occur (``confusion_json``). A checkpoint's K is its owner's
-# choice, up to sources.MAX_CLASSES = 100,000: dense, 80 GB.
+# choice, up to limits.MAX_CLASSES = 100,000: dense, 80 GB.
 DENSE_CONFUSION_MAX_CLASSES = 1_000
 
 
@@ -58,7 +58,7 @@ class InferenceOptions:
             raise ImgtrainError("; ".join(problems))
 
     def threads_per_actor(self) -> int:
-        from imgtrain.ops.cluster import threads_for
+        from imgtrain.cluster import threads_for
 
         return threads_for(self.concurrency, self.threads)
 
@@ -101,7 +101,7 @@ def _ray_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions):
     """Reading tasks (CPUs) feeding a pool of Predictor actors, order kept, output streamed."""
     import pandas as pd
 
-    from imgtrain.ops import cluster as cluster_mod
+    from imgtrain import cluster as cluster_mod
 
     with cluster_mod.ray_session(opts.address, opts.concurrency + 1, cluster_mod.user_log_dir(), "inference.log"):
         import ray.data
@@ -201,7 +201,7 @@ def evaluate(
     """Accuracy, per-class scores and confusion matrix of a checkpoint on a prepared split."""
     from imgtrain.data.format import eval_split, verify_dataset
     from imgtrain.inference.inputs import list_inputs
-    from imgtrain.storage import local_data
+    from imgtrain.storage.staging import local_data
 
     opts = options or InferenceOptions()
     loaded = load_checkpoint(run, checkpoint, storage)

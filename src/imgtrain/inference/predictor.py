@@ -23,6 +23,7 @@ from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.data.format import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, default_preset, short_repr
 from imgtrain.errors import ImgtrainError, one_line
+from imgtrain.ops import process
 
 DEFAULT_TOP_K = 3
 
@@ -45,7 +46,7 @@ class Preprocess:
     def __call__(self, images, device="cpu"):
         import torch
 
-        from imgtrain.model import to_model_input
+        from imgtrain.data.tensors import to_model_input
 
         if not isinstance(images, torch.Tensor):
             images = np.asarray(images)
@@ -75,34 +76,15 @@ class LoadedCheckpoint:
         return (self.meta.get("metrics") or {}).get("val_accuracy")
 
 
-def resolve_checkpoint(run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs") -> Path:
-    """A verified checkpoint directory from: a checkpoint directory, a run directory, or a run
-    name in ``storage``; ``checkpoint`` picks best/latest in a run, or is itself a checkpoint
-    path. A named checkpoint that fails its sha256 is an error naming the file; a damaged
-    best/latest is skipped (with a warning) for the best/latest of those that verify."""
-    if checkpoint not in ("best", "latest"):
-        path = Path(checkpoint).expanduser()
-        if not path.is_dir():
-            raise ImgtrainError(f"checkpoint {path} does not exist; pass best, latest or a checkpoint directory")
-        ckpt.verify(path)
-        return path.resolve()
-    target = Path(str(run_or_checkpoint)).expanduser()
-    if (target / ckpt.META_FILE).is_file():
-        ckpt.verify(target)
-        return target.resolve()
-    run_dir = runs.locate(run_or_checkpoint, storage)
-    return ckpt.choose(run_dir, checkpoint, run_dir.name)
-
-
 def load_checkpoint(
     run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs", device: str = "cpu"
 ) -> LoadedCheckpoint:
     """Verify the checkpoint's checksums, rebuild its model and load the weights (eval mode)."""
     import torch
 
-    from imgtrain.zoo import build_from_args
+    from imgtrain.models.zoo import build_from_args
 
-    path = resolve_checkpoint(run_or_checkpoint, checkpoint, storage)  # verified
+    path = runs.resolve_checkpoint(run_or_checkpoint, checkpoint, storage)  # verified
     meta = ckpt.read_meta(path)
     args, data = meta.get("model_args") or {}, meta.get("data") or {}
     try:
@@ -195,19 +177,20 @@ class Predictor:
     of ``map_batches``, one model per actor. Input batches are dicts of numpy arrays with an
     ``image`` column, uint8 [B, H, W, C]; every other column (id, path, label...) is passed
     through. Output adds ``pred_index``, ``pred_class``, ``confidence`` and, for i = 1..k,
-    ``top{i}_class`` / ``top{i}_prob``.
+    ``top{i}_class`` / ``top{i}_prob``. ``threads`` > 0: torch's threads while it loads and
+    predicts (one actor per core, or one actor using them all); 0: the process's setting.
     """
 
     def __init__(self, checkpoint, storage: str = "./runs", device: str = "cpu",
                  top_k: int = DEFAULT_TOP_K, threads: int = 0):
-        import torch
-
-        if threads > 0:
-            torch.set_num_threads(threads)  # one actor per core, or one actor using them all
+        # Set around each call and put back after, not for good: the process may be the
+        # caller's own (a notebook), which must find its setting as it left it.
+        self.threads = threads
         if isinstance(checkpoint, LoadedCheckpoint):  # loaded in this process already
             self.loaded = checkpoint
         else:
-            self.loaded = load_checkpoint(checkpoint, "best", storage, device)
+            with process.torch_threads(threads):
+                self.loaded = load_checkpoint(checkpoint, "best", storage, device)
         self.device = device
         self.top_k = max(1, min(top_k, len(self.loaded.preprocess.classes)))
         self.classes = np.asarray(self.loaded.preprocess.classes, dtype=object)
@@ -216,7 +199,7 @@ class Predictor:
         """uint8 [B, H, W, C] -> float32 probabilities [B, num_classes]."""
         import torch
 
-        with torch.inference_mode():
+        with process.torch_threads(self.threads), torch.inference_mode():
             x = self.loaded.preprocess(images, self.device)
             return self.loaded.model(x).float().softmax(1).cpu().numpy()
 

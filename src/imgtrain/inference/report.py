@@ -25,9 +25,9 @@ import numpy as np
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
-from imgtrain import storage as remote
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops.files import atomic_write_text
+from imgtrain.storage import mirror, remote
 
 REPORT_DIR = "report"
 PAGE_FILE = "report.html"
@@ -96,7 +96,7 @@ def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path
     page = out / PAGE_FILE
     atomic_write_text(page, _page(result, ev, used, used_meta, out, num_wrong=len(wrong), where=where))
     if in_store:
-        remote.push(remote.store(storage), run_dir.name, under=REPORT_DIR)
+        mirror.push(remote.store(storage), run_dir.name, under=REPORT_DIR)
     return page
 
 
@@ -297,7 +297,7 @@ def _table(table_id: str, header: list[str] | None, rows: list[list], text_colum
 
 
 def _model_line(args: dict, config: dict) -> str:
-    from imgtrain.zoo import describe
+    from imgtrain.models.zoo import describe
 
     line = describe({"architecture": args.get("architecture", "resnet18"), **args}).removeprefix("model ")
     start = config.get("init_from") or ("published weights" if config.get("pretrained") else None)

@@ -121,12 +121,14 @@ def stderr_silenced():
 
 @contextlib.contextmanager
 def torch_threads(count: int):
-    """torch's intra-op threads set to ``count`` (0: left as they are) for the block."""
+    """torch's intra-op threads set to ``count`` for the block, then put back (0: not touched)."""
+    if count <= 0:
+        yield
+        return
     import torch
 
     before = torch.get_num_threads()
-    if count > 0:
-        torch.set_num_threads(count)
+    torch.set_num_threads(count)
     try:
         yield
     finally:

@@ -20,10 +20,10 @@ from ray.tune.schedulers import AsyncHyperBandScheduler, TrialScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain.config import TrainConfig, validate
 from imgtrain.errors import ImgtrainError, one_line
-from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops import ownership
 from imgtrain.ops.files import link_dir
 from imgtrain.sweep import state as st
@@ -83,7 +83,7 @@ def check(req: SweepRequest) -> SweepRequest:
         issues.append("a sweep's trials have a fixed number of workers: --workers N, not MIN-MAX")
     if not base.data:
         issues.append("--data is required")
-    from imgtrain.storage import is_remote
+    from imgtrain.storage.remote import is_remote
 
     if is_remote(base.storage) or is_remote(base.data or ""):
         issues.append("a sweep keeps its trials on local or shared storage: --storage and --data must be folders "

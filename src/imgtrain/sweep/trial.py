@@ -33,7 +33,8 @@ def run_trial(params: dict, sweep: dict) -> None:
     # the sweep's logs; the sweep's own terminal shows one line per trial state change.
     with open(Path(sweep["logs_dir"]) / f"{name}.log", "a") as out:
         console = SafeConsole(file=out, force_terminal=False, width=160)
-        driver.train(cfg, display=TrainingDisplay(console))
+        # Tune learns of each epoch from Ray Train's reports: the sweep hands training the callback
+        driver.train(cfg, display=TrainingDisplay(console), ray_callbacks=callbacks())
     history = epoch_history(Path(sweep["trials_dir"]) / name)
     if history and history[-1].get("time", 0) < started:
         # The run had trained every epoch before (the sweep was interrupted after the run

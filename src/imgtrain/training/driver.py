@@ -12,17 +12,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import cluster as cluster_mod
 from imgtrain import runs
-from imgtrain import storage as remote
 from imgtrain.config import TrainConfig, changed_fields, steps_per_epoch, validate
 from imgtrain.data import stream
 from imgtrain.errors import ImgtrainError, one_line
-from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops import ownership
 from imgtrain.ops.files import check_writable
+from imgtrain.storage import lease, mirror, remote, staging
 from imgtrain.training import tracking
 from imgtrain.training.progress import TrainingDisplay
 
@@ -40,18 +41,21 @@ class Resume:
         return {"fallback": fallback or None, "damaged": self.damaged}
 
 
-def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: bool = False) -> runs.RunResult:
+def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: bool = False,
+          ray_callbacks: Sequence = ()) -> runs.RunResult:
     """Train (or resume) the run ``cfg.name``; return its result. Raises ImgtrainError on bad input.
 
     ``overwrite`` replaces an existing run of that name and starts afresh; the old run is
     deleted once the new one has its first checkpoint, and restored if it fails before that.
+    ``ray_callbacks``: Ray Train callbacks added to the run (the Ray backend's): a caller that
+    needs the run's reports (a sweep's trial, for Ray Tune) passes them, so training knows no caller.
     """
     validate(cfg)
     tracking.require(cfg)  # a tracker asked for but not installed: before anything else
     display = display or TrainingDisplay()
     display.pin_output()  # Ray redirects stdout to the run's logs: the display keeps the terminal
     try:
-        return _train(cfg, display, overwrite)
+        return _train(cfg, display, overwrite, ray_callbacks)
     except BaseException as e:  # a start-up that fails says in which phase
         display.close("interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
         raise
@@ -59,7 +63,7 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
         display.close()
 
 
-def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool) -> runs.RunResult:
+def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool, ray_callbacks: Sequence) -> runs.RunResult:
     if cfg.data and not remote.is_remote(cfg.data):
         cfg = dataclasses.replace(cfg, data=str(Path(cfg.data).expanduser().resolve()))
     if cfg.init_from:  # the workers do not run in this directory
@@ -70,7 +74,7 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool) -> runs.
     store = remote.store(cfg.storage) if remote.is_remote(cfg.storage) else None
     with contextlib.ExitStack() as held:  # the run's lease and lock, held until training ends
         # another machine's driver of this run: refused before anything of the run is touched
-        token = held.enter_context(remote.leased(store, cfg.name, hint=_busy_hint(cfg, runs.run_path(cfg.storage, cfg.name))))
+        token = held.enter_context(lease.leased(store, cfg.name, hint=_busy_hint(cfg, runs.run_path(cfg.storage, cfg.name))))
         run_dir, locked = _working_copy(cfg, held)
         plan = _plan(cfg, run_dir, overwrite, display, held, locked)
         replaced = ownership.Replacement(run_dir) if plan.replace else None
@@ -84,8 +88,8 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool) -> runs.
                     held.enter_context(ownership.locked(run_dir, "trained"))
             _probe_storage(run_dir, cfg.storage)
             # the driver's files go up every few seconds; the workers upload the checkpoints
-            with remote.mirrored(store, cfg.name, everything=cfg.backend == "local", token=token):
-                return _execute(plan, run_dir, display, replaced)
+            with mirror.mirrored(store, cfg.name, everything=cfg.backend == "local", token=token):
+                return _execute(plan, run_dir, display, replaced, ray_callbacks)
         finally:
             if replaced and not replaced.done:  # the new run failed before its first checkpoint
                 replaced.rollback()
@@ -100,19 +104,19 @@ def _working_copy(cfg: TrainConfig, held: contextlib.ExitStack) -> tuple[Path, b
     if not remote.is_remote(cfg.storage):
         return run_dir, False
     st = remote.store(cfg.storage)
-    with remote.turn(st, cfg.name):
+    with mirror.turn(st, cfg.name):
         known = ownership.is_run(run_dir)
         if known:
             held.enter_context(ownership.locked(run_dir, "trained"))
-        remote.pull(st, cfg.name, owner=True)
+        mirror.pull(st, cfg.name, owner=True)
         if not known and ownership.is_run(run_dir):  # first brought to this machine just now
             held.enter_context(ownership.locked(run_dir, "trained"))
     return run_dir, ownership.is_run(run_dir)  # a run here is locked (one the store no longer has is gone)
 
 
 def _turn(storage: str, name: str):
-    """The run's turn on this machine's working copy (``storage.turn``); nothing for a folder."""
-    return remote.turn(remote.store(storage), name) if remote.is_remote(storage) else contextlib.nullcontext()
+    """The run's turn on this machine's working copy (``mirror.turn``); nothing for a folder."""
+    return mirror.turn(remote.store(storage), name) if remote.is_remote(storage) else contextlib.nullcontext()
 
 
 @dataclasses.dataclass
@@ -171,7 +175,7 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
         raise ImgtrainError("--data is required for a new run (a directory made by `imgtrain data prepare`)")
     display.phase("checking the data set")
     # one in an object store: copied here first, each file checked against its sha256 as it came
-    manifest = verify_dataset(remote.local_data(cfg.data), check_hashes=not remote.is_remote(cfg.data))
+    manifest = verify_dataset(staging.local_data(cfg.data), check_hashes=not remote.is_remote(cfg.data))
     n_train = manifest["splits"]["train"]["num_samples"]
     if steps_per_epoch(n_train, cfg.batch_size) == 0:
         raise ImgtrainError(
@@ -192,7 +196,7 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
 def _busy_hint(cfg: TrainConfig, run_dir: Path) -> str:
     if remote.is_remote(cfg.storage):  # the status comes from the store: deleting the copy here is undone
         return (f"wait for it or stop it; if that driver is gone, its heartbeat has stopped and the run counts "
-                f"as interrupted {remote.HEARTBEAT_STALE_S:.0f} s after the last one: run this again then")
+                f"as interrupted {lease.HEARTBEAT_STALE_S:.0f} s after the last one: run this again then")
     return f"wait for it or stop it (if that process is gone, delete {run_dir / runs.STATUS_FILE})"
 
 
@@ -202,7 +206,7 @@ def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
     seconds, before Ray starts; downloads --pretrained weights once for every worker. The
     default model from scratch takes any image size: nothing to check, and no torch import
     (zoo imports it: seconds before anything else shows, so the default is TrainConfig's)."""
-    from imgtrain.zoo import chosen_stem  # imports no torch
+    from imgtrain.models.zoo import chosen_stem  # imports no torch
 
     stem = chosen_stem(cfg.model, manifest["image_shape"][:2]) if cfg.stem == "auto" else cfg.stem
     if cfg.model == TrainConfig.model and stem == "standard" and not (cfg.init_from or cfg.pretrained):
@@ -210,7 +214,8 @@ def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
     display.phase("checking the model")
     import torch
 
-    from imgtrain import finetune, zoo
+    from imgtrain import finetune
+    from imgtrain.models import zoo
 
     args = zoo.model_args(manifest, cfg.model, cfg.stem)
     try:
@@ -249,7 +254,8 @@ def _find_resume_point(run_dir: Path, display) -> Resume:
     return Resume(latest, [p.name for p, _ in bad])
 
 
-def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacement | None) -> runs.RunResult:
+def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacement | None,
+             ray_callbacks: Sequence) -> runs.RunResult:
     cfg, manifest = plan.cfg, plan.manifest
     runs.write_config(run_dir, {**tracking.public_config(cfg), **runs.versions()})
     runs.write_status(run_dir, "running", started=time.time())
@@ -272,10 +278,13 @@ def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacemen
             # would import before Ray starts, with nothing on the screen
             if cfg.backend == "local":
                 display.phase("importing PyTorch")
-                from imgtrain.training import local_backend as backend
+                from imgtrain.training import local_backend
+
+                local_backend.fit(cfg, manifest, run_dir, records, plan.resume)
             else:
-                from imgtrain.training import ray_backend as backend
-            backend.fit(cfg, manifest, run_dir, records, plan.resume)
+                from imgtrain.training import ray_backend
+
+                ray_backend.fit(cfg, manifest, run_dir, records, plan.resume, ray_callbacks)
     except BaseException as e:  # a truthful status behind, whatever the failure
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
         error = str(e) if isinstance(e, ImgtrainError) else f"{type(e).__name__}: {e}"
@@ -300,7 +309,7 @@ def _checkpoint_records(cfg: TrainConfig, display) -> None:
     from them; the weights stay in the store until a command needs them). Training is over: a
     store failing now is a warning, and the run is still recorded as finished."""
     try:
-        remote.pull(remote.store(cfg.storage), cfg.name, checkpoints=False, only_checkpoints=True, owner=True)
+        mirror.pull(remote.store(cfg.storage), cfg.name, checkpoints=False, only_checkpoints=True, owner=True)
     except Exception as e:  # noqa: BLE001 - whatever it is, the run's status is written next
         display.note(f"warning: the checkpoints' records could not be read from the store ({one_line(e)}); "
                      f"`imgtrain runs show {cfg.name} --storage {cfg.storage}` reads them later")

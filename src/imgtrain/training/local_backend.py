@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 
 from imgtrain import checkpoint as ckpt
-from imgtrain import storage
+from imgtrain.checkpoint_policy import POLICY, PREFIX
+from imgtrain.cluster import threads_for
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import process
-from imgtrain.ops.cluster import threads_for
 from imgtrain.ops.files import disk_full
+from imgtrain.storage.staging import local_data
 from imgtrain.training import faults, tracking
 
 
@@ -28,15 +29,16 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
     """Train in this process; records go to ``records``."""
     from imgtrain.data import stream
     from imgtrain.training import ingest
-    from imgtrain.training.loop import Backend, phase_record, run_loop, single_process_collectives
+    from imgtrain.training.backend import Backend, single_process_collectives
+    from imgtrain.training.loop import phase_record, run_loop
 
     device = torch.device("cuda" if cfg.use_gpu else "cpu")
     records.display.note(f"run {cfg.name}: {run_dir}  (local backend, {device})")
     records.send(phase_record("loading data"))  # as a Ray worker's rank 0 does
-    for stale in run_dir.glob(f".{ckpt.PREFIX}*.tmp"):  # a copy cut short by a killed driver
+    for stale in run_dir.glob(f".{PREFIX}*.tmp"):  # a copy cut short by a killed driver
         shutil.rmtree(stale, ignore_errors=True)
     in_memory = stream.in_memory(cfg, manifest)
-    data_cfg = dataclasses.replace(cfg, data=storage.local_data(cfg.data))  # an object store's: copied here
+    data_cfg = dataclasses.replace(cfg, data=local_data(cfg.data))  # an object store's: copied here
     if in_memory:
         from imgtrain.data.format import read_split
         from imgtrain.data.order import ordered_batches, sort_by_id
@@ -75,7 +77,7 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
             raise
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)  # complete or invisible
-        ckpt.retain(run_dir, cfg.num_to_keep, ignore=resume.damaged)
+        ckpt.retain(run_dir, POLICY.keeping(cfg.num_to_keep), ignore=resume.damaged)
 
     backend = Backend(
         rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device), damaged=resume.damaged,

@@ -11,17 +11,19 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import cluster as cluster_mod
 from imgtrain import runs
-from imgtrain import storage as remote
+from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError, one_line
-from imgtrain.ops import cluster as cluster_mod
 from imgtrain.ops import process
 from imgtrain.ops.files import disk_full, link_dir
+from imgtrain.storage import mirror, remote, staging
 from imgtrain.training import faults, tracking
 
 if TYPE_CHECKING:
@@ -32,8 +34,9 @@ POLL_S = 0.5
 POLL_FAILING_S = 30.0  # a poll failing this long is reported on the terminal
 
 
-def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> None:
-    """Train on Ray Train workers (``ray_worker.train_loop_per_worker``); records go to ``records``."""
+def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callbacks: Sequence = ()) -> None:
+    """Train on Ray Train workers (``ray_worker.train_loop_per_worker``); records go to ``records``,
+    and Ray Train's reports to ``callbacks`` too (its ``RunConfig.callbacks``: a sweep's, for Tune)."""
     # Ray's core, raylet and driver write warnings straight to this process's stdout and
     # stderr; they go to logs/ so that the terminal shows only the progress display.
     logs = run_dir / runs.LOGS_DIR
@@ -57,10 +60,10 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
         display.note(f"run {cfg.name}: {run_dir}  (logs: {logs})")
         if cluster.dashboard_url:
             display.note(f"Ray dashboard: {cluster.dashboard_url}")
-        _fit(cfg, manifest, run_dir, records, resume)
+        _fit(cfg, manifest, run_dir, records, resume, callbacks)
 
 
-def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> None:
+def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callbacks: Sequence) -> None:
     import ray
     import ray.train
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -77,7 +80,7 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> No
     watchdog = Watchdog(run_dir, cfg.stall_timeout_s, note=records.display.note)
     elastic = bool(cfg.min_workers and cfg.min_workers < cfg.workers)
     try:
-        trainer = _trainer(cfg, manifest, run_dir, monitor, resume, elastic)
+        trainer = _trainer(cfg, manifest, run_dir, monitor, resume, elastic, callbacks)
         with _forward_records(monitor, records, watchdog), _start_timeout(elastic):
             trainer.fit()
     except ray.train.TrainingFailedError as e:
@@ -86,10 +89,10 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> No
         unread = None
         try:
             if store:  # what the workers uploaded, to be judged here
-                remote.pull(store, cfg.name, only_checkpoints=True, owner=True)  # this driver holds the lock
+                mirror.pull(store, cfg.name, only_checkpoints=True, owner=True)  # this driver holds the lock
             removed = ckpt.remove_incomplete(run_dir, keep=resume.damaged)
             for name in removed if store else ():
-                remote.delete(store, cfg.name, name)
+                mirror.delete(store, cfg.name, name)
         except ImgtrainError:  # the bucket failing too: the training failure is the one to tell
             removed, unread = [], store.uri
         if removed:
@@ -101,12 +104,11 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> No
             shutil.rmtree(remote.upload_staging(runs.location(cfg.storage, cfg.name), 0).parent, ignore_errors=True)
 
 
-def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, elastic: bool):
+def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, elastic: bool, callbacks: Sequence):
     """The TorchTrainer of this run: its workers, checkpoints kept, failures retried, data."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from imgtrain.sweep import trial as sweep_trial
     from imgtrain.training.ray_worker import train_loop_per_worker
 
     return TorchTrainer(
@@ -123,11 +125,8 @@ def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, e
         run_config=ray.train.RunConfig(
             name=cfg.name, **_storage(cfg, run_dir),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=cfg.num_to_keep, checkpoint_score_attribute="val_accuracy",
-                checkpoint_score_order="max",
-            ),
-            callbacks=sweep_trial.callbacks(),  # inside a sweep's trial: epoch metrics to Ray Tune
+            checkpoint_config=POLICY.keeping(cfg.num_to_keep).ray_config(),  # as the local backend's retention
+            callbacks=list(callbacks),
         ),
         datasets=_datasets(cfg, manifest),
         # Every worker gets the whole data set and takes its rows of each global batch
@@ -169,7 +168,7 @@ def _datasets(cfg: TrainConfig, manifest: dict):
         return None
     from imgtrain.data.dataset import ray_dataset
 
-    return {"train": ray_dataset(remote.local_data(cfg.data), "train")}
+    return {"train": ray_dataset(staging.local_data(cfg.data), "train")}
 
 
 def _failure_message(error: Exception, watchdog: Watchdog, run_dir: Path, logs: Path, unread: str | None = None) -> str:

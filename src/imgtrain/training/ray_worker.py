@@ -18,15 +18,17 @@ from pathlib import Path
 import torch
 
 from imgtrain import checkpoint as ckpt
-from imgtrain import storage
+from imgtrain.cluster import threads_for
 from imgtrain.config import TrainConfig
 from imgtrain.data import stream
 from imgtrain.data.order import ordered_batches, sort_by_id
-from imgtrain.ops.cluster import threads_for
+from imgtrain.storage import remote
+from imgtrain.storage.staging import local_data
 from imgtrain.training import faults, health, ingest
+from imgtrain.training.backend import Backend, single_process_collectives
 from imgtrain.training.health import Progress
 from imgtrain.training.ingest import BATCH_DTYPES
-from imgtrain.training.loop import Backend, phase_record, run_loop, single_process_collectives
+from imgtrain.training.loop import phase_record, run_loop
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -47,8 +49,8 @@ def train_loop_per_worker(config: dict) -> None:
 
     resume = config.get("resume") or {}
     restored_checkpoint = functools.partial(_restored_checkpoint, resume.get("fallback"))
-    if storage.is_remote(cfg.storage):
-        staging = storage.upload_staging(storage.store(cfg.storage).run_uri(cfg.name), rank)
+    if remote.is_remote(cfg.storage):
+        staging = remote.upload_staging(remote.store(cfg.storage).run_uri(cfg.name), rank)
         shutil.rmtree(staging, ignore_errors=True)  # an earlier attempt's uploads that failed: over now
         report = functools.partial(_report_async, staging=staging)
     else:
@@ -96,7 +98,7 @@ def _restored_checkpoint(fallback: str | None):
                 yield d
                 return
     if fallback and "://" in fallback:  # a checkpoint in the object store: fetched into a temporary folder
-        fs, path = storage.split(fallback)
+        fs, path = remote.split(fallback)
         with ray.train.Checkpoint(path, filesystem=fs).as_directory() as d:
             yield d
     else:
@@ -129,7 +131,7 @@ def _batches(cfg: TrainConfig, manifest: dict, rank: int, world: int, device):
     """(training, validation, BatchNorm calibration or None) batches of this rank. They read the
     data set's folder on this node (one in an object store is copied here first); run_loop and
     the checkpoints keep the data set as the user named it."""
-    data_cfg = dataclasses.replace(cfg, data=storage.local_data(cfg.data))
+    data_cfg = dataclasses.replace(cfg, data=local_data(cfg.data))
     if stream.in_memory(cfg, manifest):
         ingest_fn = _torch_ingest if cfg.ingest == "torch" else _ray_data_ingest
         calibration = (ingest.in_memory_val_batches(data_cfg, manifest, rank, world, device, "train",

@@ -1,4 +1,4 @@
-"""The recipe: optimizer, moving average of the weights, one-cycle learning rate (see the README's
+"""The recipe: optimizer, moving average of the weights, one-cycle learning rate (see docs/training.md
 "The default recipe" and docs/NOTES.md for the measurements behind it)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def parameter_groups(model: nn.Module, cfg: TrainConfig):
     if cfg.backbone_lr_scale == 1 and not cfg.freeze_backbone:
         return model.parameters()
     from imgtrain.checkpoint import unwrap
-    from imgtrain.zoo import head_name
+    from imgtrain.models.parts import head_name
 
     net = unwrap(model)
     head = head_name(net) + "."

@@ -88,7 +88,7 @@ class _Scrubbed(logging.Filter):
 def _environment_forced(**values: str):
     """Set environment variables for the block whatever the user set; theirs come back after.
     (``process.environment`` leaves a user's own setting alone: right for a default, not for
-    what the README promises.)"""
+    what the docs promise.)"""
     before = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

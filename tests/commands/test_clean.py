@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from imgtrain import runs
+from imgtrain.checkpoint_policy import POLICY
+from imgtrain.commands.clean import plan_dataset, plan_runs, remove
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
-from imgtrain.ops.clean import plan_dataset, plan_runs, remove
 from tests.conftest import cli_here
 
 
@@ -22,8 +23,8 @@ def make_run(storage, name, status="finished", pid=None, host=None):
     runs.write_config(run_dir, {"name": name})
     (run_dir / runs.STATUS_FILE).write_text(json.dumps(
         {"status": status, "pid": pid or os.getpid(), "host": host or socket.gethostname()}))
-    (run_dir / "checkpoint_epoch_0000").mkdir()
-    (run_dir / "checkpoint_epoch_0000" / "model.pt").write_bytes(b"x" * 1000)
+    (run_dir / POLICY.epoch_name(0)).mkdir()
+    (run_dir / POLICY.epoch_name(0) / "model.pt").write_bytes(b"x" * 1000)
     return run_dir
 
 

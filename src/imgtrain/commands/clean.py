@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgtrain import runs
-from imgtrain import storage as remote
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
+from imgtrain.storage import mirror, remote
 
 
 @dataclass
@@ -70,7 +70,7 @@ def plan_runs(storage: str, names: list[str], everything: bool = False, force: b
     for run_dir in found:
         _refuse_if_running(run_dir, force)
     if store:
-        return [Removal("run", d, size=sum(size for size, _ in remote.remote_files(store, d.name).values()),
+        return [Removal("run", d, size=sum(size for size, _ in mirror.remote_files(store, d.name).values()),
                         force=force, store=storage) for d in found]
     return [Removal("run", d, size=_tree_size(d), force=force) for d in found]
 
@@ -106,12 +106,12 @@ def remove(removal: Removal) -> None:
         if not _is_run(removal.path):  # checked again: it may have changed since the plan
             raise ImgtrainError(f"{removal.path} is no longer an imgtrain run; not deleting it")
         store = remote.store(removal.store) if removal.store else None
-        # a run in an object store: locked in its turn, as a driver locks it (storage.turn)
-        with remote.turn(store, removal.path.name) if store else contextlib.nullcontext(), \
+        # a run in an object store: locked in its turn, as a driver locks it (mirror.turn)
+        with mirror.turn(store, removal.path.name) if store else contextlib.nullcontext(), \
                 ownership.locked(removal.path, "deleted"):  # a driver that started since: refused
             _refuse_if_running(removal.path, removal.force)
             if store:  # the store first: a working copy left behind is only a cache
-                remote.delete(store, removal.path.name)
+                mirror.delete(store, removal.path.name)
             shutil.rmtree(removal.path)  # removes links inside as links, never what they point to
         return
     for path in removal.files:

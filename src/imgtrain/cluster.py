@@ -230,7 +230,7 @@ def require_shared_paths(run_dir: Path, data_dir: str | None, storage: str | Non
     an object store (``storage``), every node must reach it instead."""
     import ray
 
-    from imgtrain import storage as remote
+    from imgtrain.storage import remote
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) == 1 and nodes[0]["NodeID"] == ray.get_runtime_context().get_node_id():
@@ -247,7 +247,7 @@ def require_shared_paths(run_dir: Path, data_dir: str | None, storage: str | Non
         raise ImgtrainError(
             f"storage is not shared by every node of the cluster: {'; '.join(problems)}; --storage and --data must "
             "be on a filesystem every node mounts at the same path (NFS or another shared file system, see "
-            "'From a laptop to a cluster' in the README)"
+            "docs/clusters.md, 'From a laptop to a cluster')"
         )
 
 
@@ -294,7 +294,7 @@ def check_shared_paths(write_dir: Path, read_files=()) -> list[str]:
 
 def check_store_from_nodes(storage: str, read_files=()) -> list[str]:
     """One line per live node that cannot write, read back and delete an object in the object
-    store ``storage`` with its own environment's credentials (``storage.probe`` on each node),
+    store ``storage`` with its own environment's credentials (``remote.probe`` on each node),
     or cannot read one of ``read_files``."""
     import time
 
@@ -320,7 +320,7 @@ def _probe_store(storage: str, read_files: list[str]) -> list[str]:
     """Runs on one node: why it cannot use the object store or read the files."""
     import os
 
-    from imgtrain import storage as remote
+    from imgtrain.storage import remote
 
     problems = [f"cannot read {path}" for path in read_files if not os.path.isfile(path)]
     try:

@@ -2,7 +2,7 @@
 
 import os
 
-from imgtrain.ops.cluster import GPU_PROCESS_THREADS, threads_for
+from imgtrain.cluster import GPU_PROCESS_THREADS, threads_for
 
 
 def test_cpu_workers_share_the_cores_and_a_gpu_worker_keeps_few_threads():

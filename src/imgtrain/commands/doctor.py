@@ -52,7 +52,7 @@ class Diagnosis:
 
 def diagnose(storage: str = "./runs", address: str | None = None, data: str | None = None) -> Diagnosis:
     from imgtrain.runs import storage_root
-    from imgtrain.storage import is_remote
+    from imgtrain.storage.remote import is_remote
 
     checks = [_versions(), _extras(), _cuda()]
     if is_remote(storage):
@@ -79,7 +79,7 @@ def diagnose(storage: str = "./runs", address: str | None = None, data: str | No
 
 def _object_store(storage: str, address: str | None, data: str | None) -> list[Check]:
     """--storage s3://...: reachable and writable from here, and from every node of the cluster."""
-    from imgtrain import storage as remote
+    from imgtrain.storage import remote
 
     try:
         st = remote.store(storage)
@@ -91,7 +91,7 @@ def _object_store(storage: str, address: str | None, data: str | None) -> list[C
         checks.append(_data(data))
     import ray._private.services as services
 
-    from imgtrain.ops import cluster
+    from imgtrain import cluster
 
     address = address or os.environ.get("RAY_ADDRESS") or None
     running = sorted(services.find_gcs_addresses())
@@ -159,7 +159,8 @@ def _storage(root: Path) -> Check:
 def _data(data: str) -> Check:
     from imgtrain.data.format import describe, verify_dataset
 
-    from imgtrain.storage import is_remote, local_data
+    from imgtrain.storage.remote import is_remote
+    from imgtrain.storage.staging import local_data
 
     try:  # a data set in an object store is copied to this machine's cache, as training does
         manifest = verify_dataset(local_data(data), check_hashes=False)
@@ -184,7 +185,7 @@ def _cluster(address: str | None, root: Path | None, data: str | None) -> list[C
 
 def _joined_cluster(address: str, root: Path | None, data: str | None) -> list[Check]:
     """Nodes and resources; whether every node sees the storage (and data set) as this one does."""
-    from imgtrain.ops import cluster
+    from imgtrain import cluster
 
     with process.loggers_to(Path(os.devnull), cluster.RAY_LOGGERS):  # a verdict, not Ray's log lines
         try:
@@ -200,7 +201,7 @@ def _joined_cluster(address: str, root: Path | None, data: str | None) -> list[C
 def _cluster_checks(address: str, root: Path | None, data: str | None) -> list[Check]:
     import ray
 
-    from imgtrain.ops import cluster
+    from imgtrain import cluster
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     total = ray.cluster_resources()

@@ -1,0 +1,123 @@
+"""The checkpoint policy: what a run's checkpoints are called, which one is best and which are
+kept. One object drives both retentions, the local backend's (``checkpoint.retain``) and Ray
+Train's (``ray_config``: its ``CheckpointConfig``), so they cannot disagree; a new checkpoint
+rule is a change here. Pure rules: checkpoint.py reads and deletes the folders.
+
+Names: ``checkpoint_epoch_0003`` at the end of epoch 3; ``checkpoint_epoch_0003_step_0000120``
+inside it, after global step 120; ``...-2``, ``...-3`` when a damaged checkpoint still holds the
+name (Ray Train's retention deletes by path, and would delete the replacement along with the
+damaged original).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Literal
+
+PREFIX = "checkpoint_"
+# Ray Train v2's own record of the run's checkpoints, written beside them
+# (ray/train/v2/_internal/constants.py: CHECKPOINT_MANAGER_SNAPSHOT_FILENAME) at a path no
+# setting changes, and read back from there when the run is resumed: it cannot be moved or
+# renamed, so nothing may take it for a checkpoint.
+RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
+
+_NAME = re.compile(rf"{PREFIX}epoch_(\d{{4,}})(?:_step_(\d{{7,}}))?(?:-(\d+))?")
+
+
+@dataclass(frozen=True)
+class CheckpointName:
+    """A checkpoint's folder name read back."""
+
+    epoch: int
+    step: int | None  # None: taken at the end of the epoch
+    copy: int = 1  # 2, 3, ...: the name of a damaged checkpoint was taken
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    metric: str = "val_accuracy"
+    """The metric of a checkpoint's record that ranks it."""
+    mode: Literal["max", "min"] = "max"
+    """Whether the highest (max) or the lowest (min) ``metric`` is the best."""
+    unevaluated: float = -1.0
+    """What a checkpoint taken inside an epoch, never validated, records as ``metric``: worse than
+    every evaluated one. Finite: Ray's snapshot turns -inf into null and then fails on it."""
+    num_to_keep: int | None = None
+    """The best checkpoints kept, the latest always in addition (--num-to-keep); None: all."""
+
+    def keeping(self, num_to_keep: int) -> CheckpointPolicy:
+        """This policy for a run that keeps ``num_to_keep`` best checkpoints."""
+        return dataclasses.replace(self, num_to_keep=num_to_keep)
+
+    # ---------------------------------------------------------------- names
+
+    def epoch_name(self, epoch: int, taken: Iterable[str] = ()) -> str:
+        """The checkpoint at the end of ``epoch`` (0-based); not one of the names in ``taken``."""
+        return _free(f"{PREFIX}epoch_{epoch:04d}", taken)
+
+    def step_name(self, epoch: int, step: int, taken: Iterable[str] = ()) -> str:
+        """The checkpoint inside ``epoch`` after global optimizer step ``step``."""
+        return _free(f"{PREFIX}epoch_{epoch:04d}_step_{step:07d}", taken)
+
+    def parse(self, name: str) -> CheckpointName | None:
+        """The epoch, step and copy a name stands for; None for a name this policy never gives."""
+        found = _NAME.fullmatch(name)
+        if not found:
+            return None
+        epoch, step, copy = found.groups()
+        return CheckpointName(int(epoch), None if step is None else int(step), int(copy or 1))
+
+    def is_checkpoint(self, name: str) -> bool:
+        """Whether an entry of a run folder is one of its checkpoints by name (its meta.json
+        then tells whether it is whole): Ray's snapshot file shares the prefix."""
+        return name.startswith(PREFIX) and name != RAY_SNAPSHOT_FILE
+
+    # ---------------------------------------------------------------- ranking
+
+    def unevaluated_metrics(self) -> dict:
+        """The ranking metric a checkpoint taken inside an epoch reports."""
+        return {self.metric: self.unevaluated}
+
+    def rank_key(self, meta: dict) -> tuple[float, int]:
+        """How good a checkpoint is, from its meta.json: ``metric``, then the later one (as Ray
+        Train breaks ties: by report order). One without the metric counts as ``unevaluated``."""
+        value = (meta.get("metrics") or {}).get(self.metric, self.unevaluated)
+        return (value if self.mode == "max" else -value), meta.get("step", 0)
+
+    # ---------------------------------------------------------------- retention
+
+    def expendable(self, found: list[tuple[Path, dict]], damaged: Iterable[str] = ()) -> list[Path]:
+        """The checkpoints to delete among ``found`` ((folder, meta), oldest first): all but the
+        ``num_to_keep`` best and the latest. Those named in ``damaged`` are neither counted nor
+        deleted (the driver deals with them)."""
+        damaged = set(damaged)
+        found = [(path, meta) for path, meta in found if path.name not in damaged]
+        if not found or self.num_to_keep is None:
+            return []
+        ranked = sorted(found, key=lambda item: self.rank_key(item[1]), reverse=True)
+        keep = {path for path, _ in ranked[:self.num_to_keep]} | {found[-1][0]}
+        return [path for path, _ in found if path not in keep]
+
+    def ray_config(self):
+        """Ray Train's ``CheckpointConfig`` with this policy's ranking and retention: Ray keeps
+        the ``num_to_keep`` best by ``metric`` and always the latest, as ``expendable`` does."""
+        import ray.train
+
+        return ray.train.CheckpointConfig(num_to_keep=self.num_to_keep, checkpoint_score_attribute=self.metric,
+                                          checkpoint_score_order=self.mode)
+
+
+def _free(name: str, taken: Iterable[str]) -> str:
+    taken = set(taken)
+    k, candidate = 1, name
+    while candidate in taken:
+        k += 1
+        candidate = f"{name}-{k}"
+    return candidate
+
+
+POLICY = CheckpointPolicy()
+"""imgtrain's checkpoint policy; ``POLICY.keeping(cfg.num_to_keep)`` for a run's retention."""

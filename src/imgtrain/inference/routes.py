@@ -1,0 +1,177 @@
+"""The HTTP API of ``imgtrain serve``: the FastAPI app and the replica (``ModelServer``) whose
+methods are its routes. A new route is a method of ``ModelServer`` here, nothing else.
+
+    POST /predict   body: PNG/JPEG bytes (any Content-Type but JSON), or JSON pixels 0..255:
+                    one image as [H][W], [H][W][C] or a flat list of H*W*C values, ``{"pixels": ...}``,
+                    or a list of images / ``{"images": [...]}`` for a batch
+                    -> {"label", "index", "confidence", "probabilities": {class: prob}} (a list for a batch)
+    GET  /healthz   -> {"status": "ok", "checkpoint" (its name), "classes", "image_shape",
+                        "forward_passes", "images_predicted" (this replica's, since it started)}
+    GET  /          a page to try the model in a browser (try_page.py)
+    GET  /openapi.json  only with ``--openapi`` (no /docs or /redoc: they load outside scripts)
+
+What a request may be, and the 4xx for what it may not, is in ``requests.py``. There is no
+authentication or TLS: bind to 127.0.0.1 (the default), or put a reverse proxy that provides
+them in front.
+
+Under load (BENCHMARKS.md, issue 23): concurrent single-image requests are decoded in a thread
+pool and run through the model together (``imgtrain.inference.batcher``): while one forward pass
+runs, the requests arriving meanwhile gather into the next, up to ``--max-batch-size`` images
+(``--batch-wait-ms`` adds a wait for a batch to fill; 0 measured best). One forward pass at a
+time per replica, with the replica's share of the cores as torch threads. Past
+``--max-queued-requests`` waiting requests per replica, new ones get 503 at once with
+``Retry-After`` (from the replica, or as plain text from Ray's proxy when a flood outruns it); a
+request not answered within ``--request-timeout`` seconds gets 504 with ``Retry-After`` (408
+from Ray's proxy if it never reached a replica). A request counts as waiting only once its body
+is in: clients trickling their bodies cannot take the places of the requests behind them (issue
+33).
+"""
+
+# No ``from __future__ import annotations``: @serve.ingress pickles the routes with only the
+# globals they use, so FastAPI could not resolve a string annotation ``"Request"`` (it would
+# take ``request`` for a query parameter and answer 422).
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from imgtrain.inference.batcher import Batcher
+from imgtrain.inference.predictor import Predictor
+from imgtrain.inference.requests import RETRY_AFTER, Limits, RequestError, decode_request, read_body
+from imgtrain.inference.try_page import CONTENT_SECURITY_POLICY, PAGE
+
+REPLICA_CPUS = 0.5  # logical: a replica mostly waits for requests; its torch threads: serve._deploy
+
+# No interactive docs: /docs and /redoc load scripts from a CDN; /openapi.json is a route of
+# ModelServer, off unless --openapi.
+http_app = FastAPI(title="imgtrain", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@http_app.exception_handler(RequestError)
+async def _request_error(request: Request, e: RequestError):
+    return JSONResponse({"error": str(e)}, status_code=e.status, headers=e.headers)
+
+
+@http_app.exception_handler(StarletteHTTPException)  # 404 / 405 in the same {"error"} shape
+async def _http_error(request: Request, e: StarletteHTTPException):
+    return JSONResponse({"error": str(e.detail)}, status_code=e.status_code, headers=e.headers)
+
+
+def _bind_as_serves_proxy_does() -> None:
+    """Ray 2.60 binds a direct-ingress replica's socket without SO_REUSEADDR (replica.py passes
+    ``enable_so_reuseport=False``), unlike its proxy: the connections the server closed stay in
+    TIME_WAIT for a minute after it stops, and keep the next ``imgtrain serve`` from the port until
+    then. Bind it as the proxy does (its default, SERVE_SOCKET_REUSE_PORT_ENABLED): ``check_port_free``
+    still refuses a port another server listens on, before Ray starts."""
+    from ray.serve._private import replica
+
+    start = replica.start_asgi_http_server
+    if getattr(start, "binds_reusable", False):
+        return
+
+    async def start_reusable(*args, **kwargs):
+        return await start(*args, **{**kwargs, "enable_so_reuseport": True})
+
+    start_reusable.binds_reusable = True
+    replica.start_asgi_http_server = start_reusable
+
+
+# Below the helpers on purpose: @serve.ingress pickles the FastAPI app while this module is still
+# being imported, so every name the routes use must already exist at this point.
+@serve.deployment(ray_actor_options={"num_cpus": REPLICA_CPUS})
+@serve.ingress(http_app)
+class ModelServer:
+    """One replica: the checkpoint's model in eval mode on the CPU, fed batches gathered from
+    concurrent requests."""
+
+    def __init__(self, checkpoint_dir: str, limits: Limits, threads: int, openapi: bool = False):
+        _bind_as_serves_proxy_does()  # before Serve starts this replica's HTTP server (direct ingress)
+        self.predictor = Predictor(checkpoint_dir, threads=threads)  # verifies the sha256s again
+        self.shape = self.predictor.loaded.preprocess.image_shape  # (H, W, C)
+        self.classes = list(self.predictor.loaded.preprocess.classes)
+        # A name, not the server's file system layout: /healthz answers anyone who can connect.
+        self.checkpoint = f"{Path(checkpoint_dir).parent.name}/{Path(checkpoint_dir).name}"
+        self.limits, self.max_pixels, self.openapi = limits, limits.image_pixels(self.shape), openapi
+        # Decoding and the forward pass are CPU work: off the event loop, so /healthz still answers.
+        # One model thread: one forward pass at a time, each with all of the replica's torch threads
+        # (concurrent passes would split the same cores and each take longer).
+        self.decoders = ThreadPoolExecutor(max(2, threads), thread_name_prefix="decode")
+        self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
+        self.batcher = Batcher(self._run_model, limits.max_batch_size, limits.batch_wait_ms / 1000)
+        self.predictor.predict_proba(np.zeros((1, *self.shape), np.uint8))  # warm up before "ready"
+        self.forward_passes = self.images_predicted = 0  # their ratio: how well requests are batched
+        self.queued = 0  # /predict requests here with their body in: being decoded, batched or answered
+
+    @http_app.get("/")
+    def page(self):
+        """A page to try the model in a browser (draw a digit or drop an image)."""
+        return HTMLResponse(PAGE, headers={"Content-Security-Policy": CONTENT_SECURITY_POLICY,
+                                           "X-Content-Type-Options": "nosniff"})
+
+    @http_app.get("/healthz")
+    def healthz(self):
+        return {"status": "ok", "checkpoint": self.checkpoint, "classes": self.classes,
+                "image_shape": list(self.shape), "forward_passes": self.forward_passes,
+                "images_predicted": self.images_predicted}
+
+    @http_app.get("/openapi.json")
+    def openapi_schema(self):
+        if not self.openapi:
+            raise StarletteHTTPException(404, "Not Found")
+        from fastapi.openapi.utils import get_openapi
+
+        return get_openapi(title="imgtrain", version="1", routes=http_app.routes)
+
+    @http_app.post("/predict")
+    async def predict(self, request: Request):
+        self._refuse_if_full()  # at once, before reading a body that could not be queued
+        # Queued only once its body is in: 140 clients trickling theirs held every place
+        # and the requests behind them got 503. read_body's deadline bounds how long a body may
+        # take; Serve's max_ongoing_requests (_deploy) bounds how many are read at once.
+        body = await read_body(request, self.limits.max_request_bytes, self.limits.body_timeout_s)
+        self._refuse_if_full()
+        self.queued += 1
+        try:
+            is_json = request.headers.get("content-type", "").split(";")[0].strip().endswith("json")
+            timeout = self.limits.request_timeout_s
+            try:
+                return await asyncio.wait_for(self._answer(body, is_json), timeout)
+            except asyncio.TimeoutError:
+                raise RequestError(504, f"no answer within {timeout:g} s (--request-timeout): the server is "
+                                        "overloaded; retry later", RETRY_AFTER) from None
+        finally:
+            self.queued -= 1
+
+    def _refuse_if_full(self) -> None:
+        if self.queued >= self.limits.max_queued_requests + self.limits.max_batch_size:
+            raise RequestError(503, f"the server is busy: {self.queued} requests are waiting "
+                                    "(--max-queued-requests); retry later", RETRY_AFTER)
+
+    async def _answer(self, body: bytes, is_json: bool):
+        loop = asyncio.get_running_loop()
+        images, batch = await loop.run_in_executor(
+            self.decoders, decode_request, body, is_json, self.shape, self.max_pixels,
+            self.predictor.loaded.preprocess.preset, self.limits.max_batch_images)
+        if batch:  # a request's own batch runs as it is, between the gathered ones
+            probs = await self._run_model(images)
+        else:
+            probs = (await self.batcher(images[0]))[None]
+        answers = [
+            {"label": self.classes[int(p.argmax())], "index": int(p.argmax()), "confidence": float(p.max()),
+             "probabilities": {c: float(v) for c, v in zip(self.classes, p)}}
+            for p in probs
+        ]
+        return answers if batch else answers[0]
+
+    async def _run_model(self, images: np.ndarray) -> np.ndarray:
+        return await asyncio.get_running_loop().run_in_executor(self.model_thread, self._predict_proba, images)
+
+    def _predict_proba(self, images: np.ndarray) -> np.ndarray:
+        """In the model thread only."""
+        self.forward_passes, self.images_predicted = self.forward_passes + 1, self.images_predicted + len(images)
+        return self.predictor.predict_proba(images)

@@ -1,0 +1,25 @@
+"""Runs in an object store (``--storage s3://bucket/prefix``; gs:// and other pyarrow URIs too).
+
+The store holds the run: Ray Train's workers upload checkpoints there themselves (in the
+background, ``ray.train.report``'s async mode), and the driver mirrors the files it writes
+(config.json, metrics.jsonl, status.json, logs) up every few seconds, with a heartbeat that
+tells other machines it is alive. Every command works on a local *working copy* of the runs it
+touches, under ``IMGTRAIN_CACHE`` (``~/.cache/imgtrain/stores/<scheme>/<bucket>/<prefix>``): a
+run named on the command line is brought down whole before it is used (only files whose size or
+time changed are fetched), ``runs list`` fetches each run's small files and its checkpoints'
+meta.json only. A run that a process on this machine trains (or deletes) is never brought down
+over that process's files. So the rest of imgtrain keeps reading and writing plain files, and
+any machine with the credentials can resume, evaluate or serve a run another machine trained.
+
+Credentials come from the environment as the cloud's own tools read them (``AWS_ACCESS_KEY_ID``
+..., an instance role, ``GOOGLE_APPLICATION_CREDENTIALS``); they never travel inside a
+pickled filesystem object. pyarrow's S3 client ignores ``AWS_ENDPOINT_URL`` (apache/arrow#49643),
+so an S3-compatible server (MinIO, moto) is named by ``IMGTRAIN_S3_ENDPOINT`` (or
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``), e.g. ``http://127.0.0.1:9000``.
+
+The package, one job a module, lowest first: ``remote`` (a location, its filesystem, this machine's
+copy, and the one check that turns a key of the store into a local path), ``lease`` (the driver's
+heartbeat, its lease on the run), ``ledger`` (which checkpoints of the working copy have been in the
+store), ``mirror`` (a run's working copy: pull, push, delete, the driver's background mirror),
+``staging`` (a prepared data set copied to this node).
+"""
