@@ -20,9 +20,11 @@ from typing import Iterable, Literal
 PREFIX = "checkpoint_"
 # Ray Train v2's own record of the run's checkpoints, written beside them
 # (ray/train/v2/_internal/constants.py: CHECKPOINT_MANAGER_SNAPSHOT_FILENAME) at a path no
-# setting changes, and read back from there when the run is resumed: it cannot be moved or
-# renamed, so nothing may take it for a checkpoint.
+# setting changes, and read back from there when the run is resumed. Nothing may take it for a
+# checkpoint; between two fits of a run in a folder it is parked under a hidden name
+# (RAY_SNAPSHOT_PARKED, ray_backend), so that `ls runs/NAME/checkpoint_*` lists checkpoints only.
 RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
+RAY_SNAPSHOT_PARKED = ".ray_checkpoint_manager_snapshot.json"
 
 _NAME = re.compile(rf"{PREFIX}epoch_(\d{{4,}})(?:_step_(\d{{7,}}))?(?:-(\d+))?")
 

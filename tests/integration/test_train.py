@@ -21,7 +21,7 @@ from torchvision.models import resnet18
 import imgtrain
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
-from imgtrain.checkpoint_policy import POLICY
+from imgtrain.checkpoint_policy import POLICY, PREFIX, RAY_SNAPSHOT_PARKED
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from tests.conftest import cli_here, copy_run, quiet_display, run_cli, tiny_config, wait_for
@@ -69,6 +69,9 @@ def assert_a_two_worker_run(result, run_dir):
     assert {k: runs.read_config(run_dir)[k] for k in runs.VERSION_KEYS} == runs.versions()
     assert meta["metrics"]["val_accuracy"] == df["val_accuracy"].iloc[1]
     assert meta["model_args"] == {"architecture": "resnet18", "in_channels": 1, "num_classes": 10}
+    # `ls runs/NAME/checkpoint_*` lists checkpoints only: Ray Train's own record is parked, hidden
+    assert all(p.is_dir() and POLICY.is_checkpoint(p.name) for p in run_dir.glob(f"{PREFIX}*"))
+    assert (run_dir / RAY_SNAPSHOT_PARKED).is_file()
 
 
 def test_two_workers_with_ray_data_ingest_train_and_write_the_run_directory(ray_run):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from imgtrain import checkpoint as ckpt
 from imgtrain import cluster as cluster_mod
 from imgtrain import runs
-from imgtrain.checkpoint_policy import POLICY
+from imgtrain.checkpoint_policy import POLICY, RAY_SNAPSHOT_FILE, RAY_SNAPSHOT_PARKED
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import process
@@ -81,7 +81,8 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callb
     elastic = bool(cfg.min_workers and cfg.min_workers < cfg.workers)
     try:
         trainer = _trainer(cfg, manifest, run_dir, monitor, resume, elastic, callbacks)
-        with _forward_records(monitor, records, watchdog), _start_timeout(elastic):
+        with _forward_records(monitor, records, watchdog), _start_timeout(elastic), \
+                _ray_snapshot_in_place(run_dir, remote.is_remote(cfg.storage)):
             trainer.fit()
     except ray.train.TrainingFailedError as e:
         # A checkpoint half copied when the failure struck (a full disk) must not stay visible.
@@ -102,6 +103,25 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callb
         ray.kill(monitor)  # on a shared cluster it would outlive this run
         if remote.is_remote(cfg.storage):  # every upload is over: what failed to go up goes (this node's)
             shutil.rmtree(remote.upload_staging(runs.location(cfg.storage, cfg.name), 0).parent, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _ray_snapshot_in_place(run_dir: Path, in_store: bool):
+    """Ray Train's record of the run's checkpoints where Ray reads and writes it while it trains,
+    parked under a hidden name otherwise: beside the checkpoints, its name looks like one. (A
+    driver killed meanwhile leaves it in place: Ray finds it there next time.) Not in an object
+    store: Ray writes it there itself, and the working copy's is only a copy."""
+    ray_name, parked = run_dir / RAY_SNAPSHOT_FILE, run_dir / RAY_SNAPSHOT_PARKED
+    if not in_store and parked.is_file():
+        if ray_name.exists():  # Ray's own is the newer one
+            parked.unlink()
+        else:
+            parked.rename(ray_name)
+    try:
+        yield
+    finally:
+        if not in_store and ray_name.is_file():
+            ray_name.replace(parked)
 
 
 def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, elastic: bool, callbacks: Sequence):
