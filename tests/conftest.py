@@ -21,6 +21,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cache_of_the_session(tmp_path_factory):
+    """imgtrain's cache (logs, working copies, checkpoints being saved) in the session's temporary
+    folder, never the user's ~/.cache; inherited by every process the tests start."""
+    saved = os.environ.get("IMGTRAIN_CACHE")
+    os.environ["IMGTRAIN_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if saved is None:
+        os.environ.pop("IMGTRAIN_CACHE", None)
+    else:
+        os.environ["IMGTRAIN_CACHE"] = saved
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(s3_server):
     """A real local Ray cluster, started once. 4 logical CPUs on 2 cores is fine: workers

@@ -106,10 +106,10 @@ def imgtrain_cli(tmp_path_factory):
                               text=True, env={**os.environ, "COLUMNS": "200"})
     outputs, numbers = tmp_path_factory.mktemp("outputs"), itertools.count()
 
-    def run(args: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
+    def run(args: list[str], fault: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
         n = next(numbers)
         out, err = outputs / f"{n}.out", outputs / f"{n}.err"
-        request = {"args": args, "env": {FAULT_ENV: fault} if fault else {}, "timeout": 240,
+        request = {"args": args, "env": {**(env or {}), **({FAULT_ENV: fault} if fault else {})}, "timeout": 240,
                    "stdout": str(out), "stderr": str(err)}
         forker.stdin.write(json.dumps(request) + "\n")
         forker.stdin.flush()
@@ -159,18 +159,22 @@ def test_a_driver_killed_at_any_moment_loses_no_epoch_of_the_history(tiny_data, 
     storage = tmp_path / "runs"
     run_dir = storage / "matrix"
     args = cli_args(tiny_data, storage)
+    cache = tmp_path / "cache"  # the user's cache, where a checkpoint is written before it joins the run
+    staged = cache / "staging"
     for n, (fault, moment) in enumerate(KILLS):
-        proc = imgtrain_cli(args, fault)
+        proc = imgtrain_cli(args, fault, env={"IMGTRAIN_CACHE": str(cache)})
         assert proc.returncode == -signal.SIGKILL, (fault, proc.returncode, proc.stderr[-2000:])
         if n:  # the same command after a killed driver resumes the run
             assert "resuming run 'matrix'" in proc.stdout, (fault, proc.stdout)
         assert (run_dir / ".faults" / f"{fault.split(':')[0]}-0-{fault.split(':')[2]}-1").is_file()
         assert runs.read_status(run_dir)["status"] == "interrupted", moment  # not "running" forever
         assert_history_matches_checkpoints(run_dir, lost_last=fault.startswith("kill-saved:0:") and fault.endswith(("8", "24")))
+        if fault.startswith("kill-saving"):  # died with a checkpoint in its staging folder, not in /tmp
+            assert list(staged.glob("*/rank-0/*/meta.json")), list(staged.rglob("*"))
     lost_epoch_2 = epoch_records(run_dir)
     assert [r["epoch"] for r in lost_epoch_2] == [0, 1]  # epoch 2's record died with the driver
 
-    final = imgtrain_cli(args)
+    final = imgtrain_cli(args, env={"IMGTRAIN_CACHE": str(cache)})
     assert final.returncode == 0, final.stderr
     assert "already complete" in final.stdout  # the last checkpoint was stored before the kill...
     records = epoch_records(run_dir)
@@ -180,5 +184,6 @@ def test_a_driver_killed_at_any_moment_loses_no_epoch_of_the_history(tiny_data, 
     assert history(run_dir) == history(reference.path)  # the same numbers as an uninterrupted run
     assert runs.read_status(run_dir)["status"] == "finished"
     assert not list(run_dir.glob(".checkpoint_*.tmp"))  # the half-copied checkpoint was cleaned up
+    assert not staged.exists() or not any(staged.iterdir())  # and what the killed saves left
     shown = cli_here(capsys, "runs", "show", "matrix", "--storage", str(storage), "--json")
     assert [m["epoch"] for m in json.loads(shown.stdout)["metrics"]] == [0, 1, 2]

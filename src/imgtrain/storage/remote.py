@@ -66,15 +66,17 @@ def cache_dir(kind: str, uri: str, path: str) -> Path:
     return (_cache() / kind / uri.partition("://")[0]).resolve().joinpath(*segments)
 
 
-def upload_staging(run_uri: str, rank: int) -> Path:
-    """Where rank ``rank`` of the run at ``run_uri`` stages its checkpoints for Ray's upload, on
-    its node. Ray deletes a staged checkpoint once uploaded; one whose upload failed (the store
-    could not be reached: the attempt fails with it) stays until the rank's next attempt on this
-    node or the driver's end clears the folder (``ray_backend``): 180 MB each for a ResNet-18.
-    In the user's own cache, not a shared /tmp where another user could put a link in its way."""
+def checkpoint_staging(run_location: str, rank: int) -> Path:
+    """Where rank ``rank`` of the run at ``run_location`` writes its checkpoints before they go
+    into the run, on its node: save()'s folder, and for an object store the files waiting for
+    Ray's upload (Ray deletes one once uploaded; one whose upload failed, the store out of
+    reach, fails the attempt with it). What a rank leaves when it dies (SIGKILLed by a fault or
+    by Ray stopping its worker group in the middle of a save: 180 MB each for a ResNet-18) is
+    cleared by the rank's next attempt on this node and by the driver's end. In the user's own
+    cache, not a shared /tmp where another user could put a link in its way."""
     import hashlib
 
-    return _cache() / "uploads" / hashlib.sha256(run_uri.encode()).hexdigest()[:16] / f"rank-{rank}"
+    return _cache() / "staging" / hashlib.sha256(run_location.encode()).hexdigest()[:16] / f"rank-{rank}"
 
 
 def _resolve(uri: str):

@@ -41,6 +41,7 @@ class Backend:
     damaged: list[str] = field(default_factory=list)
     progress: Progress = field(default_factory=Progress)
     run_dir: Path | None = None  # for the sample ledger and injected faults
+    staging: Path | None = None  # where save() writes a checkpoint first (None: the system's temporary folder)
     fault: faults.Fault | None = None
     augment_in_step: bool = True  # False: the batches arrive augmented (a streamed data set)
     # this rank's share of the training images that calibrate BatchNorm, preprocessed as for

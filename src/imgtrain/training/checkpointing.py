@@ -48,7 +48,9 @@ def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name:
     own directory; Ray Train copies every rank's directory into the same checkpoint, and rank
     0's meta.json records the sha256 of all of their files."""
     backend, in_epoch = run.backend, epoch_progress is not None
-    with tempfile.TemporaryDirectory(prefix="imgtrain-ckpt-") as tmp:
+    if backend.staging is not None:
+        backend.staging.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with tempfile.TemporaryDirectory(prefix="imgtrain-ckpt-", dir=backend.staging) as tmp:
         save_dir, shard_hashes = None, {}
         if run.sharded:
             backend.progress.enter("sync")  # gathering and DCP's plan are collectives: a phase the watchdog lets wait

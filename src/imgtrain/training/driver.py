@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,6 +76,10 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool, ray_call
     with contextlib.ExitStack() as held:  # the run's lease and lock, held until training ends
         # another machine's driver of this run: refused before anything of the run is touched
         token = held.enter_context(lease.leased(store, cfg.name, hint=_busy_hint(cfg, runs.run_path(cfg.storage, cfg.name))))
+        # what killed saves and failed uploads left on this node (a Ray rank clears its own on other nodes)
+        staged = remote.checkpoint_staging(runs.location(cfg.storage, cfg.name), 0).parent
+        shutil.rmtree(staged, ignore_errors=True)
+        held.callback(shutil.rmtree, staged, ignore_errors=True)
         run_dir, locked = _working_copy(cfg, held)
         plan = _plan(cfg, run_dir, overwrite, display, held, locked)
         replaced = ownership.Replacement(run_dir) if plan.replace else None

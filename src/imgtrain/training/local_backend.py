@@ -21,6 +21,8 @@ from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import process
 from imgtrain.ops.files import disk_full
+from imgtrain import runs
+from imgtrain.storage import remote
 from imgtrain.storage.staging import local_data
 from imgtrain.training import faults, tracking
 
@@ -37,6 +39,7 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
     records.send(phase_record("loading data"))  # as a Ray worker's rank 0 does
     for stale in run_dir.glob(f".{PREFIX}*.tmp"):  # a copy cut short by a killed driver
         shutil.rmtree(stale, ignore_errors=True)
+    staging = remote.checkpoint_staging(runs.location(cfg.storage, cfg.name), 0)  # cleared by the driver
     in_memory = stream.in_memory(cfg, manifest)
     data_cfg = dataclasses.replace(cfg, data=local_data(cfg.data))  # an object store's: copied here
     if in_memory:
@@ -84,7 +87,7 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
         train_batches=train_batches, val_batches=val_batches, augment_in_step=in_memory,
         calibration_batches=calibration,
         **single_process_collectives(), restored_checkpoint=restored_checkpoint, report=report, send=records.send,
-        run_dir=run_dir, fault=fault,
+        run_dir=run_dir, fault=fault, staging=staging,
     )
     with process_settings_restored():
         torch.set_num_threads(threads_for(1, cfg.threads_per_worker, cfg.use_gpu))

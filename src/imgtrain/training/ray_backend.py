@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -101,8 +100,7 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callb
         raise ImgtrainError(_failure_message(e, watchdog, run_dir, run_dir / runs.LOGS_DIR, unread)) from None
     finally:
         ray.kill(monitor)  # on a shared cluster it would outlive this run
-        if remote.is_remote(cfg.storage):  # every upload is over: what failed to go up goes (this node's)
-            shutil.rmtree(remote.upload_staging(runs.location(cfg.storage, cfg.name), 0).parent, ignore_errors=True)
+
 
 
 @contextlib.contextmanager

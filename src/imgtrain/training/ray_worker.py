@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import runs
 from imgtrain.cluster import threads_for
 from imgtrain.config import TrainConfig
 from imgtrain.data import stream
@@ -49,12 +50,9 @@ def train_loop_per_worker(config: dict) -> None:
 
     resume = config.get("resume") or {}
     restored_checkpoint = functools.partial(_restored_checkpoint, resume.get("fallback"))
-    if remote.is_remote(cfg.storage):
-        staging = remote.upload_staging(remote.store(cfg.storage).run_uri(cfg.name), rank)
-        shutil.rmtree(staging, ignore_errors=True)  # an earlier attempt's uploads that failed: over now
-        report = functools.partial(_report_async, staging=staging)
-    else:
-        report = _report
+    staging = remote.checkpoint_staging(runs.location(cfg.storage, cfg.name), rank)
+    shutil.rmtree(staging, ignore_errors=True)  # what an earlier attempt left: over now
+    report = functools.partial(_report_async, staging=staging) if remote.is_remote(cfg.storage) else _report
 
     def send(record: dict) -> None:
         if monitor is not None:
@@ -70,7 +68,7 @@ def train_loop_per_worker(config: dict) -> None:
         **(_collectives(world, device) if world > 1 else single_process_collectives()),
         restored_checkpoint=restored_checkpoint, report=report, send=send,
         damaged=resume.get("damaged") or [], progress=progress,
-        run_dir=Path(config["run_dir"]) if config.get("run_dir") else None,
+        run_dir=Path(config["run_dir"]) if config.get("run_dir") else None, staging=staging,
         fault=faults.parse(config.get("fault")),
     )
     try:
