@@ -125,6 +125,18 @@ class TrainConfig:
                                    "is all of it). ImageNet recipes use 0.08, for long training on a million images; "
                                    "from scratch on a few thousand, 0.08 and 0.35 lost 45 and 18 points against 0.6 "
                                    "(BENCHMARKS.md, issue 18).", range="(0, 1]")
+    augment_policy: str = setting("none", "Photos: an automatic augmentation policy after the crop and flip, "
+                                  "torchvision's ``randaugment`` (2 operations of ``--augment-magnitude``), "
+                                  "``trivialaugment`` (one operation, random strength) or ``autoaugment`` (the "
+                                  "ImageNet policy); ``none``. Runs in the decoding tasks, on their CPUs.",
+                                  choices=("none", "randaugment", "trivialaugment", "autoaugment"))
+    augment_magnitude: int = setting(9, "RandAugment's strength, of 31 levels (0-30); timm's and torchvision's "
+                                     "default is 9.", range="[0, 30]")
+    color_jitter: float = setting(0.0, "Photos: random brightness, contrast and saturation, each by up to this "
+                                  "factor (0.4 in timm's ImageNet recipe); 0 = off.", range="[0, 1]")
+    random_erasing: float = setting(0.0, "Photos: the probability of erasing a random rectangle of a training image "
+                                    "with the data set's mean colour (0.25 in timm's recipe); 0 = off.",
+                                    range="[0, 1]")
     ema_decay: float = setting(0.98, "Per-step decay of an exponential moving average of the weights, which is "
                                "what gets evaluated and saved as model.pt; 0 turns it off. Smooths the "
                                "epoch-to-epoch jitter. The decay warms up as (1 + n) / (10 + n) at step n and "

@@ -191,6 +191,10 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
     if cfg.data_on_device and not stream.in_memory(cfg, manifest):
         raise ImgtrainError("--data-on-device holds a small data set in device memory; this one is streamed "
                             "(encoded images, or too large): drop --data-on-device")
+    if (cfg.augment_policy != "none" or cfg.color_jitter or cfg.random_erasing) \
+            and stream.preset(cfg, manifest) != "photos":
+        raise ImgtrainError("--augment-policy, --color-jitter and --random-erasing augment photos; this data set "
+                            "trains with the digits preset: drop them, or pass --preset photos")
     if cfg.backend == "local" and cfg.use_gpu and not _cuda_available():
         raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
     if stored is None:
