@@ -137,6 +137,16 @@ class TrainConfig:
     random_erasing: float = setting(0.0, "Photos: the probability of erasing a random rectangle of a training image "
                                     "with the data set's mean colour (0.25 in timm's recipe); 0 = off.",
                                     range="[0, 1]")
+    class_weights: str = setting("none", "``auto``: weigh each class's loss by the inverse of its share of the "
+                                 "training split (scikit-learn's \"balanced\": n / (classes x n_class)), so a rare "
+                                 "class counts as much as a frequent one; the training loss shown is then the "
+                                 "weighted one, validation's stays plain. ``none``: every image counts the same.",
+                                 choices=("none", "auto"))
+    sampling: str = setting("shuffle", "The rows of an epoch: ``shuffle`` (each once, in a seeded order) or "
+                            "``balanced`` (as many rows drawn with replacement, each class equally likely: rare "
+                            "classes repeat, frequent ones are partly left out; still a function of seed and "
+                            "epoch). Balanced needs a data set held in memory (digits-sized).",
+                            choices=("shuffle", "balanced"))
     ema_decay: float = setting(0.98, "Per-step decay of an exponential moving average of the weights, which is "
                                "what gets evaluated and saved as model.pt; 0 turns it off. Smooths the "
                                "epoch-to-epoch jitter. The decay warms up as (1 + n) / (10 + n) at step n and "

@@ -115,7 +115,8 @@ def setup(cfg: TrainConfig, manifest: dict, backend: Backend) -> tuple[Run, Resu
     run = Run(
         cfg, manifest, backend, model, forward=torch.compile(model) if cfg.compile else model,  # same parameters
         optimizer=optimizer, scheduler=one_cycle(optimizer, cfg, total_steps - resumed.step, resumed.schedule),
-        ema=ema, criterion=nn.CrossEntropyLoss(reduction="sum", label_smoothing=cfg.label_smoothing),
+        ema=ema, criterion=nn.CrossEntropyLoss(weight=class_weights(cfg, manifest, backend.device), reduction="sum",
+                                               label_smoothing=cfg.label_smoothing),
         autocast=torch.autocast(backend.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"),
         memory_format=memory_format, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         step=resumed.step, history=list(resumed.history), ledger=None,
@@ -123,6 +124,20 @@ def setup(cfg: TrainConfig, manifest: dict, backend: Backend) -> tuple[Run, Resu
     if cfg.ledger and backend.run_dir:
         run.ledger = Ledger(backend, run.step)
     return run, resumed
+
+
+def class_weights(cfg: TrainConfig, manifest: dict, device) -> torch.Tensor | None:
+    """``--class-weights auto``: n / (classes x n_class) per class of the training split (a class
+    without training images gets 0: it never appears in a batch). The summed weighted loss is
+    divided by the batch size as an unweighted one is, not by the batch's sum of weights: that
+    would take a collective per step to stay exact across ranks, and the weights average 1 over
+    the split anyway."""
+    if cfg.class_weights != "auto":
+        return None
+    counts = torch.tensor(manifest["class_counts"]["train"], dtype=torch.float64)
+    present = int((counts > 0).sum())
+    weights = torch.where(counts > 0, counts.sum() / (present * counts.clamp(min=1)), torch.zeros_like(counts))
+    return weights.float().to(device)
 
 
 def train_epoch(run: Run, epoch: int, partial: Resumed | None) -> tuple[torch.Tensor, EpochTiming, float]:
