@@ -137,6 +137,16 @@ class TrainConfig:
     random_erasing: float = setting(0.0, "Photos: the probability of erasing a random rectangle of a training image "
                                     "with the data set's mean colour (0.25 in timm's recipe); 0 = off.",
                                     range="[0, 1]")
+    mixup: float = setting(0.0, "Mixup's alpha (0.2-0.8 in timm's recipes): each image blended with its mirror in "
+                           "the global batch by a Beta(alpha, alpha) weight, the targets blended alike; 0 = off. "
+                           "Training accuracy then counts the label with the larger share.", range="[0, 100]")
+    cutmix: float = setting(0.0, "CutMix's alpha (1.0 in timm's recipes): a box of the mirror image pasted in, the "
+                            "targets weighed by the areas; 0 = off.", range="[0, 100]")
+    mix_switch_prob: float = setting(0.5, "With both --mixup and --cutmix: the share of mixed steps that use CutMix.",
+                                     range="[0, 1]")
+    mix_prob: float = setting(1.0, "The share of steps that mix (when --mixup or --cutmix is on).", range="[0, 1]")
+    mix_off_epochs: int = setting(0, "Train the last N epochs without mixing (timm's --mixup-off-epoch, counted "
+                                  "from the end).", range="[0, 100000]")
     class_weights: str = setting("none", "``auto``: weigh each class's loss by the inverse of its share of the "
                                  "training split (scikit-learn's \"balanced\": n / (classes x n_class)), so a rare "
                                  "class counts as much as a frequent one; the training loss shown is then the "

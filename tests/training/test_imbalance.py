@@ -1,6 +1,6 @@
 """Imbalanced data: --class-weights auto weighs the loss by inverse class frequency, and
 --sampling balanced draws class-balanced epochs that stay a function of (seed, epoch), so a
-resumed run trains exactly as an uninterrupted one."""
+resumed run trains exactly as an uninterrupted one (with mixup and CutMix on as well)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.conftest import assert_one_line_error, cli_here, quiet_display
 # 256 rows / batch 64 = 4 steps per epoch, 8 in all; a step checkpoint after steps 2 and 6.
 SETTINGS = dict(backend="local", epochs=2, batch_size=64, eval_batch_size=50, log_every_steps=2,
                 checkpoint_every_steps=2, deterministic=True, threads_per_worker=1,
-                sampling="balanced", class_weights="auto", ledger=True)
+                sampling="balanced", class_weights="auto", ledger=True, mixup=0.4, cutmix=1.0, label_smoothing=0.1)
 
 
 def test_auto_class_weights_are_scikit_learns_balanced_weights():
@@ -47,7 +47,7 @@ def test_balanced_epochs_are_balanced_reproducible_and_new_each_epoch():
     assert torch.equal(epoch_order(labels, 0, 0), epoch_permutation(len(labels), 0, 0))
 
 
-def test_a_balanced_weighted_run_resumes_to_the_uninterrupted_runs_bits(tiny_data, tmp_path, monkeypatch):
+def test_a_balanced_weighted_mixed_run_resumes_to_the_uninterrupted_runs_bits(tiny_data, tmp_path, monkeypatch):
     def config(name: str) -> TrainConfig:
         return TrainConfig(data=str(tiny_data), storage=str(tmp_path), name=name, **SETTINGS)
 

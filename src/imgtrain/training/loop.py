@@ -31,7 +31,7 @@ from imgtrain.data.order import epoch_augment_draws
 from imgtrain.data.tensors import affine_matrices, apply_affine, to_model_input
 from imgtrain.errors import ImgtrainError
 from imgtrain.models.zoo import build_from_args, model_args
-from imgtrain.training import faults
+from imgtrain.training import faults, mixing
 from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
 from imgtrain.training.backend import Backend, Batch
 from imgtrain.training.calibration import calibrate_batchnorm
@@ -212,14 +212,16 @@ def train_step(run: Run, batch: Batch, affine: torch.Tensor | None = None) -> tu
     x = to_model_input(batch["image"], run.manifest["normalize"]["mean"], run.manifest["normalize"]["std"])
     if affine is not None:  # x: [B, C, H, W] float32, normalised
         x = apply_affine(x, affine)
-    y = batch["label"]
+    y = target = counted = batch["label"]
+    if (mix := mixing.draw(cfg, run.step, run.step // run.steps_per_epoch, x.shape[2], x.shape[3])) is not None:
+        x, target, counted = mixing.mixed(x, y, mix, run.manifest["num_classes"], backend, cfg.batch_size)
     backend.progress.enter("forward")
     with run.autocast:
         logits = run.forward(x.contiguous(memory_format=run.memory_format))
         # DDP averages gradients over ranks; scaling the summed loss by world/global_batch
         # makes that average the exact mean over the global batch even when ranks hold
         # unequal shares (global batch not divisible by the number of workers).
-        loss = run.criterion(logits, y) * (world / cfg.batch_size)
+        loss = run.criterion(logits, target) * (world / cfg.batch_size)
     run.optimizer.zero_grad(set_to_none=True)
     backend.progress.enter("backward")
     loss.backward()
@@ -232,7 +234,7 @@ def train_step(run: Run, batch: Batch, affine: torch.Tensor | None = None) -> tu
     run.step += 1
     with torch.no_grad():
         summed = loss.detach().double() * cfg.batch_size / world  # this rank's summed loss
-        return summed, (logits.argmax(1) == y).sum()
+        return summed, (logits.argmax(1) == counted).sum()
 
 
 
