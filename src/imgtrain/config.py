@@ -338,6 +338,7 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
         issues.append(f"--optimizer {cfg.optimizer} is timm's: pip install 'imgtrain[timm]'")
     if cfg.warmup_epochs and cfg.warmup_epochs >= cfg.epochs:
         issues.append(f"--warmup-epochs {cfg.warmup_epochs:g} would warm up for all {cfg.epochs} epochs: use fewer")
+    issues += schedule_problems(cfg)
     if cfg.min_lr and cfg.schedule != "cosine":
         issues.append(f"--min-lr is the cosine schedule's floor; --schedule {cfg.schedule} has none: drop --min-lr "
                       "or use --schedule cosine")
@@ -347,6 +348,26 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
         issues.append("--mlflow-experiment must not be empty")
     if issues:
         raise ImgtrainError("invalid configuration: " + "; ".join(issues))
+
+
+def schedule_problems(cfg: TrainConfig) -> list[str]:
+    """Settings of a schedule or optimizer the run does not use, set away from their defaults:
+    they would change nothing, which is not what whoever set them meant."""
+    def changed(name: str) -> bool:
+        return getattr(cfg, name) != getattr(TrainConfig, name)
+
+    issues = []
+    if changed("momentum") and cfg.optimizer not in ("sgd", "lars"):
+        issues.append(f"--momentum is for --optimizer sgd or lars; {cfg.optimizer} has betas: drop --momentum")
+    for name in ("decay_epochs", "decay_rate"):
+        if changed(name) and cfg.schedule != "step":
+            issues.append(f"{flag(name)} is the step schedule's: use --schedule step or drop {flag(name)}")
+    if changed("warmup_fraction") and cfg.schedule != "onecycle":
+        issues.append(f"--warmup-fraction is the one-cycle schedule's; --schedule {cfg.schedule} warms up over "
+                      "--warmup-epochs")
+    elif changed("warmup_fraction") and cfg.warmup_epochs:
+        issues.append("--warmup-fraction and --warmup-epochs both set the one-cycle warm-up: pass one")
+    return issues
 
 
 def resolve(overrides: dict, stored: dict | None = None) -> TrainConfig:

@@ -190,9 +190,10 @@ def world_of_one():
 
 
 @pytest.mark.parametrize("name", ["lamb", "lars"])
-def test_lamb_and_lars_step_a_sharded_model_as_a_plain_one(world_of_one, name):
+def test_lamb_and_lars_step_a_sharded_model_as_a_plain_one_and_resume_from_its_shards(world_of_one, tmp_path, name):
     # --strategy fsdp: the parameters are DTensors (here one process's shards); timm's global
-    # gradient norm and trust ratios must work on them, with layer decay's groups
+    # gradient norm and trust ratios must work on them, with layer decay's groups, and their
+    # state (LAMB keeps its step count in the groups) must come back from DCP's shards
     import copy
 
     from imgtrain.models.resnet18 import build_resnet18
@@ -204,17 +205,31 @@ def test_lamb_and_lars_step_a_sharded_model_as_a_plain_one(world_of_one, name):
     sharded = fsdp.shard(copy.deepcopy(plain), torch.device("cpu"), "fp32")
     cfg = TrainConfig(name="x", optimizer=name, layer_decay=0.7, schedule="cosine", warmup_epochs=1, lr=0.01)
     x, y = torch.randn(4, 1, 28, 28), torch.tensor([1, 2, 3, 4])
-    for model in (plain, sharded):
-        optimizer = optimizer_for(model, cfg)
-        scheduler = schedule_for(optimizer, cfg, 0, 10, 2, None)
-        for _ in range(3):
+
+    def train(model, optimizer, scheduler, n):
+        for _ in range(n):
             nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
+
+    for model in (plain, sharded):
+        optimizer = optimizer_for(model, cfg)
+        scheduler = schedule_for(optimizer, cfg, 0, 10, 2, None)
+        train(model, optimizer, scheduler, 3)
     got, expected = fsdp.full_state(sharded), plain.state_dict()
     assert not torch.equal(expected["conv1.weight"], build_resnet18(1, 10).conv1.weight)
     assert all(torch.allclose(got[k], expected[k], rtol=1e-5, atol=1e-7) for k in expected)
+
+    fsdp.save_sharded(tmp_path / "sharded", sharded, optimizer, None)
+    train(sharded, optimizer, scheduler, 2)
+    expected = fsdp.full_state(sharded)
+    again = fsdp.shard(build_resnet18(1, 10), torch.device("cpu"), "fp32")
+    optimizer = optimizer_for(again, cfg)
+    fsdp.load_sharded(tmp_path / "sharded", again, optimizer, None)
+    train(again, optimizer, schedule_for(optimizer, cfg, 3, 10, 2, None), 2)
+    got = fsdp.full_state(again)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 @pytest.mark.parametrize("name", ["lamb", "lars"])
@@ -266,6 +281,10 @@ def test_sgd_takes_the_momentum_setting_and_plain_sgd_without_it():
     (["--warmup-epochs", "3", "--epochs", "3"], "--warmup-epochs 3 would warm up for all 3 epochs"),
     (["--schedule", "linear"], "--schedule 'linear' is not one of onecycle, cosine, step, constant"),
     (["--layer-decay", "1.5"], "--layer-decay must be at most 1"),
+    (["--warmup-fraction", "0.3", "--warmup-epochs", "1"], "--warmup-fraction and --warmup-epochs both set"),
+    (["--schedule", "cosine", "--warmup-fraction", "0.3"], "--warmup-fraction is the one-cycle schedule's"),
+    (["--decay-rate", "0.5"], "--decay-rate is the step schedule's: use --schedule step"),
+    (["--momentum", "0.8"], "--momentum is for --optimizer sgd or lars; adamw has betas"),
 ])
 def test_bad_schedule_settings_are_refused_in_one_line(capsys, tmp_path, args, fragment):
     proc = cli_here(capsys, "train", "--name", "x", "--storage", str(tmp_path), "--backend", "local", *args)
@@ -299,6 +318,7 @@ def test_a_cosine_run_resumed_inside_an_epoch_trains_as_the_uninterrupted_one(ti
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
 
 
+@pytest.mark.filterwarnings("ignore:The default weight initialization of GoogleNet:FutureWarning")
 def test_layer_decay_for_a_torchvision_model_without_blocks_is_refused_before_training(capsys, tmp_path, tiny_data):
     proc = cli_here(capsys, "train", "--data", str(tiny_data), "--name", "g", "--storage", str(tmp_path),
                     "--backend", "local", "--model", "googlenet", "--layer-decay", "0.75")

@@ -48,8 +48,11 @@ def layer_ids(model: nn.Module) -> dict[str, int]:
             from timm.models import group_parameters
 
             return group_parameters(model, model.group_matcher(coarse=False), reverse=True)
-        from timm.optim import auto_group_layers
+        # as param_groups_layer_decay does: chunks of parameters in order, then the head
+        # (``auto_group_layers`` in newer timm, ``_layer_map`` in timm 1.0's first releases)
+        from timm.optim import _param_groups
 
+        auto_group_layers = getattr(_param_groups, "auto_group_layers", None) or _param_groups._layer_map
         return auto_group_layers(model)
     containers = [name for name, m in model.named_modules()
                   if isinstance(m, (nn.Sequential, nn.ModuleList)) and _BLOCKS.fullmatch(name)]
