@@ -229,8 +229,13 @@ def one_cycle(optimizer, cfg: TrainConfig, remaining: int, saved: dict | None, w
         for group, values in zip(optimizer.param_groups, restored):
             group.update(values)
         return sched
-    # a fresh cycle shorter than the warm-up (a run resumed for a few more steps) warms up all but its last step
-    pct_start = cfg.warmup_fraction if warmup_steps is None else min(warmup_steps, remaining - 1) / remaining
+    pct_start = cfg.warmup_fraction
+    if warmup_steps is not None:
+        # OneCycleLR peaks at step pct_start x total - 1: here step W, the first after the warm-up,
+        # as in the other schedules (a warm-up of one step would divide by zero in OneCycleLR).
+        # A warm-up of no step, or too long for a fresh cycle of a resumed run, starts at the peak.
+        warmup = min(warmup_steps, remaining - 2)
+        pct_start = (warmup + 1) / remaining if warmup > 0 else 0.0
     return torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=_peaks(optimizer, cfg), total_steps=remaining, pct_start=pct_start
     )
