@@ -13,6 +13,7 @@ The worker boundary is a plain dict (``dataclasses.asdict``) turned back into a
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import typing
 from dataclasses import dataclass, field
@@ -36,8 +37,9 @@ def setting(default, doc: str, *, flag: str | None = None, choices: tuple = (), 
 
 BACKENDS = ("ray", "local")
 INGESTS = ("ray-data", "torch")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "lamb", "lars")
 PRECISIONS = ("fp32", "bf16")
+SCHEDULES = ("onecycle", "cosine", "step", "constant")
 STRATEGIES = ("ddp", "fsdp")
 
 
@@ -104,13 +106,35 @@ class TrainConfig:
                               "``batch_size % workers`` ranks take one extra sample, so the global batch is exact. "
                               "An epoch is ``train rows // batch_size`` steps at every world size.",
                               range="[1, 1048576]")
-    optimizer: str = setting("adamw", "The optimizer: ``adamw`` or ``sgd`` (Nesterov momentum 0.9).",
-                             choices=OPTIMIZERS)
-    lr: float = setting(3e-3, "Peak learning rate of the one-cycle schedule.", range="(0, 10]")
+    optimizer: str = setting("adamw", "The optimizer: ``adamw``, ``sgd`` (Nesterov, --momentum), or ``lamb`` or "
+                             "``lars`` for large global batches (timm's: ``pip install 'imgtrain[timm]'``). LAMB and "
+                             "LARS leave biases and normalisation weights undecayed, as timm does; LAMB clips the "
+                             "gradient norm to 1, timm's default.", choices=OPTIMIZERS)
+    momentum: float = setting(0.9, "Momentum of ``sgd`` and ``lars`` (the one-cycle schedule cycles it between "
+                              "0.85 and 0.95 itself; AdamW and LAMB use their betas).", range="[0, 1)")
+    lr: float = setting(3e-3, "Peak learning rate of the schedule.", range="(0, 10]")
     weight_decay: float = setting(0.05, "Weight decay: decoupled for AdamW, L2 for SGD (where about 5e-4 is "
                                   "usual).", range="[0, 10]")
+    schedule: str = setting("onecycle", "LR schedule, stepped every optimizer step: ``onecycle`` (torch's "
+                            "OneCycleLR, warm-up by --warmup-fraction), ``cosine`` (to --min-lr at the end), ``step`` "
+                            "(times --decay-rate every --decay-epochs epochs) or ``constant``; the last three warm up "
+                            "linearly over --warmup-epochs.", choices=SCHEDULES)
     warmup_fraction: float = setting(0.15, "Share of steps spent warming the LR up to its peak (one-cycle "
-                                     "pct_start).", range="[0, 1)")
+                                     "pct_start); --warmup-epochs replaces it when set.", range="[0, 1)")
+    warmup_epochs: float = setting(0.0, "Epochs of linear LR warm-up, from near 0 to --lr (may be fractional: "
+                                   "rounded to whole steps). For onecycle it replaces --warmup-fraction when set "
+                                   "(above 0).", range="[0, 100000]")
+    min_lr: float = setting(0.0, "The LR the cosine schedule ends at, after the last step (a classifier or "
+                            "fine-tuning group at a fraction of --lr ends at that fraction of it).", range="[0, 10]")
+    decay_epochs: int = setting(30, "The step schedule multiplies the LR by --decay-rate every this many epochs "
+                                "(timm's --decay-epochs).", range="[1, 100000]")
+    decay_rate: float = setting(0.1, "The step schedule's factor at each decay (timm's --decay-rate).",
+                                range="(0, 1]")
+    layer_decay: float = setting(0.0, "Fine-tuning: layer-wise LR decay, the classifier at the full LR and each "
+                                 "layer below it at this factor of the one above (0.75: the layer under the "
+                                 "classifier 0.75, the next 0.56, ...); 0 = off. timm models use timm's layer "
+                                 "grouping, torchvision's their stem, blocks in order, then the classifier "
+                                 "(docs/training.md).", range="[0, 1]")
     label_smoothing: float = setting(0.0, "Cross-entropy label smoothing. Off: on the embedded split 0.1 cost "
                                      "0.2-0.4 points (docs/NOTES.md).", range="[0, 1)")
     augment: bool = setting(True, "Random augmentation of the training images: the preset's (below).")
@@ -342,10 +366,40 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
         issues.append("--init-from and --pretrained both give initial weights: pass one")
     if cfg.freeze_backbone and cfg.freeze_backbone >= cfg.epochs:
         issues.append(f"--freeze-backbone {cfg.freeze_backbone} would freeze all {cfg.epochs} epochs: use fewer")
+    if cfg.optimizer in ("lamb", "lars") and importlib.util.find_spec("timm") is None:
+        issues.append(f"--optimizer {cfg.optimizer} is timm's: pip install 'imgtrain[timm]'")
+    if cfg.warmup_epochs and cfg.warmup_epochs >= cfg.epochs:
+        issues.append(f"--warmup-epochs {cfg.warmup_epochs:g} would warm up for all {cfg.epochs} epochs: use fewer")
+    issues += schedule_problems(cfg)
+    if cfg.min_lr and cfg.schedule != "cosine":
+        issues.append(f"--min-lr is the cosine schedule's floor; --schedule {cfg.schedule} has none: drop --min-lr "
+                      "or use --schedule cosine")
+    elif cfg.min_lr >= cfg.lr > 0:
+        issues.append(f"--min-lr {cfg.min_lr:g} must be below --lr {cfg.lr:g}, the peak the cosine falls from")
     if not cfg.mlflow_experiment.strip():
         issues.append("--mlflow-experiment must not be empty")
     if issues:
         raise ImgtrainError("invalid configuration: " + "; ".join(issues))
+
+
+def schedule_problems(cfg: TrainConfig) -> list[str]:
+    """Settings of a schedule or optimizer the run does not use, set away from their defaults:
+    they would change nothing, which is not what whoever set them meant."""
+    def changed(name: str) -> bool:
+        return getattr(cfg, name) != getattr(TrainConfig, name)
+
+    issues = []
+    if changed("momentum") and cfg.optimizer not in ("sgd", "lars"):
+        issues.append(f"--momentum is for --optimizer sgd or lars; {cfg.optimizer} has betas: drop --momentum")
+    for name in ("decay_epochs", "decay_rate"):
+        if changed(name) and cfg.schedule != "step":
+            issues.append(f"{flag(name)} is the step schedule's: use --schedule step or drop {flag(name)}")
+    if changed("warmup_fraction") and cfg.schedule != "onecycle":
+        issues.append(f"--warmup-fraction is the one-cycle schedule's; --schedule {cfg.schedule} warms up over "
+                      "--warmup-epochs")
+    elif changed("warmup_fraction") and cfg.warmup_epochs:
+        issues.append("--warmup-fraction and --warmup-epochs both set the one-cycle warm-up: pass one")
+    return issues
 
 
 def resolve(overrides: dict, stored: dict | None = None) -> TrainConfig:

@@ -236,6 +236,10 @@ def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
             model = zoo.build_from_args(args).eval()
     except ValueError as e:
         raise ImgtrainError(f"--model {cfg.model}: {e}") from None
+    if cfg.layer_decay:  # a model without a known layer order: one line now, not from every worker
+        from imgtrain.training.recipe import parameter_groups
+
+        parameter_groups(model, cfg)
     h, w, c = manifest["image_shape"]
     try:
         with torch.no_grad():

@@ -44,8 +44,8 @@ from imgtrain.training.evaluation import (
 )
 from imgtrain.training.recipe import (
     freeze,
-    one_cycle,
     optimizer_for,
+    schedule_for,
     set_batchnorm_momentum,
     weight_average,
 )
@@ -114,7 +114,8 @@ def setup(cfg: TrainConfig, manifest: dict, backend: Backend) -> tuple[Run, Resu
     total_steps = cfg.epochs * steps_per_epoch
     run = Run(
         cfg, manifest, backend, model, forward=torch.compile(model) if cfg.compile else model,  # same parameters
-        optimizer=optimizer, scheduler=one_cycle(optimizer, cfg, total_steps - resumed.step, resumed.schedule),
+        optimizer=optimizer,
+        scheduler=schedule_for(optimizer, cfg, resumed.step, total_steps, steps_per_epoch, resumed.schedule),
         ema=ema, criterion=nn.CrossEntropyLoss(weight=class_weights(cfg, manifest, backend.device), reduction="sum",
                                                label_smoothing=cfg.label_smoothing),
         autocast=torch.autocast(backend.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"),
