@@ -243,9 +243,15 @@ def epoch_history(run_dir: Path) -> list[dict]:
 
 
 def average_record(run_dir: Path) -> dict | None:
-    """The record of the run's average checkpoint (--average-last), the last one written."""
+    """The record of the run's average checkpoint (--average-last), the last one written whose
+    checkpoint the run still has (a run continued for more epochs may have let an older one go)."""
+    def kept(r: dict) -> bool:
+        name = r.get("checkpoint")
+        parsed = POLICY.parse(name) if isinstance(name, str) else None
+        return bool(parsed and parsed.average and (run_dir / name).is_dir())
+
     found = [r for r in read_metrics(run_dir) if r.get("kind") == "average"
-             and all(is_number(r[k]) for k in EPOCH_NUMBERS if k in r)]
+             and all(is_number(r[k]) for k in EPOCH_NUMBERS if k in r) and kept(r)]
     return found[-1] if found else None
 
 
