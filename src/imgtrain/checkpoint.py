@@ -7,8 +7,8 @@ A checkpoint directory holds:
   model.pt        the unwrapped ``state_dict`` of the model that was evaluated (the moving
                   average of the weights when EMA is on); the Ray tutorial's own inference code,
                   ``build_model().load_state_dict(torch.load("model.pt", weights_only=True))``, loads it
-  train_state.pt  optimizer, scheduler, epoch, step, RNG states: plain types and tensors only,
-                  so it loads with ``weights_only=True``
+  train_state.pt  optimizer, scheduler, epoch, step, RNG states (and --average-last's window):
+                  plain types and tensors only, so it loads with ``weights_only=True``
   sharded/        only with ``--strategy fsdp``: the training weights, optimizer state and moving
                   average as a ``torch.distributed.checkpoint`` directory, one file per rank (each
                   rank writes its own); train_state.pt then holds neither optimizer nor weights
@@ -45,10 +45,18 @@ RNG_KEY = "rng"  # {"torch": ByteTensor}; data order and augmentation are seeded
 EPOCH_PROGRESS_KEY = "epoch_progress"
 TRAIN_WEIGHTS_KEY = "train_weights"  # the raw weights, when model.pt holds their moving average
 EMA_STEPS_KEY = "ema_steps"
+# --average-last (training/averaging.py): the evaluated weights of the last epochs the average
+# takes, {"epochs": [int], "weights": [state_dict]}, while there are any
+AVERAGE_WINDOW_KEY = "average_window"
+# Only in the average checkpoint, whose model.pt holds the average: the evaluated weights
+# (model.pt of the last epoch's checkpoint) that a run resumed from it goes on with
+EVALUATED_WEIGHTS_KEY = "evaluated_weights"
 
 # meta.json: the epoch records of every epoch up to this checkpoint (its own included), so the
 # run's history can be rebuilt from the checkpoint a run resumes from
 HISTORY_KEY = "history"
+# meta.json of the average checkpoint (--average-last): {"epochs": [the epochs averaged, 0-based]}
+AVERAGE_KEY = "average"
 # meta.json is parsed whole, and it is untrusted (its own sha256 is in no table). Its largest
 # parts are the data set's manifest (a few MB for millions of images) and one record per epoch
 # (about 300 bytes; at most 100,000 epochs: 30 MB).
@@ -209,11 +217,24 @@ def remove_incomplete(run_dir: Path, keep=()) -> list[str]:
     return removed
 
 
+def run_policy(found: list[tuple[Path, dict]]) -> CheckpointPolicy:
+    """How the run whose checkpoints are ``found`` ranks them: by the --select-metric its newest
+    checkpoint's config names (a run keeps the setting when resumed)."""
+    return POLICY.for_config(found[-1][1].get("config")) if found else POLICY
+
+
 def best_and_latest(run_dir: Path) -> tuple[Path | None, Path | None]:
     found = listing(run_dir)
     if not found:
         return None, None
-    return max(found, key=lambda item: POLICY.rank_key(item[1]))[0], found[-1][0]
+    policy = run_policy(found)
+    return max(found, key=lambda item: policy.rank_key(item[1]))[0], found[-1][0]
+
+
+def average_of(found: list[tuple[Path, dict]]) -> Path | None:
+    """The newest average checkpoint (--average-last) among ``found``; None without one."""
+    averages = [path for path, meta in found if AVERAGE_KEY in meta]
+    return averages[-1] if averages else None
 
 
 def retain(run_dir: Path, policy: CheckpointPolicy, ignore=()) -> None:
@@ -226,13 +247,21 @@ def retain(run_dir: Path, policy: CheckpointPolicy, ignore=()) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+CHOICES = ("best", "latest", "average")  # what --checkpoint may name besides a directory
+
+
 def choose(run_dir: Path, which: str, run_name: str) -> Path:
-    """The ``best`` or ``latest`` checkpoint of a run, verified. A damaged one is skipped, with
-    a warning, for the best / latest of those that verify."""
-    best, latest = best_and_latest(run_dir)
-    chosen = best if which == "best" else latest
-    if chosen is None:
+    """The ``best``, ``latest`` or ``average`` checkpoint of a run, verified. A damaged one is
+    skipped, with a warning, for the best / latest / average of those that verify. ``best``
+    ranks by the run's --select-metric."""
+    found = listing(run_dir)
+    if not found:
         raise ImgtrainError(f"run {run_name!r} has no complete checkpoint yet ({run_dir}); train it first")
+    best, latest = best_and_latest(run_dir)
+    chosen = {"best": best, "latest": latest, "average": average_of(found)}[which]
+    if chosen is None:
+        raise ImgtrainError(f"run {run_name!r} has no averaged checkpoint ({run_dir}); train it with "
+                            "--average-last K, or pass --checkpoint best or latest")
     try:
         verify(chosen)
         return chosen
@@ -243,7 +272,15 @@ def choose(run_dir: Path, which: str, run_name: str) -> Path:
         warnings.warn(f"skipping checkpoint {path.name}: {why}", DamagedCheckpointWarning, stacklevel=2)
     if not good:
         raise ImgtrainError(f"run {run_name!r} has no checkpoint that passes verification ({run_dir})")
-    return good[-1] if which == "latest" else max(good, key=lambda p: POLICY.rank_key(read_meta(p)))
+    if which == "latest":
+        return good[-1]
+    metas = [(path, read_meta(path)) for path in good]
+    if which == "average":
+        if (path := average_of(metas)) is None:
+            raise ImgtrainError(f"run {run_name!r} has no averaged checkpoint that passes verification ({run_dir})")
+        return path
+    policy = run_policy(found)
+    return max(metas, key=lambda item: policy.rank_key(item[1]))[0]
 
 
 class DamagedCheckpointWarning(ImgtrainWarning):

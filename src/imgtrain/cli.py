@@ -180,6 +180,8 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
         f"finished {result.name}: {result.validation_split} accuracy {acc:.2%}" if acc is not None else f"finished {result.name}",
     )
     console.print(f"run directory: {result.location or result.path}")
+    for line in _selection_lines(result):
+        console.print(line, soft_wrap=True)
     if result.best_checkpoint:
         where = f"{result.location}/{result.best_checkpoint.name}" if result.location else result.best_checkpoint
         console.print(f"best checkpoint: {where}")
@@ -263,8 +265,27 @@ def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP
             f"rank {rank}: {step:.3f} s/step, {wait * 1000:.1f} ms waiting for data ({wait / max(step, 1e-9):.0%})"
             for rank, (step, wait) in enumerate(zip(steps, waits)))
         console.print(f"last epoch per rank: {per_rank}", soft_wrap=True)
+    for line in _selection_lines(r):
+        console.print(line, soft_wrap=True)
     console.print(f"best checkpoint:   {r.best_checkpoint}", soft_wrap=True)
     console.print(f"latest checkpoint: {r.latest_checkpoint}", soft_wrap=True)
+
+
+def _selection_lines(r) -> list[str]:
+    """What --early-stop and --average-last did, for `runs show` and `train`."""
+    lines = []
+    if stop := r.stopped_early:
+        best = (f"best epoch {stop.best_epoch + 1} ({stop.metric} {stop.best:.4f})" if stop.best_epoch is not None
+                else f"no epoch gave a {stop.metric}")
+        lines.append(f"stopped early after epoch {stop.epoch + 1}: {stop.metric} did not improve for {stop.patience} "
+                     f"epoch{'s' * (stop.patience > 1)}; {best}")
+    if r.average:
+        a = r.average
+        listed = a.get("epochs") if isinstance(a.get("epochs"), list) else []  # metrics.jsonl is input like any file
+        epochs = ", ".join(str(e + 1) for e in listed if isinstance(e, int))
+        figures = "  ".join(f"{k} {a[k]:.4f}" for k in ("val_loss", "val_accuracy", "val_f1_macro") if k in a)
+        lines.append(f"average of epochs {epochs}: {figures}  ({a.get('checkpoint')})")
+    return lines
 
 
 tune_app = typer.Typer(invoke_without_command=True, help="Hyperparameter sweeps with Ray Tune: every trial an "
@@ -397,7 +418,8 @@ def config_show(
         console.print(f"{field:<22} {value:<{width}}  {description}", soft_wrap=True)
 
 
-CHECKPOINT_HELP = "best, latest, or a checkpoint directory."
+CHECKPOINT_HELP = ("best (by the run's --select-metric), latest, average (--average-last's), or a checkpoint "
+                   "directory.")
 # Shared by evaluate and predict (typer options are plain metadata, safe to reuse).
 GPU_OPTION = typer.Option(False, "--gpu", help="One GPU per inference actor.")
 CONCURRENCY_OPTION = typer.Option(1, help="Inference actors in the Ray Data pool.")

@@ -18,6 +18,7 @@ import math
 import typing
 from dataclasses import dataclass, field
 
+from imgtrain.checkpoint_policy import DEFAULT_METRIC, SELECTION_METRICS
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
 
@@ -216,8 +217,23 @@ class TrainConfig:
                                    range="[1, 1048576]")
     log_every_steps: int = setting(10, "Every N steps each rank sends a progress record to the driver (fire and "
                                    "forget, no barrier).", range="[1, 1000000000]", resumable=True)
-    num_to_keep: int = setting(1, "Checkpoints kept, ranked by validation accuracy; the latest is always kept in "
+    num_to_keep: int = setting(1, "Checkpoints kept, ranked by --select-metric; the latest is always kept in "
                                "addition.", range="[1, 1000]")
+    select_metric: str = setting(DEFAULT_METRIC, "The validation metric that ranks checkpoints: which one is "
+                                 "``best`` (evaluate, serve, predict), which ``--num-to-keep`` keeps, and what "
+                                 "``--early-stop`` watches. ``val_loss`` is minimised, ``val_accuracy`` and "
+                                 "``val_f1_macro`` (the unweighted mean of the per-class F1 scores) maximised.",
+                                 choices=tuple(SELECTION_METRICS))
+    early_stop: int = setting(0, "Stop training when --select-metric has not improved for this many epochs (its "
+                              "best by more than --early-stop-min-delta); 0 = train every epoch. Decided from the "
+                              "epoch history the checkpoints carry: a resumed run stops at the same epoch.",
+                              range="[0, 100000]")
+    early_stop_min_delta: float = setting(0.0, "The least change of --select-metric that counts as an improvement "
+                                          "for --early-stop.", range="[0, 1000000]")
+    average_last: int = setting(0, "After the last epoch, save a checkpoint holding the uniform average of the "
+                                "last K epochs' evaluated weights (the moving average's when --ema-decay is on), "
+                                "its BatchNorm statistics recomputed (--bn-calibration) and validated; it competes "
+                                "as ``best`` and is ``--checkpoint average``. 0 = off.", range="[0, 100000]")
     max_failures: int = setting(0, "Worker-group failures Ray Train retries from the latest checkpoint before "
                                 "giving up; -1 = without limit.", range="[-1, 1000]", resumable=True)
     checkpoint_every_steps: int = setting(0, "Also checkpoint every N optimizer steps inside an epoch (0 = only at "
@@ -364,6 +380,9 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
         issues.append("--mlflow needs a tracking URI, e.g. sqlite:///mlflow.db")
     if cfg.init_from and cfg.pretrained:
         issues.append("--init-from and --pretrained both give initial weights: pass one")
+    if cfg.average_last > cfg.epochs:
+        issues.append(f"--average-last {cfg.average_last} averages more epochs than the run's --epochs "
+                      f"{cfg.epochs}: use at most {cfg.epochs}")
     if cfg.freeze_backbone and cfg.freeze_backbone >= cfg.epochs:
         issues.append(f"--freeze-backbone {cfg.freeze_backbone} would freeze all {cfg.epochs} epochs: use fewer")
     if cfg.optimizer in ("lamb", "lars") and importlib.util.find_spec("timm") is None:

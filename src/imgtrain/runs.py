@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgtrain import checkpoint as ckpt
+from imgtrain.checkpoint_policy import POLICY, EarlyStop
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership, process
 from imgtrain.ops.files import atomic_write_text
@@ -222,8 +223,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 # a run (a bucket's, a copied folder's): a record whose epoch is not a count, or with anything but
 # a number under one of these keys, is skipped, as a line cut short is; readers of the history
 # rely on the types (a record may lack a key: one an older imgtrain wrote).
-EPOCH_NUMBERS = ("step", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "images_per_s", "epoch_time_s",
-                 "lr", "data_wait_fraction")
+EPOCH_NUMBERS = ("step", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_f1_macro", "images_per_s",
+                 "epoch_time_s", "lr", "data_wait_fraction")
 
 
 def is_number(value) -> bool:
@@ -239,6 +240,31 @@ def epoch_history(run_dir: Path) -> list[dict]:
     """The per-epoch records, one per epoch (the last one written wins)."""
     by_epoch = {r["epoch"]: r for r in read_metrics(run_dir) if is_epoch_record(r)}
     return [by_epoch[e] for e in sorted(by_epoch)]
+
+
+def average_record(run_dir: Path) -> dict | None:
+    """The record of the run's average checkpoint (--average-last), the last one written whose
+    checkpoint the run still has (a run continued for more epochs may have let an older one go)."""
+    def kept(r: dict) -> bool:
+        name = r.get("checkpoint")
+        parsed = POLICY.parse(name) if isinstance(name, str) else None
+        return bool(parsed and parsed.average and (run_dir / name).is_dir())
+
+    found = [r for r in read_metrics(run_dir) if r.get("kind") == "average"
+             and all(is_number(r[k]) for k in EPOCH_NUMBERS if k in r) and kept(r)]
+    return found[-1] if found else None
+
+
+def early_stop(config: dict, history: list[dict]) -> EarlyStop | None:
+    """Whether a run with this config (config.json or a checkpoint's) and epoch history stopped
+    early (--early-stop): the rule the training loop applies before each epoch, on the same
+    records. None when it trains (or trained) every epoch."""
+    patience, delta, epochs = (config.get(k) for k in ("early_stop", "early_stop_min_delta", "epochs"))
+    if not (is_number(patience) and is_number(delta) and is_number(epochs)) or not history:
+        return None
+    if history[-1].get("epoch", -1) + 1 >= epochs:  # every epoch trained: nothing was stopped
+        return None
+    return POLICY.for_config(config).stopped_early(history, int(patience), float(delta))
 
 
 # ---------------------------------------------------------------- inspecting runs
@@ -257,6 +283,12 @@ class RunResult:
     latest_checkpoint: Path | None = None
     error: str | None = None
     location: str | None = None  # the object store's URI of a run that lives in one
+    average: dict | None = None  # the record of the average checkpoint (--average-last)
+
+    @property
+    def stopped_early(self) -> EarlyStop | None:
+        """Why the run stopped before its last epoch (--early-stop), or None."""
+        return early_stop(self.config, self.history)
 
     @property
     def metrics(self):
@@ -275,8 +307,9 @@ class RunResult:
         return self.history[-1].get("val_split", "test") if self.history else "test"
 
     def to_json(self) -> dict:
-        keep = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_accuracy",
+        keep = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_f1_macro",
                 "lr", "epoch_time_s", "images_per_s", "world_size", "checkpoint")
+        stop = self.stopped_early
         return {
             "name": self.name, "path": str(self.path), "location": self.location or str(self.path),
             "status": self.status,
@@ -285,6 +318,10 @@ class RunResult:
             "best_checkpoint": str(self.best_checkpoint) if self.best_checkpoint else None,
             "latest_checkpoint": str(self.latest_checkpoint) if self.latest_checkpoint else None,
             "best_val_accuracy": max((r["val_accuracy"] for r in self.history if "val_accuracy" in r), default=None),
+            "select_metric": POLICY.for_config(self.config).metric,
+            "stopped_early": stop.to_json() if stop else None,
+            "average": {k: self.average.get(k) for k in ("epochs", "val_loss", "val_accuracy", "val_f1_macro",
+                                                         "checkpoint")} if self.average else None,
             "config": self.config, "error": self.error,
         }
 
@@ -300,13 +337,14 @@ def locate(run: str | Path, storage: str) -> Path:
 
 def resolve_checkpoint(run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs") -> Path:
     """A verified checkpoint directory from: a checkpoint directory, a run directory, or a run
-    name in ``storage``; ``checkpoint`` picks best/latest in a run, or is itself a checkpoint
+    name in ``storage``; ``checkpoint`` picks best/latest/average in a run, or is itself a checkpoint
     path. A named checkpoint that fails its sha256 is an error naming the file; a damaged
     best/latest is skipped (with a warning) for the best/latest of those that verify."""
-    if checkpoint not in ("best", "latest"):
+    if checkpoint not in ckpt.CHOICES:
         path = Path(checkpoint).expanduser()
         if not path.is_dir():
-            raise ImgtrainError(f"checkpoint {path} does not exist; pass best, latest or a checkpoint directory")
+            raise ImgtrainError(f"checkpoint {path} does not exist; pass best, latest, average or a checkpoint "
+                                "directory")
         ckpt.verify(path)
         return path.resolve()
     target = Path(str(run_or_checkpoint)).expanduser()
@@ -338,7 +376,7 @@ def read_run(run_dir: Path, storage: str | None = None) -> RunResult:
     return RunResult(
         name=run_dir.name, path=run_dir, status=status.get("status", "unknown"), config=config,
         history=epoch_history(run_dir), best_checkpoint=best, latest_checkpoint=latest,
-        error=status.get("error"),
+        error=status.get("error"), average=average_record(run_dir),
         location=location(storage, run_dir.name) if storage and remote.is_remote(storage) else None,
     )
 

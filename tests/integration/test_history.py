@@ -40,7 +40,7 @@ pytestmark = pytest.mark.integration
 # (a run of these settings here, the machine busy: 55 s with 2 threads, 11 s with 1).
 SETTINGS = dict(backend="local", epochs=3, batch_size=32, eval_batch_size=50, log_every_steps=1,
                 checkpoint_every_steps=4, deterministic=True, threads_per_worker=1)
-HISTORY_KEYS = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_accuracy",
+HISTORY_KEYS = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_f1_macro",
                 "train_samples", "val_samples", "lr")
 # (fault, what the process has done when it dies), in the order the run reaches them
 KILLS = [

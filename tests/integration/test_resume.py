@@ -36,7 +36,7 @@ QUIET = quiet_display()
 SETTINGS = dict(workers=2, epochs=3, batch_size=32, eval_batch_size=50, log_every_steps=1,
                 checkpoint_every_steps=4, deterministic=True, ledger=True, max_failures=0, threads_per_worker=1)
 STEPS_PER_EPOCH = 8
-HISTORY_KEYS = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_accuracy",
+HISTORY_KEYS = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_f1_macro",
                 "train_samples", "val_samples", "lr")
 
 

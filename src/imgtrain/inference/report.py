@@ -69,7 +69,7 @@ def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path
 
     run_dir = runs.locate(run, storage)
     result = runs.load_run(str(run_dir.parent), run_dir.name)
-    if checkpoint in ("best", "latest") and result.best_checkpoint is None:
+    if checkpoint in ckpt.CHOICES and result.best_checkpoint is None:
         raise ImgtrainError(
             f"run {result.name!r} has no complete checkpoint yet ({result.path}); train it first"
         )

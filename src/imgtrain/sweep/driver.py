@@ -31,7 +31,8 @@ from imgtrain.sweep.space import Dimension
 from imgtrain.sweep.trial import EPOCHS_DONE, run_trial
 
 SCHEDULERS = ("asha", "fifo")
-METRICS = {"val_accuracy": "max", "val_loss": "min", "train_accuracy": "max", "train_loss": "min"}
+METRICS = {"val_accuracy": "max", "val_loss": "min", "val_f1_macro": "max", "train_accuracy": "max",
+           "train_loss": "min"}
 # A trial's own CPU reservation in Ray: Tune refuses 0, and its workers hold the real CPUs.
 TRIAL_CPU = 0.01
 

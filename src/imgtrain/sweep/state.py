@@ -112,7 +112,8 @@ def summary(storage: str, name: str) -> dict:
 
 def _checkpoint(run_dir: Path, best_epoch: dict | None) -> str | None:
     """The checkpoint of the trial's best epoch while the run keeps it, else the run's best
-    (ranked by val_accuracy, which is the metric unless --metric says otherwise)."""
+    (ranked by the run's --select-metric: pass the sweep's --metric as --select-metric too, and
+    the run keeps the checkpoint of the epoch the sweep ranks best)."""
     if best_epoch and best_epoch.get("checkpoint") and (run_dir / best_epoch["checkpoint"]).is_dir():
         return str(run_dir / best_epoch["checkpoint"])
     if not run_dir.is_dir():

@@ -61,10 +61,12 @@ def callbacks() -> list:
 
     class EpochsToTune(TuneReportCallback):
         """Rank 0's epoch results to Tune. Step checkpoints (``checkpoint_every_steps``) are
-        reports too, with no evaluation (val_accuracy -1): the scheduler must not see them."""
+        reports too, with no evaluation (the selection metric's stand-in), and so is the
+        average checkpoint (``--average-last``, no training figures): the scheduler must not
+        see them."""
 
         def after_report(self, run_context, metrics, checkpoint):
-            if "val_loss" in metrics[0]:
+            if "train_loss" in metrics[0]:
                 super().after_report(run_context, [to_tune(metrics[0])], checkpoint)
 
     return [EpochsToTune()]

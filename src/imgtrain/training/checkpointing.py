@@ -30,7 +30,8 @@ def checkpoint_inside_epoch(run: Run, epoch: int, steps_done: int, sums: torch.T
     progress = {"steps": steps_done, "sums": total.cpu(), "elapsed_s": elapsed}
     # Not evaluated: the policy's stand-in for the ranking metric puts it below every evaluated
     # checkpoint, in Ray's retention (which ranks by the reported metrics) as in the local one
-    metrics = {"epoch": epoch, "step": run.step, **POLICY.unevaluated_metrics(), "time": time.time()}
+    metrics = {"epoch": epoch, "step": run.step, **POLICY.for_metric(run.cfg.select_metric).unevaluated_metrics(),
+               "time": time.time()}
     name = POLICY.step_name(epoch, run.step, backend.damaged)
     save(run, epoch, metrics, progress, name)
     if backend.rank == 0:
@@ -39,10 +40,13 @@ def checkpoint_inside_epoch(run: Run, epoch: int, steps_done: int, sums: torch.T
 
 
 def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name: str,
-         evaluated: nn.Module | None = None) -> None:
+         evaluated: nn.Module | None = None, average: dict | None = None,
+         trained_evaluated: nn.Module | None = None) -> None:
     """Rank 0 writes the checkpoint ``name``; every rank reports it (report is a barrier).
     ``epoch_progress``: how far into ``epoch`` a step checkpoint was taken; ``evaluated``: the
-    model validation just used, when it did.
+    model validation just used, when it did. ``average``: the average checkpoint's record
+    (``averaging.py``), whose model.pt is not the evaluated model training goes on with:
+    ``trained_evaluated`` is (its weights are kept in train_state.pt; FSDP's are in sharded/).
 
     With FSDP every rank also writes its shards of the training state into ``sharded/`` of its
     own directory; Ray Train copies every rank's directory into the same checkpoint, and rank
@@ -73,6 +77,10 @@ def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name:
                 train_state[ckpt.EPOCH_PROGRESS_KEY] = epoch_progress
             if run.ema is not None:
                 train_state[ckpt.EMA_STEPS_KEY] = run.ema.steps
+            if run.window is not None and run.window.state():
+                train_state[ckpt.AVERAGE_WINDOW_KEY] = run.window.state()
+            if trained_evaluated is not None:
+                train_state[ckpt.EVALUATED_WEIGHTS_KEY] = _cpu(trained_evaluated.state_dict())
             meta = {
                 "model_args": model_args(run.manifest, run.cfg.model, run.cfg.stem), "config": run.cfg.to_dict(),
                 "metrics": metrics, "data": run.manifest, "epoch": train_state[ckpt.EPOCH_KEY], "step": run.step,
@@ -81,6 +89,8 @@ def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name:
             }
             if in_epoch:
                 meta["in_epoch"] = {"epoch": epoch, "steps": epoch_progress["steps"]}
+            if average is not None:
+                meta[ckpt.AVERAGE_KEY] = average
             model_state = _cpu((run.evaluated if evaluated is None else evaluated).state_dict())
             save_dir = str(ckpt.save(tmp, model_state, train_state, meta, shard_hashes))
         backend.progress.enter("report")
@@ -97,7 +107,9 @@ def restore(directory: str, model: nn.Module, optimizer, ema, device) -> Resumed
         if ema is not None:
             ema.steps = int(state[ckpt.EMA_STEPS_KEY])
     else:
-        saved = ckpt.load_model_state(directory, device)
+        # the average checkpoint's model.pt is the average: the evaluated weights are kept aside
+        saved = state[ckpt.EVALUATED_WEIGHTS_KEY] if ckpt.EVALUATED_WEIGHTS_KEY in state \
+            else ckpt.load_model_state(directory, device)
         if ema is not None and ckpt.TRAIN_WEIGHTS_KEY in state:
             ema.module.load_state_dict(saved)
             ema.steps = int(state[ckpt.EMA_STEPS_KEY])
@@ -112,6 +124,7 @@ def restore(directory: str, model: nn.Module, optimizer, ema, device) -> Resumed
         sums=in_epoch["sums"].double() if in_epoch else None,
         elapsed_s=in_epoch["elapsed_s"] if in_epoch else 0.0,
         history=ckpt.history(meta), restored_from=Path(directory).name,
+        window=state.get(ckpt.AVERAGE_WINDOW_KEY), averaged=ckpt.AVERAGE_KEY in meta,
     )
 
 

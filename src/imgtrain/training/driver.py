@@ -173,8 +173,10 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
         if remote.is_remote(cfg.storage):
             resume.uri = runs.location(cfg.storage, cfg.name)
         meta = ckpt.read_meta(resume.checkpoint) if resume.checkpoint else {}
-        if meta.get("epoch", -1) + 1 >= cfg.epochs:
-            display.note(f"run {cfg.name!r} is already complete ({cfg.epochs} epochs); nothing to train")
+        if meta and _complete(cfg, meta):
+            stop = runs.early_stop(cfg.to_dict(), ckpt.history(meta))
+            display.note(f"run {cfg.name!r} is already complete ({_stopped_early(stop) if stop else f'{cfg.epochs} epochs'})"
+                         "; nothing to train")
             return _Plan(cfg, meta.get("data") or {}, stored, False, resume, complete=True)
     if not cfg.data:
         raise ImgtrainError("--data is required for a new run (a directory made by `imgtrain data prepare`)")
@@ -203,6 +205,20 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
     if stored is None:
         _check_model(cfg, manifest, display)
     return _Plan(cfg, manifest, stored, exists and overwrite, resume)
+
+
+def _complete(cfg: TrainConfig, meta: dict) -> bool:
+    """Whether a run whose latest checkpoint has this meta.json has nothing left to do: every
+    epoch trained, or stopped early by its history (--early-stop: the loop's own rule), and its
+    average checkpoint made (--average-last)."""
+    trained = meta.get("epoch", -1) + 1 >= cfg.epochs or runs.early_stop(cfg.to_dict(), ckpt.history(meta))
+    return bool(trained) and (not cfg.average_last or ckpt.AVERAGE_KEY in meta)
+
+
+def _stopped_early(stop) -> str:
+    best = f"its best, epoch {stop.best_epoch + 1}" if stop.best_epoch is not None else "no number at all"
+    return (f"stopped early after epoch {stop.epoch + 1}: {stop.metric} did not improve for {stop.patience} "
+            f"epoch{'s' * (stop.patience > 1)} after {best}")
 
 
 def _busy_hint(cfg: TrainConfig, run_dir: Path) -> str:
@@ -314,7 +330,11 @@ def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacemen
     if remote.is_remote(cfg.storage) and cfg.backend == "ray":
         _checkpoint_records(cfg, display)
     result = runs.read_run(run_dir, cfg.storage)
-    runs.write_status(run_dir, "finished", val_accuracy=result.final_accuracy)
+    stop = result.stopped_early
+    if stop and not plan.complete:
+        display.note(_stopped_early(stop))
+    runs.write_status(run_dir, "finished", val_accuracy=result.final_accuracy,
+                      **({"stopped_early": stop.to_json()} if stop else {}))
     records.finish("finished", result.best_checkpoint)
     result.status = "finished"
     return result

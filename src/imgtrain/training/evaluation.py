@@ -1,6 +1,6 @@
 """Validation: the model validation runs and model.pt holds (``evaluated_model``, the same on
-every rank), its loss and accuracy on the validation split (``evaluate``), and global means of
-per-rank sums.
+every rank), its loss, accuracy and macro F1 on the validation split (``evaluate``), and global
+means of per-rank sums.
 """
 
 from __future__ import annotations
@@ -19,15 +19,18 @@ from imgtrain.training.run_state import Run
 def evaluate(
     model: nn.Module, backend: Backend, manifest: dict, label_smoothing: float = 0.0,
     memory_format: torch.memory_format = torch.contiguous_format,
-):
-    """Loss and accuracy on the validation split, each row counted once across all ranks: each
-    rank gets its own rows (``ingest.py``) and the sums are all-reduced. The plain (unwrapped)
-    model is used, so no rank waits on a DDP collective for a forward pass another rank does
-    not make.
+) -> dict:
+    """``val_loss``, ``val_accuracy``, ``val_f1_macro`` and ``val_samples`` on the validation
+    split, each row counted once across all ranks: each rank gets its own rows (``ingest.py``)
+    and the sums are all-reduced, in one collective. The plain (unwrapped) model is used, so no
+    rank waits on a DDP collective for a forward pass another rank does not make.
     """
     mean, std = manifest["normalize"]["mean"], manifest["normalize"]["std"]
+    k = int(manifest["num_classes"])
     criterion = nn.CrossEntropyLoss(reduction="sum", label_smoothing=label_smoothing)
     sums = torch.zeros(3, dtype=torch.float64)
+    # [3, K] per class: true positives, predicted, actual (never a K x K matrix: K may be large)
+    counts = torch.zeros(3, k, dtype=torch.long, device=backend.device)
     was_training = model.training
     model.eval()
     with torch.inference_mode():
@@ -37,18 +40,40 @@ def evaluate(
             x = to_model_input(batch["image"], mean, std)
             y = batch["label"]
             logits = model(x.contiguous(memory_format=memory_format))
+            predicted = logits.argmax(1)
             sums += torch.tensor(
-                [criterion(logits, y).item(), (logits.argmax(1) == y).sum().item(), len(y)],
+                [criterion(logits, y).item(), (predicted == y).sum().item(), len(y)],
                 dtype=torch.float64,
             )
+            counts[0] += torch.bincount(y[predicted == y], minlength=k).to(counts.device)
+            counts[1] += torch.bincount(predicted, minlength=k).to(counts.device)
+            counts[2] += torch.bincount(y, minlength=k).to(counts.device)
     model.train(was_training)
-    loss, acc, n = global_means(backend, sums)
-    return loss, acc, n
+    total = backend.all_reduce_sum(torch.cat([sums, counts.flatten().cpu().double()]))
+    loss, acc, n = means(total[:3])
+    return {"val_loss": loss, "val_accuracy": acc, "val_f1_macro": f1_macro(total[3:].view(3, k)),
+            "val_samples": n}
+
+
+def f1_macro(counts: torch.Tensor) -> float:
+    """The unweighted mean of the per-class F1 scores from [true positives, predicted, actual]
+    per class ([3, K]): F1 = 2 TP / (predicted + actual). Classes neither in the split nor ever
+    predicted are left out, as scikit-learn's ``f1_score(average="macro")`` leaves out labels
+    in neither ``y_true`` nor ``y_pred``; 0.0 without any sample."""
+    tp, predicted, actual = counts.double()
+    present = (predicted + actual) > 0
+    if not present.any():
+        return 0.0
+    return (2 * tp[present] / (predicted + actual)[present]).mean().item()
 
 
 
 def global_means(backend: Backend, sums: torch.Tensor) -> tuple[float, float, int]:
-    total = backend.all_reduce_sum(sums.clone())
+    return means(backend.all_reduce_sum(sums.clone()))
+
+
+def means(total: torch.Tensor) -> tuple[float, float, int]:
+    """[loss sum, correct, samples] summed over every rank -> (mean loss, accuracy, samples)."""
     n = int(total[2].item())
     return total[0].item() / max(n, 1), total[1].item() / max(n, 1), n
 

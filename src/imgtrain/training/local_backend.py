@@ -81,7 +81,7 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
             raise
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)  # complete or invisible
-        ckpt.retain(run_dir, POLICY.keeping(cfg.num_to_keep), ignore=resume.damaged)
+        ckpt.retain(run_dir, POLICY.for_metric(cfg.select_metric).keeping(cfg.num_to_keep), ignore=resume.damaged)
 
     backend = Backend(
         rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device), damaged=resume.damaged,

@@ -33,6 +33,7 @@ from imgtrain.errors import ImgtrainError
 from imgtrain.models.zoo import build_from_args, model_args
 from imgtrain.training import faults, mixing
 from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
+from imgtrain.training.averaging import WeightWindow, save_average
 from imgtrain.training.backend import Backend, Batch
 from imgtrain.training.calibration import calibrate_batchnorm
 from imgtrain.training.checkpointing import checkpoint_inside_epoch, restore, save
@@ -76,10 +77,20 @@ def run_loop(cfg: TrainConfig, manifest: dict, backend: Backend) -> None:
         # run's longest start-up wait
         n = min(cfg.log_every_steps - run.step % cfg.log_every_steps, run.steps_per_epoch - resumed.epoch_step)
         backend.send(phase_record("compiling the model" if cfg.compile else f"first {n} step{'s' * (n > 1)}"))
+    policy = POLICY.for_metric(cfg.select_metric)
+    run.window = WeightWindow.restored(cfg, resumed.window, backend.rank)
+    averaged = resumed.averaged  # restored from the average checkpoint: made already
     for epoch in range(resumed.epoch, cfg.epochs):
+        # from the epoch records alone (the same on every rank: the metrics are all-reduced), so
+        # a resumed run stops where the uninterrupted one did, with no collective
+        if policy.stopped_early(run.history, cfg.early_stop, cfg.early_stop_min_delta):
+            break
         partial = resumed if epoch == resumed.epoch and resumed.epoch_step > 0 else None
         sums, timing, train_s = train_epoch(run, epoch, partial)
         end_epoch(run, epoch, sums, timing, train_s)
+        averaged = False
+    if cfg.average_last and not averaged and run.history:
+        save_average(run)
     backend.progress.enter("done", run.step)
 
 
@@ -251,12 +262,10 @@ def end_epoch(run: Run, epoch: int, sums: torch.Tensor, timing: EpochTiming, tra
     if backend.calibration_batches is not None:
         calibrate_batchnorm(evaluated, backend, run.manifest, run.memory_format)
     faults.maybe_fire(backend.fault, backend.rank, run.step, backend.run_dir, "validating")
-    val_loss, val_acc, val_n = evaluate(evaluated, backend, run.manifest, run.cfg.label_smoothing,
-                                        run.memory_format)
+    validation = evaluate(evaluated, backend, run.manifest, run.cfg.label_smoothing, run.memory_format)
     metrics = {
         "epoch": epoch, "step": run.step, "train_loss": train_loss, "train_accuracy": train_acc,
-        "val_loss": val_loss, "val_accuracy": val_acc, "val_samples": val_n,
-        "val_split": eval_split(run.manifest),
+        **validation, "val_split": eval_split(run.manifest),
         "train_samples": seen, "lr": run.scheduler.get_last_lr()[0], "world_size": backend.world_size,
         "epoch_time_s": train_s + time.perf_counter() - started,  # training + validation
         "images_per_s": seen / max(train_s, 1e-9),  # training only, validation excluded
@@ -264,6 +273,7 @@ def end_epoch(run: Run, epoch: int, sums: torch.Tensor, timing: EpochTiming, tra
     }
     name = POLICY.epoch_name(epoch, backend.damaged)
     run.history.append(dict(metrics, kind="epoch", checkpoint=name))
+    run.window.add(epoch, evaluated)  # --average-last's: before saving, as the checkpoint carries it
     save(run, epoch, metrics, None, name, evaluated)
     del evaluated  # with FSDP a full copy of the weights: not kept through the next epoch
     if backend.rank == 0:  # only once the checkpoint is stored: history never runs ahead of it

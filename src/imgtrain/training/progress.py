@@ -197,6 +197,10 @@ class TrainingDisplay:
             self.note(epoch_line(record, self.epochs))
             if self.progress is not None:  # the epoch's own figures, never the last step's
                 self.progress.update(self.task, completed=record["step"], status=self.epoch_status(record), refresh=True)
+        elif kind == "average":  # --average-last's checkpoint, after the last epoch
+            epochs = ", ".join(str(e + 1) for e in record.get("epochs", []))
+            self.note(f"average of epochs {epochs}: val_loss {record['val_loss']:.4f}  "
+                      f"val_acc {record['val_accuracy']:.2%}  val_f1_macro {record['val_f1_macro']:.4f}")
 
     def status(self, r: dict) -> str:
         """The figures shown beside the bar, from a step record."""

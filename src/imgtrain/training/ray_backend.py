@@ -143,7 +143,8 @@ def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, e
         run_config=ray.train.RunConfig(
             name=cfg.name, **_storage(cfg, run_dir),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=POLICY.keeping(cfg.num_to_keep).ray_config(),  # as the local backend's retention
+            # as the local backend's retention, by the run's --select-metric
+            checkpoint_config=POLICY.for_metric(cfg.select_metric).keeping(cfg.num_to_keep).ray_config(),
             callbacks=list(callbacks),
         ),
         datasets=_datasets(cfg, manifest),

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
@@ -15,6 +15,9 @@ from imgtrain.config import TrainConfig
 from imgtrain.training.accounting import Ledger
 from imgtrain.training.backend import Backend
 from imgtrain.training.recipe import WeightAverage
+
+if TYPE_CHECKING:
+    from imgtrain.training.averaging import WeightWindow
 
 
 @dataclass
@@ -29,6 +32,8 @@ class Resumed:
     schedule: dict | None = None
     history: list[dict] = field(default_factory=list)  # the epoch records before this point
     restored_from: str | None = None  # the checkpoint's name
+    window: dict | None = None  # --average-last's weights of the last epochs (``averaging.WeightWindow``)
+    averaged: bool = False  # restored from the average checkpoint (made after the last epoch trained)
 
 
 @dataclass
@@ -51,6 +56,7 @@ class Run:
     step: int
     history: list[dict]  # the epoch records so far: every checkpoint carries them
     ledger: Ledger | None
+    window: WeightWindow | None = None  # --average-last's last epochs' weights (set by run_loop)
 
     @property
     def evaluated(self) -> nn.Module:
