@@ -45,6 +45,9 @@ RNG_KEY = "rng"  # {"torch": ByteTensor}; data order and augmentation are seeded
 EPOCH_PROGRESS_KEY = "epoch_progress"
 TRAIN_WEIGHTS_KEY = "train_weights"  # the raw weights, when model.pt holds their moving average
 EMA_STEPS_KEY = "ema_steps"
+# Only with --precision fp16: torch.amp.GradScaler's state_dict (the loss scale and its growth
+# counter, plain numbers), so a resumed run scales as the uninterrupted one would have
+GRAD_SCALER_KEY = "grad_scaler"
 
 # meta.json: the epoch records of every epoch up to this checkpoint (its own included), so the
 # run's history can be rebuilt from the checkpoint a run resumes from

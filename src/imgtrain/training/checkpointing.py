@@ -73,6 +73,8 @@ def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name:
                 train_state[ckpt.EPOCH_PROGRESS_KEY] = epoch_progress
             if run.ema is not None:
                 train_state[ckpt.EMA_STEPS_KEY] = run.ema.steps
+            if run.scaler is not None:
+                train_state[ckpt.GRAD_SCALER_KEY] = run.scaler.state_dict()
             meta = {
                 "model_args": model_args(run.manifest, run.cfg.model, run.cfg.stem), "config": run.cfg.to_dict(),
                 "metrics": metrics, "data": run.manifest, "epoch": train_state[ckpt.EPOCH_KEY], "step": run.step,
@@ -111,7 +113,7 @@ def restore(directory: str, model: nn.Module, optimizer, ema, device) -> Resumed
         epoch_step=in_epoch["steps"] if in_epoch else 0,
         sums=in_epoch["sums"].double() if in_epoch else None,
         elapsed_s=in_epoch["elapsed_s"] if in_epoch else 0.0,
-        history=ckpt.history(meta), restored_from=Path(directory).name,
+        history=ckpt.history(meta), restored_from=Path(directory).name, grad_scaler=state.get(ckpt.GRAD_SCALER_KEY),
     )
 
 

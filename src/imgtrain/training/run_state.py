@@ -29,6 +29,7 @@ class Resumed:
     schedule: dict | None = None
     history: list[dict] = field(default_factory=list)  # the epoch records before this point
     restored_from: str | None = None  # the checkpoint's name
+    grad_scaler: dict | None = None  # --precision fp16: the gradient scaler's state
 
 
 @dataclass
@@ -51,6 +52,9 @@ class Run:
     step: int
     history: list[dict]  # the epoch records so far: every checkpoint carries them
     ledger: Ledger | None
+    # --precision fp16: scales the loss so float16 gradients do not underflow, skips the steps
+    # whose gradients overflow; None otherwise
+    scaler: torch.amp.GradScaler | None = None
 
     @property
     def evaluated(self) -> nn.Module:
