@@ -405,13 +405,15 @@ BATCH_OPTION = typer.Option(500, help="Images per inference batch.")
 THREADS_OPTION = typer.Option(0, help="torch threads per actor; 0 = cores / concurrency.")
 BACKEND_OPTION = typer.Option("ray", help="ray (Ray Data actor pool) or local (this process).")
 ADDRESS_OPTION = typer.Option(None, help="Join this Ray cluster; default: start one.")
+TTA_OPTION = typer.Option("none", help="Test-time augmentation: none, or flip (the probabilities averaged over "
+                          "each image and its mirror image: two forward passes; for photos, not digits).")
 
 
-def _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k=3):
+def _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k=3, tta="none"):
     from imgtrain.inference.batch import InferenceOptions
 
     return InferenceOptions(backend=backend, batch_size=batch_size, concurrency=concurrency,
-                            threads=threads, use_gpu=gpu, address=address, top_k=top_k)
+                            threads=threads, use_gpu=gpu, address=address, top_k=top_k, tta=tta)
 
 
 @app.command("evaluate")
@@ -422,13 +424,15 @@ def evaluate_cmd(
     data: Optional[str] = typer.Option(None, help="Another prepared data set, a folder or s3://... (default: the run's)."),
     gpu: bool = GPU_OPTION, concurrency: int = CONCURRENCY_OPTION, batch_size: int = BATCH_OPTION,
     threads: int = THREADS_OPTION, backend: str = BACKEND_OPTION, address: Optional[str] = ADDRESS_OPTION,
+    tta: str = TTA_OPTION,
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
-    """Accuracy, per-class precision/recall/F1 and confusion matrix of a checkpoint."""
+    """Accuracy, top-5 accuracy, per-class and averaged precision/recall/F1, calibration (ECE) and
+    confusion matrix of a checkpoint."""
     from imgtrain.inference.batch import evaluate
 
-    opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address)
+    opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address, tta=tta)
     with _json_alone_on_stdout(json_out):
         result = evaluate(run, checkpoint=checkpoint, storage=storage, split=split, data=data, options=opts)
     if json_out:
@@ -438,11 +442,19 @@ def evaluate_cmd(
     recorded = result.recorded_val_accuracy
     console.print(
         f"{result.split} accuracy {result.accuracy:.2%} on {result.num_samples} samples"
-        + (f" (recorded in training: {recorded:.2%})" if recorded is not None else ""),
+        + (f" (recorded in training: {recorded:.2%})" if recorded is not None else "")
+        + (" with --tta flip" if result.tta == "flip" else ""),
     )
+    top5 = result.top5_accuracy
+    console.print(f"top-5 accuracy {top5:.2%}" if top5 is not None else
+                  f"top-5 accuracy n/a ({len(result.classes)} classes: it needs 6 or more)")
+    console.print(f"expected calibration error {result.ece:.4f} (15 equal-width confidence bins)")
     table = Table("class", "precision", "recall", "f1", "support")
     for name, s in result.per_class.items():
         table.add_row(name, f"{s['precision']:.3f}", f"{s['recall']:.3f}", f"{s['f1']:.3f}", str(s["support"]))
+    table.add_section()
+    for name, s in (("macro avg", result.macro_avg), ("weighted avg", result.weighted_avg)):
+        table.add_row(name, f"{s['precision']:.3f}", f"{s['recall']:.3f}", f"{s['f1']:.3f}", str(result.num_samples))
     console.print(table)
     console.print(_confusion_table(result))
 
@@ -478,13 +490,14 @@ def predict_cmd(
     image_column: str = typer.Option("image", help="Parquet input: the image column."),
     gpu: bool = GPU_OPTION, concurrency: int = CONCURRENCY_OPTION, batch_size: int = BATCH_OPTION,
     threads: int = THREADS_OPTION, backend: str = BACKEND_OPTION, address: Optional[str] = ADDRESS_OPTION,
+    tta: str = TTA_OPTION,
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
 ):
     """Predict classes for images; images of another size or colour mode are converted."""
     from imgtrain.inference.batch import predict
 
-    opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k)
+    opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k, tta)
     result = predict(run, input, out, checkpoint=checkpoint, storage=storage, on_error=on_error,
                      split=split, image_column=image_column, options=opts, overwrite=overwrite)
     err = err_console
@@ -539,6 +552,7 @@ def serve_cmd(
                                 "2-3x the requests per second under load on 2 cores); proxy: through Ray "
                                 "Serve's proxy, needed for several replicas or a joined cluster. auto: direct "
                                 "where it can."),
+    tta: str = TTA_OPTION,
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster; default: start one."),
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
 ):
@@ -551,7 +565,7 @@ def serve_cmd(
                     max_queued_requests=max_queued_requests, max_batch_size=max_batch_size,
                     batch_wait_ms=batch_wait_ms)
     run_server(run, checkpoint=checkpoint, storage=storage, host=host, port=port, limits=limits,
-               replicas=replicas, address=address, openapi=openapi, ingress=ingress,
+               replicas=replicas, address=address, openapi=openapi, ingress=ingress, tta=tta,
                announce=lambda line: console.print(line, soft_wrap=True))
 
 

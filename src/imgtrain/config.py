@@ -13,6 +13,7 @@ The worker boundary is a plain dict (``dataclasses.asdict``) turned back into a
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import typing
 from dataclasses import dataclass, field
@@ -36,8 +37,9 @@ def setting(default, doc: str, *, flag: str | None = None, choices: tuple = (), 
 
 BACKENDS = ("ray", "local")
 INGESTS = ("ray-data", "torch")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "lamb", "lars")
 PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("onecycle", "cosine", "step", "constant")
 STRATEGIES = ("ddp", "fsdp")
 
 
@@ -104,13 +106,35 @@ class TrainConfig:
                               "``batch_size % workers`` ranks take one extra sample, so the global batch is exact. "
                               "An epoch is ``train rows // batch_size`` steps at every world size.",
                               range="[1, 1048576]")
-    optimizer: str = setting("adamw", "The optimizer: ``adamw`` or ``sgd`` (Nesterov momentum 0.9).",
-                             choices=OPTIMIZERS)
-    lr: float = setting(3e-3, "Peak learning rate of the one-cycle schedule.", range="(0, 10]")
+    optimizer: str = setting("adamw", "The optimizer: ``adamw``, ``sgd`` (Nesterov, --momentum), or ``lamb`` or "
+                             "``lars`` for large global batches (timm's: ``pip install 'imgtrain[timm]'``). LAMB and "
+                             "LARS leave biases and normalisation weights undecayed, as timm does; LAMB clips the "
+                             "gradient norm to 1, timm's default.", choices=OPTIMIZERS)
+    momentum: float = setting(0.9, "Momentum of ``sgd`` and ``lars`` (the one-cycle schedule cycles it between "
+                              "0.85 and 0.95 itself; AdamW and LAMB use their betas).", range="[0, 1)")
+    lr: float = setting(3e-3, "Peak learning rate of the schedule.", range="(0, 10]")
     weight_decay: float = setting(0.05, "Weight decay: decoupled for AdamW, L2 for SGD (where about 5e-4 is "
                                   "usual).", range="[0, 10]")
+    schedule: str = setting("onecycle", "LR schedule, stepped every optimizer step: ``onecycle`` (torch's "
+                            "OneCycleLR, warm-up by --warmup-fraction), ``cosine`` (to --min-lr at the end), ``step`` "
+                            "(times --decay-rate every --decay-epochs epochs) or ``constant``; the last three warm up "
+                            "linearly over --warmup-epochs.", choices=SCHEDULES)
     warmup_fraction: float = setting(0.15, "Share of steps spent warming the LR up to its peak (one-cycle "
-                                     "pct_start).", range="[0, 1)")
+                                     "pct_start); --warmup-epochs replaces it when set.", range="[0, 1)")
+    warmup_epochs: float = setting(0.0, "Epochs of linear LR warm-up, from near 0 to --lr (may be fractional: "
+                                   "rounded to whole steps). For onecycle it replaces --warmup-fraction when set "
+                                   "(above 0).", range="[0, 100000]")
+    min_lr: float = setting(0.0, "The LR the cosine schedule ends at, after the last step (a classifier or "
+                            "fine-tuning group at a fraction of --lr ends at that fraction of it).", range="[0, 10]")
+    decay_epochs: int = setting(30, "The step schedule multiplies the LR by --decay-rate every this many epochs "
+                                "(timm's --decay-epochs).", range="[1, 100000]")
+    decay_rate: float = setting(0.1, "The step schedule's factor at each decay (timm's --decay-rate).",
+                                range="(0, 1]")
+    layer_decay: float = setting(0.0, "Fine-tuning: layer-wise LR decay, the classifier at the full LR and each "
+                                 "layer below it at this factor of the one above (0.75: the layer under the "
+                                 "classifier 0.75, the next 0.56, ...); 0 = off. timm models use timm's layer "
+                                 "grouping, torchvision's their stem, blocks in order, then the classifier "
+                                 "(docs/training.md).", range="[0, 1]")
     label_smoothing: float = setting(0.0, "Cross-entropy label smoothing. Off: on the embedded split 0.1 cost "
                                      "0.2-0.4 points (docs/NOTES.md).", range="[0, 1)")
     accumulate: int = setting(1, "Gradient accumulation: each worker's share of the global batch goes through the "
@@ -142,6 +166,38 @@ class TrainConfig:
                                    "is all of it). ImageNet recipes use 0.08, for long training on a million images; "
                                    "from scratch on a few thousand, 0.08 and 0.35 lost 45 and 18 points against 0.6 "
                                    "(BENCHMARKS.md, issue 18).", range="(0, 1]")
+    augment_policy: str = setting("none", "Photos: an automatic augmentation policy after the crop and flip, "
+                                  "torchvision's ``randaugment`` (2 operations of ``--augment-magnitude``), "
+                                  "``trivialaugment`` (one operation, random strength) or ``autoaugment`` (the "
+                                  "ImageNet policy); ``none``. Runs in the decoding tasks, on their CPUs.",
+                                  choices=("none", "randaugment", "trivialaugment", "autoaugment"))
+    augment_magnitude: int = setting(9, "RandAugment's strength, of 31 levels (0-30); timm's and torchvision's "
+                                     "default is 9.", range="[0, 30]")
+    color_jitter: float = setting(0.0, "Photos: random brightness, contrast and saturation, each by up to this "
+                                  "factor (0.4 in timm's ImageNet recipe); 0 = off.", range="[0, 1]")
+    random_erasing: float = setting(0.0, "Photos: the probability of erasing a random rectangle of a training image "
+                                    "with the data set's mean colour (0.25 in timm's recipe); 0 = off.",
+                                    range="[0, 1]")
+    mixup: float = setting(0.0, "Mixup's alpha (0.2-0.8 in timm's recipes): each image blended with its mirror in "
+                           "the global batch by a Beta(alpha, alpha) weight, the targets blended alike; 0 = off. "
+                           "Training accuracy then counts the label with the larger share.", range="[0, 100]")
+    cutmix: float = setting(0.0, "CutMix's alpha (1.0 in timm's recipes): a box of the mirror image pasted in, the "
+                            "targets weighed by the areas; 0 = off.", range="[0, 100]")
+    mix_switch_prob: float = setting(0.5, "With both --mixup and --cutmix: the share of mixed steps that use CutMix.",
+                                     range="[0, 1]")
+    mix_prob: float = setting(1.0, "The share of steps that mix (when --mixup or --cutmix is on).", range="[0, 1]")
+    mix_off_epochs: int = setting(0, "Train the last N epochs without mixing (timm's --mixup-off-epoch, counted "
+                                  "from the end).", range="[0, 100000]")
+    class_weights: str = setting("none", "``auto``: weigh each class's loss by the inverse of its share of the "
+                                 "training split (scikit-learn's \"balanced\": n / (classes x n_class)), so a rare "
+                                 "class counts as much as a frequent one; the training loss shown is then the "
+                                 "weighted one, validation's stays plain. ``none``: every image counts the same.",
+                                 choices=("none", "auto"))
+    sampling: str = setting("shuffle", "The rows of an epoch: ``shuffle`` (each once, in a seeded order) or "
+                            "``balanced`` (as many rows drawn with replacement, each class equally likely: rare "
+                            "classes repeat, frequent ones are partly left out; still a function of seed and "
+                            "epoch). Balanced needs a data set held in memory (digits-sized).",
+                            choices=("shuffle", "balanced"))
     ema_decay: float = setting(0.98, "Per-step decay of an exponential moving average of the weights, which is "
                                "what gets evaluated and saved as model.pt; 0 turns it off. Smooths the "
                                "epoch-to-epoch jitter. The decay warms up as (1 + n) / (10 + n) at step n and "
@@ -333,10 +389,40 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
         issues.append("--init-from and --pretrained both give initial weights: pass one")
     if cfg.freeze_backbone and cfg.freeze_backbone >= cfg.epochs:
         issues.append(f"--freeze-backbone {cfg.freeze_backbone} would freeze all {cfg.epochs} epochs: use fewer")
+    if cfg.optimizer in ("lamb", "lars") and importlib.util.find_spec("timm") is None:
+        issues.append(f"--optimizer {cfg.optimizer} is timm's: pip install 'imgtrain[timm]'")
+    if cfg.warmup_epochs and cfg.warmup_epochs >= cfg.epochs:
+        issues.append(f"--warmup-epochs {cfg.warmup_epochs:g} would warm up for all {cfg.epochs} epochs: use fewer")
+    issues += schedule_problems(cfg)
+    if cfg.min_lr and cfg.schedule != "cosine":
+        issues.append(f"--min-lr is the cosine schedule's floor; --schedule {cfg.schedule} has none: drop --min-lr "
+                      "or use --schedule cosine")
+    elif cfg.min_lr >= cfg.lr > 0:
+        issues.append(f"--min-lr {cfg.min_lr:g} must be below --lr {cfg.lr:g}, the peak the cosine falls from")
     if not cfg.mlflow_experiment.strip():
         issues.append("--mlflow-experiment must not be empty")
     if issues:
         raise ImgtrainError("invalid configuration: " + "; ".join(issues))
+
+
+def schedule_problems(cfg: TrainConfig) -> list[str]:
+    """Settings of a schedule or optimizer the run does not use, set away from their defaults:
+    they would change nothing, which is not what whoever set them meant."""
+    def changed(name: str) -> bool:
+        return getattr(cfg, name) != getattr(TrainConfig, name)
+
+    issues = []
+    if changed("momentum") and cfg.optimizer not in ("sgd", "lars"):
+        issues.append(f"--momentum is for --optimizer sgd or lars; {cfg.optimizer} has betas: drop --momentum")
+    for name in ("decay_epochs", "decay_rate"):
+        if changed(name) and cfg.schedule != "step":
+            issues.append(f"{flag(name)} is the step schedule's: use --schedule step or drop {flag(name)}")
+    if changed("warmup_fraction") and cfg.schedule != "onecycle":
+        issues.append(f"--warmup-fraction is the one-cycle schedule's; --schedule {cfg.schedule} warms up over "
+                      "--warmup-epochs")
+    elif changed("warmup_fraction") and cfg.warmup_epochs:
+        issues.append("--warmup-fraction and --warmup-epochs both set the one-cycle warm-up: pass one")
+    return issues
 
 
 def resolve(overrides: dict, stored: dict | None = None) -> TrainConfig:

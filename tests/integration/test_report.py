@@ -34,8 +34,9 @@ PLOTS = {  # element id -> file in report/
     "predictions-grid": "predictions_grid.png",
     "confusion-matrix": "confusion_matrix.png",
     "confident-errors": "confident_errors.png",
+    "reliability-diagram": "reliability_diagram.png",
 }
-TABLE_IDS = ("summary", "metrics-table", "config-table", "per-class-table", "checkpoints-table")
+TABLE_IDS = ("summary", "metrics-table", "config-table", "averages-table", "per-class-table", "checkpoints-table")
 
 
 def tiny_config(data, storage, name, **overrides):
@@ -143,6 +144,10 @@ def test_cli_writes_the_plots_and_the_evaluation(trained, page):
     assert ev["recorded_val_accuracy"] == meta["metrics"]["val_accuracy"]
     assert ev["num_samples"] == 100 and np.asarray(ev["confusion_matrix"]).sum() == 100
     assert sorted(ev["per_class"]) == [str(d) for d in range(10)]
+    assert 0 < ev["top5_accuracy"] <= 1 and ev["top5_accuracy"] >= ev["accuracy"]  # 10 classes: given
+    assert set(ev["macro_avg"]) == set(ev["weighted_avg"]) == {"precision", "recall", "f1"}
+    assert len(ev["calibration"]) == 15 and sum(b["count"] for b in ev["calibration"]) == 100
+    assert 0 <= ev["ece"] <= 1 and ev["tta"] == "none"
 
 
 def test_page_is_self_contained_and_complete(trained, page):
@@ -158,6 +163,7 @@ def test_page_is_self_contained_and_complete(trained, page):
             (page.parent / file).read_bytes()).decode()
     assert doc.rows["metrics-table"] == 2
     assert doc.rows["per-class-table"] == 10
+    assert doc.rows["averages-table"] == 2  # macro and weighted
     assert doc.rows["checkpoints-table"] == len(ckpt.listing(result.path))
     assert doc.rows["config-table"] == len(result.config)
     assert f"<h1>imgtrain report: {result.name}</h1>" in text

@@ -569,3 +569,25 @@ def test_direct_ingress_is_refused_where_it_cannot_work(trained, capsys):
     proc = cli_here(capsys, "serve", run_name(trained), "--storage", str(trained[0]), "--ingress", "direct",
                     "--replicas", "2", "--port", str(free_port()))
     assert_one_line_error(proc, "--ingress direct", "--ingress proxy")
+
+
+def test_tta_flip_answers_the_mean_of_the_image_and_its_mirror_image(ray_cluster, trained, digit, tmp_path):
+    """``--tta flip``: the replica's probabilities are the flip-averaged Predictor's (joined to the
+    session's cluster through the proxy, as above, to spare a Ray start); the driver warns once that
+    a digits model never saw a mirrored digit."""
+    from ray import serve
+
+    pixels, _ = digit
+    flipped = Predictor(trained[1], tta="flip")
+    try:
+        with serving(trained[0], tmp_path, "--ingress", "proxy", "--address", ray_cluster, "--tta", "flip",
+                     run=run_name(trained)) as (proc, port, stdout, stderr):
+            assert request(port, "/healthz")[1]["tta"] == "flip"
+            assert "warning: --tta flip" in stderr.read_text()
+            status, answer = request(port, "/predict", png_bytes(pixels), "image/png")
+            assert status == 200, answer
+            assert_prediction(answer, flipped.predict_proba(pixels[None])[0], flipped.loaded.preprocess.classes)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, stderr.read_text()
+    finally:
+        serve.shutdown()

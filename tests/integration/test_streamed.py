@@ -33,8 +33,11 @@ pytestmark = pytest.mark.integration
 # 4 classes x 40 photos, 10 % validation, 20 % test: 112 training rows; batch 16 -> 7 steps.
 # One torch thread per process: with one per core, OpenMP spins against the other processes
 # of a busy machine (5 times slower here).
+# Every photo augmentation on, and mixup/CutMix over the global batch (gathered from both ranks):
+# the order, the resumes and the world sizes below hold with them.
 SETTINGS = dict(workers=2, epochs=2, batch_size=16, eval_batch_size=16, log_every_steps=1,
-                checkpoint_every_steps=3, deterministic=True, ledger=True, threads_per_worker=1)
+                checkpoint_every_steps=3, deterministic=True, ledger=True, threads_per_worker=1,
+                augment_policy="randaugment", color_jitter=0.4, random_erasing=0.25, mixup=0.4, cutmix=1.0)
 STEPS = 7
 COLOURS = [(200, 40, 40), (40, 200, 40), (40, 40, 200), (200, 200, 40)]
 

@@ -77,10 +77,17 @@ def one_step(data, accumulate, batch_size=32, prepare=lambda m: m.to(CPU), **set
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-6}
 
 
-@pytest.mark.parametrize("batch_size", [32, 30])  # 30: pieces of 8, 8, 7 and 7
-def test_four_accumulated_pieces_give_the_gradient_and_the_step_of_the_whole_batch(tiny_data, batch_size):
-    whole = one_step(tiny_data, 1, batch_size)
-    pieces = one_step(tiny_data, 4, batch_size)
+@pytest.mark.parametrize("batch_size, settings", [
+    (32, {}),
+    (30, {}),  # pieces of 8, 8, 7 and 7
+    (32, {"cutmix": 1.0, "label_smoothing": 0.1}),  # the share is mixed whole (soft targets), then cut
+])
+def test_four_accumulated_pieces_give_the_gradient_and_the_step_of_the_whole_batch(tiny_data, batch_size, settings):
+    from imgtrain.training import mixing
+
+    assert (mixing.draw(TrainConfig(name="x", **settings), 0, 0, 28, 28) is None) == (not settings)
+    whole = one_step(tiny_data, 1, batch_size, **settings)
+    pieces = one_step(tiny_data, 4, batch_size, **settings)
     for name, grad in whole[0].items():
         torch.testing.assert_close(pieces[0][name], grad, **TOLERANCE, msg=name)
     assert any(g.abs().max() > 1e-3 for g in whole[0].values())  # real gradients, not zeros

@@ -26,6 +26,19 @@ def epoch_permutation(num_rows: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(num_rows, generator=generator)
 
 
+def epoch_order(labels: torch.Tensor, seed: int, epoch: int, balanced: bool = False) -> torch.Tensor:
+    """The rows epoch ``epoch`` visits, in order: a permutation of them, or with ``balanced``
+    (``--sampling balanced``) as many rows drawn with replacement, each class equally likely
+    (a row of a class with n rows has probability 1 / (classes present x n)): rare classes are
+    seen several times an epoch, frequent ones partly. Either way a function of (seed, epoch)
+    alone, so exact resume and the world-size rule hold."""
+    if not balanced:
+        return epoch_permutation(len(labels), seed, epoch)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    weights = 1.0 / torch.bincount(labels)[labels].double()
+    return torch.multinomial(weights, len(labels), replacement=True, generator=generator)
+
+
 def rank_rows(perm: torch.Tensor, step: int, global_batch: int, world_size: int, rank: int) -> torch.Tensor:
     """Row positions this rank trains on at ``step`` (0-based within the epoch)."""
     share = rank_share(global_batch, world_size, rank)
@@ -55,15 +68,17 @@ def sort_by_id(ids: torch.Tensor, *columns: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def ordered_batches(rows: tuple[torch.Tensor, ...], seed: int, global_batch: int, steps: int,
-                    world_size: int, rank: int, device: torch.device | str = "cpu", on_device: bool = False):
-    """``train_batches(epoch, first_step)`` over rows (ids, images, labels) held in memory;
-    images and labels are moved to ``device``, ids stay on the CPU.
+                    world_size: int, rank: int, device: torch.device | str = "cpu", on_device: bool = False,
+                    balanced: bool = False):
+    """``train_batches(epoch, first_step)`` over rows (ids, images, labels) held in memory, in
+    ``epoch_order``; images and labels are moved to ``device``, ids stay on the CPU.
 
     ``on_device``: images and labels are moved to the device once, here, and every batch is
     gathered there. Otherwise each batch is gathered on the host, pinned when the device is a
     GPU, and copied without blocking, so the copy overlaps the previous step's kernels.
     """
     ids, images, labels = rows
+    host_labels = labels  # the epoch's order is drawn on the CPU, wherever the rows are
     device = torch.device(device)
     if on_device:
         images, labels = images.to(device), labels.to(device)
@@ -73,7 +88,7 @@ def ordered_batches(rows: tuple[torch.Tensor, ...], seed: int, global_batch: int
         return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
     def train_batches(epoch: int, first_step: int):
-        perm = epoch_permutation(len(ids), seed, epoch)
+        perm = epoch_order(host_labels, seed, epoch, balanced)
         perm_there = perm.to(images.device)  # once per epoch, not one index copy per step
         for step in range(first_step, steps):
             index = rank_rows(perm, step, global_batch, world_size, rank)

@@ -36,6 +36,7 @@ import numpy as np
 from imgtrain.config import rank_share
 from imgtrain.data import format as fmt
 from imgtrain.data import images
+from imgtrain.data.photo_augment import PhotoAugment
 from imgtrain.data.writer import ROW_GROUP_ROWS
 
 IN_MEMORY_MAX_BYTES = 256 << 20  # decoded images of the training split; above this, stream
@@ -85,6 +86,7 @@ class Reader:
     max_shift: float = 0.1
     max_scale: float = 0.15
     crop_min_area: float = images.CROP_MIN_AREA  # the photos' random resized crop
+    photo_augment: PhotoAugment = PhotoAugment()  # the photos' policy, jitter and erasing after it
 
     @staticmethod
     def for_data(data_dir, manifest: dict, **fields) -> "Reader":
@@ -230,7 +232,22 @@ def _pixels(table, rows: np.ndarray, positions: np.ndarray | None, reader: Reade
             pixels[k] = images.decode_for_training(data, reader.shape, reader.preset, draw, reader.crop_min_area)
     if draws is not None and reader.preset == "digits":
         pixels = _affine(pixels, draws, reader)
+    if draws is not None and reader.preset == "photos" and reader.photo_augment.active:
+        from imgtrain.data import photo_augment
+
+        for k, seed in enumerate(_per_position(positions, reader, photo_augment.image_seeds)):
+            pixels[k] = photo_augment.apply(reader.photo_augment, pixels[k], seed)
     return pixels
+
+
+def _per_position(positions: np.ndarray, reader: Reader, draw_step) -> np.ndarray:
+    """``draw_step(seed, step, global batch)``'s row of each position's global step."""
+    steps, within = positions // reader.global_batch, positions % reader.global_batch
+    out = np.empty(len(positions), np.int64)
+    for step in np.unique(steps):
+        mask = steps == step
+        out[mask] = draw_step(reader.seed, int(step), reader.global_batch)[within[mask]]
+    return out
 
 
 def _draws(positions: np.ndarray, reader: Reader) -> np.ndarray:

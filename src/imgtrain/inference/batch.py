@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.inputs import CONVERTED_KEY, ERROR_KEY, ROW_KEY, read_task
+from imgtrain.inference.metrics import TOP_K, EvalSums, class_scores
 from imgtrain.inference.predictor import (
     DEFAULT_TOP_K,
+    TTA,
     LoadedCheckpoint,
     Predictor,
+    check_tta,
     load_checkpoint,
 )
 from imgtrain.ops import process
@@ -41,6 +44,7 @@ class InferenceOptions:
     use_gpu: bool = False
     address: str | None = None  # join this Ray cluster; default: start a private one
     top_k: int = DEFAULT_TOP_K
+    tta: str = "none"  # flip: softmax averaged over each image and its mirror image (photos)
 
     def validate(self) -> None:
         problems = []
@@ -54,6 +58,8 @@ class InferenceOptions:
             problems.append(f"threads must be 0 (auto) or more, got {self.threads}")
         if self.top_k < 1:
             problems.append(f"top-k must be at least 1, got {self.top_k}")
+        if self.tta not in TTA:
+            problems.append(f"tta must be one of {', '.join(TTA)}, got {self.tta!r}")
         if problems:
             raise ImgtrainError("; ".join(problems))
 
@@ -63,18 +69,20 @@ class InferenceOptions:
         return threads_for(self.concurrency, self.threads)
 
 
-def predictions(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, on_error: str = "skip"):
+def predictions(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, on_error: str = "skip",
+                indices: bool = False):
     """Predictions for every row of ``inputs`` (``inputs.list_inputs``), as pandas DataFrames of
     at most a few thousand rows, in input order: the carried columns (path, or id and label),
     pred_* and top-k. Images are read, converted and predicted task by task, never all held:
     here (``backend="local"``) or on Ray Data's tasks and actor pool. Rows that cannot be used
     are left out and reported to ``skipped(name, reason)``; with ``on_error="fail"`` the first
-    one raises."""
+    one raises. ``indices``: top{i}_index columns too (``Predictor``)."""
     opts.validate()
     if opts.backend == "local" and opts.use_gpu:
         raise ImgtrainError("--gpu needs the Ray backend (GPU actors); drop --backend local")
+    check_tta(opts.tta, loaded.preprocess.preset)
     batches = _local_batches if opts.backend == "local" else _ray_batches
-    for frame in batches(loaded, inputs, opts):
+    for frame in batches(loaded, inputs, opts, indices):
         bad = frame[ERROR_KEY] != ""
         if bad.any():
             first = frame[bad].iloc[0]
@@ -85,10 +93,10 @@ def predictions(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, on_err
         yield frame[~bad]
 
 
-def _local_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions):
+def _local_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, indices: bool):
     import pandas as pd
 
-    predictor = Predictor(loaded, top_k=opts.top_k)
+    predictor = Predictor(loaded, top_k=opts.top_k, tta=opts.tta, indices=indices)
     shape, preset = loaded.preprocess.image_shape, loaded.preprocess.preset
     with process.torch_threads(opts.threads):  # this process's setting, put back after
         for task in inputs.tasks:
@@ -97,7 +105,7 @@ def _local_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions):
                 yield pd.DataFrame(predictor({k: v[i:i + opts.batch_size] for k, v in rows.items()}))
 
 
-def _ray_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions):
+def _ray_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, indices: bool):
     """Reading tasks (CPUs) feeding a pool of Predictor actors, order kept, output streamed."""
     import pandas as pd
 
@@ -117,6 +125,7 @@ def _ray_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions):
             fn_constructor_kwargs=dict(
                 checkpoint=str(loaded.path), device="cuda" if opts.use_gpu else "cpu",
                 top_k=opts.top_k, threads=0 if opts.use_gpu else opts.threads_per_actor(),
+                tta=opts.tta, indices=indices,
             ),
             batch_size=opts.batch_size, batch_format="numpy", num_cpus=1, num_gpus=1 if opts.use_gpu else 0,
             compute=ray.data.ActorPoolStrategy(size=opts.concurrency),
@@ -143,12 +152,19 @@ class EvalResult:
     split: str
     data: str
     recorded_val_accuracy: float | None = None  # what training measured for this checkpoint
+    top5_accuracy: float | None = None  # None with 5 classes or fewer (n/a)
+    macro_avg: dict = field(default_factory=dict)  # precision, recall, f1: metrics.py says how
+    weighted_avg: dict = field(default_factory=dict)
+    ece: float | None = None  # expected calibration error, metrics.ECE_BINS equal-width bins
+    calibration: list = field(default_factory=list)  # per bin: lower, upper, count, confidence, accuracy
+    tta: str = "none"
     predictions: object = field(default=None, repr=False)  # DataFrame: id, label, pred_*, top-k
     confusion: np.ndarray | None = field(default=None, repr=False)  # confusion_counts: [E, 3]
 
     def to_json(self) -> dict:
-        keys = ("accuracy", "num_samples", "classes", "per_class", "confusion_matrix", "checkpoint",
-                "split", "data", "recorded_val_accuracy")
+        keys = ("accuracy", "top5_accuracy", "num_samples", "classes", "per_class", "macro_avg", "weighted_avg",
+                "ece", "calibration", "confusion_matrix", "checkpoint", "split", "data", "recorded_val_accuracy",
+                "tta")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -180,16 +196,16 @@ def per_class_scores(counts: np.ndarray, classes) -> dict[str, dict]:
     """Precision, recall and F1 per class from ``confusion_counts`` (0 where undefined)."""
     k, (true, pred, n) = len(classes), counts.T
     hit = true == pred
-    # float: the quotients are written into zeros_like(tp), and bincount of no rows is int
-    tp, predicted, actual = (np.bincount(c, w, minlength=k).astype(float)
-                             for c, w in ((true[hit], n[hit]), (pred, n), (true, n)))
-    precision = np.divide(tp, predicted, out=np.zeros_like(tp), where=predicted > 0)
-    recall = np.divide(tp, actual, out=np.zeros_like(tp), where=actual > 0)
-    denom = precision + recall
-    f1 = np.divide(2 * precision * recall, denom, out=np.zeros_like(tp), where=denom > 0)
+    tp, predicted, actual = (np.bincount(c, w, minlength=k) for c, w in ((true[hit], n[hit]), (pred, n), (true, n)))
+    return per_class_json(class_scores(tp, predicted - tp, actual - tp), classes)
+
+
+def per_class_json(scores, classes) -> dict[str, dict]:
+    """``evaluate --json``'s ``per_class`` from ``metrics.class_scores``."""
+    precision, recall, f1, support = scores
     return {
         str(c): {"precision": float(precision[i]), "recall": float(recall[i]), "f1": float(f1[i]),
-                 "support": int(actual[i])}
+                 "support": int(support[i])}
         for i, c in enumerate(classes)
     }
 
@@ -198,7 +214,8 @@ def evaluate(
     run, checkpoint: str = "best", storage: str = "./runs", split: str = "test",
     data: str | None = None, options: InferenceOptions | None = None,
 ) -> EvalResult:
-    """Accuracy, per-class scores and confusion matrix of a checkpoint on a prepared split."""
+    """Accuracy, top-5 accuracy, per-class and averaged scores, calibration and confusion matrix
+    of a checkpoint on a prepared split (``metrics.py`` defines them)."""
     from imgtrain.data.format import eval_split, verify_dataset
     from imgtrain.inference.inputs import list_inputs
     from imgtrain.storage.staging import local_data
@@ -215,20 +232,31 @@ def evaluate(
         raise ImgtrainError(f"data set {data_dir} has no split {split!r}; it has {', '.join(manifest['splits'])}")
     if manifest["splits"][split]["num_samples"] == 0:
         raise ImgtrainError(f"split {split!r} of {data_dir} is empty; nothing to evaluate")
-    parts = []
-    for frame in predictions(loaded, list_inputs(str(data_dir), split), opts, on_error="fail"):
+    classes = list(loaded.preprocess.classes)
+    # The predictor ranks TOP_K classes for top-5 accuracy, by index; the rows kept show opts.top_k.
+    ranked = min(max(opts.top_k, TOP_K), len(classes))
+    index_columns = [f"top{i}_index" for i in range(1, ranked + 1)]
+    unasked = [f"top{i}_{what}" for i in range(opts.top_k + 1, ranked + 1) for what in ("class", "prob")]
+    sums, parts = EvalSums(len(classes)), []
+    scoring = replace(opts, top_k=ranked)
+    for frame in predictions(loaded, list_inputs(str(data_dir), split), scoring, on_error="fail", indices=True):
+        sums.add(frame["label"].to_numpy(), frame[index_columns].to_numpy(), frame["confidence"].to_numpy())
         # one small row per image (no pixels): what the report shows and the caller may inspect
-        parts.append(frame.drop(columns=[ERROR_KEY, CONVERTED_KEY, ROW_KEY], errors="ignore"))
+        parts.append(frame.drop(columns=[ERROR_KEY, CONVERTED_KEY, ROW_KEY, *index_columns, *unasked],
+                                errors="ignore"))
     import pandas as pd
 
-    rows, classes = pd.concat(parts, ignore_index=True), list(loaded.preprocess.classes)
+    rows = pd.concat(parts, ignore_index=True)
     counts = confusion_counts(rows["label"].to_numpy(), rows["pred_index"].to_numpy(), len(classes))
-    right = int(counts[counts[:, 0] == counts[:, 1], 2].sum())
+    averages = sums.averages()
     return EvalResult(
-        accuracy=right / len(rows), num_samples=len(rows), classes=classes,
-        confusion_matrix=confusion_json(counts, len(classes)), per_class=per_class_scores(counts, classes),
+        accuracy=sums.accuracy, num_samples=sums.n, classes=classes,
+        confusion_matrix=confusion_json(counts, len(classes)),
+        per_class=per_class_json(sums.class_scores(), classes),
         checkpoint=str(loaded.path), split=split, data=str(Path(data_dir).resolve()),
         recorded_val_accuracy=loaded.recorded_val_accuracy if split == eval_split(manifest) and not data else None,
+        top5_accuracy=sums.top5_accuracy, macro_avg=averages["macro"], weighted_avg=averages["weighted"],
+        ece=sums.ece, calibration=sums.calibration(), tta=opts.tta,
         predictions=rows, confusion=counts,
     )
 

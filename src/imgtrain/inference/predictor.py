@@ -26,6 +26,8 @@ from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import process
 
 DEFAULT_TOP_K = 3
+# Test-time augmentation: none, or flip (the softmax averaged over the image and its mirror image).
+TTA = ("none", "flip")
 
 
 # ---------------------------------------------------------------- loading a checkpoint
@@ -159,6 +161,22 @@ def preprocess_preset(checkpoint_dir: Path) -> str:
     return preset or default_preset(data.get("image_shape"))
 
 
+def check_tta(tta: str, preset: str | None = None) -> None:
+    """An unknown ``--tta`` is an error; ``flip`` on a digits model a warning: a mirrored digit is
+    another shape (2, 3, 7...), and training never showed it one. ``preset``: the checkpoint's
+    (``preprocess_preset``)."""
+    import warnings
+
+    from imgtrain.errors import ImgtrainWarning
+
+    if tta not in TTA:
+        raise ImgtrainError(f"--tta must be one of {', '.join(TTA)}, got {tta!r}")
+    if tta == "flip" and preset == "digits":
+        warnings.warn("--tta flip mirrors the images, but this model was trained with the digits preset, which "
+                      "never flips them (a mirrored digit is another shape); flip is meant for photos",
+                      ImgtrainWarning, stacklevel=3)
+
+
 def load_model(run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs", device: str = "cpu"):
     """``(model, preprocess)``: a ready ``torch.nn.Module`` in eval mode and the function that
     turns uint8 images [B, H, W, C] into its input. ``run_or_checkpoint`` is a run name (in
@@ -177,12 +195,16 @@ class Predictor:
     of ``map_batches``, one model per actor. Input batches are dicts of numpy arrays with an
     ``image`` column, uint8 [B, H, W, C]; every other column (id, path, label...) is passed
     through. Output adds ``pred_index``, ``pred_class``, ``confidence`` and, for i = 1..k,
-    ``top{i}_class`` / ``top{i}_prob``. ``threads`` > 0: torch's threads while it loads and
-    predicts (one actor per core, or one actor using them all); 0: the process's setting.
+    ``top{i}_class`` / ``top{i}_prob`` (and ``top{i}_index`` with ``indices=True``, what evaluate
+    scores by: class names need not be unique). ``threads`` > 0: torch's threads while it loads
+    and predicts (one actor per core, or one actor using them all); 0: the process's setting.
+    ``tta="flip"``: the probabilities are the mean of the model's softmax over each image and its
+    horizontal mirror image (two forward passes).
     """
 
     def __init__(self, checkpoint, storage: str = "./runs", device: str = "cpu",
-                 top_k: int = DEFAULT_TOP_K, threads: int = 0):
+                 top_k: int = DEFAULT_TOP_K, threads: int = 0, tta: str = "none", indices: bool = False):
+        check_tta(tta)  # the warning for digits is the driver's, once (batch.predictions, serve)
         # Set around each call and put back after, not for good: the process may be the
         # caller's own (a notebook), which must find its setting as it left it.
         self.threads = threads
@@ -191,7 +213,7 @@ class Predictor:
         else:
             with process.torch_threads(threads):
                 self.loaded = load_checkpoint(checkpoint, "best", storage, device)
-        self.device = device
+        self.device, self.tta, self.indices = device, tta, indices
         self.top_k = max(1, min(top_k, len(self.loaded.preprocess.classes)))
         self.classes = np.asarray(self.loaded.preprocess.classes, dtype=object)
 
@@ -199,9 +221,16 @@ class Predictor:
         """uint8 [B, H, W, C] -> float32 probabilities [B, num_classes]."""
         import torch
 
+        model, preprocess = self.loaded.model, self.loaded.preprocess
         with process.torch_threads(self.threads), torch.inference_mode():
-            x = self.loaded.preprocess(images, self.device)
-            return self.loaded.model(x).float().softmax(1).cpu().numpy()
+            x = preprocess(images, self.device)  # [B, C, H, W]
+            probs = model(x).float().softmax(1)
+            if self.tta == "flip":  # the mirror image: W reversed, as the photos preset's training flip
+                mirrored = x.flip(-1)
+                if preprocess.channels_last:  # the layout the model was put in
+                    mirrored = mirrored.contiguous(memory_format=torch.channels_last)
+                probs = (probs + model(mirrored).float().softmax(1)) / 2
+            return probs.cpu().numpy()
 
     def __call__(self, batch: dict) -> dict:
         probs = self.predict_proba(batch["image"])  # [B, K]
@@ -213,4 +242,6 @@ class Predictor:
         for i in range(self.top_k):
             out[f"top{i + 1}_class"] = self.classes[top[:, i]].astype(str)
             out[f"top{i + 1}_prob"] = np.take_along_axis(probs, top[:, i : i + 1], 1)[:, 0]
+            if self.indices:
+                out[f"top{i + 1}_index"] = top[:, i].astype(np.int64)
         return out

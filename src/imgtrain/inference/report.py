@@ -1,10 +1,11 @@
 """The run report: plots and one self-contained HTML page in ``{run_dir}/report/``.
 
     write_report("demo")  ->  runs/demo/report/report.html, beside
-        learning_curves.png    train / val loss and accuracy per epoch
+        learning_curves.png    train / val loss and accuracy (and val macro F1 when recorded) per epoch
         predictions_grid.png   16 test images with true and predicted class, mistakes in red
         confusion_matrix.png   counts, rows = true class, columns = predicted class
         confident_errors.png   the test images the model got wrong most confidently
+        reliability_diagram.png  accuracy against confidence in 15 bins, with the calibration error
         evaluation.json        the re-evaluation of the checkpoint (``imgtrain evaluate --json``)
 
 The checkpoint is evaluated again in this process (no Ray: 1,000 MNIST digits take seconds),
@@ -51,6 +52,11 @@ PLOTS = (
      "Test-set confusion matrix: rows are the true class, columns the predicted class."),
     ("confident-errors", "confident_errors.png",
      "The misclassified test images the model was most confident about."),
+    ("reliability-diagram", "reliability_diagram.png",
+     "Reliability diagram: the accuracy of the test images in each of 15 equal-width confidence bins "
+     "(confidence: the predicted class's probability) against the diagonal of perfect calibration; below, "
+     "how many images fall in each bin. The expected calibration error (ECE) is the mean gap, weighted by "
+     "the bins' counts."),
 )
 
 
@@ -90,6 +96,7 @@ def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path
     _image_grid(_stack(pictures, first), first, ev.classes, png["predictions-grid"], with_confidence=False)
     _confusion_plot(ev.confusion, ev.classes, png["confusion-matrix"])
     _image_grid(_stack(pictures, worst), worst, ev.classes, png["confident-errors"], with_confidence=True)
+    _reliability_diagram(ev.calibration, ev.ece, png["reliability-diagram"])
     shown = {"checkpoint": _located(used, result.path, where), "data": _data_location(ev, used_meta)}
     atomic_write_text(out / EVAL_FILE, json.dumps({**ev.to_json(), **shown}, indent=2))
 
@@ -146,7 +153,7 @@ def _learning_curves(history: list[dict], used_epoch: int | None, path: Path) ->
     epochs = [r["epoch"] + 1 for r in history]  # 1-based, as the training display prints them
 
     def series(ax, key, label, style):
-        points = [(e, r[key]) for e, r in zip(epochs, history) if r.get(key) is not None]
+        points = [(e, r[key]) for e, r in zip(epochs, history) if runs.is_number(r.get(key))]
         if points:  # markers: a one-epoch run is a single point, invisible as a line alone
             ax.plot(*zip(*points), style, marker="o", label=label)
 
@@ -154,6 +161,7 @@ def _learning_curves(history: list[dict], used_epoch: int | None, path: Path) ->
     series(loss_ax, "val_loss", "val loss", "-")
     series(acc_ax, "train_accuracy", "train accuracy", "--")
     series(acc_ax, "val_accuracy", "val accuracy", "-")
+    series(acc_ax, "val_f1_macro", "val macro F1", "-.")  # recorded by training with issue 36, when it is
     if used_epoch is not None:  # where the evaluated weights sit on the curve
         acc_ax.axvline(used_epoch + 1, color="grey", linestyle=":", label="checkpoint used")
     for ax, title in ((loss_ax, "Loss"), (acc_ax, "Accuracy")):
@@ -167,6 +175,34 @@ def _learning_curves(history: list[dict], used_epoch: int | None, path: Path) ->
             ax.legend()
         else:
             ax.text(0.5, 0.5, "no epoch recorded", ha="center", va="center", transform=ax.transAxes)
+    fig.savefig(path)
+
+
+def _reliability_diagram(bins: list[dict], ece: float, path: Path) -> None:
+    """``bins``: ``EvalResult.calibration`` (metrics.py): accuracy per confidence bin as bars from
+    the bin's lower to its upper edge, the gap to the diagonal hatched; counts underneath."""
+    fig = _figure(6, 6.5)
+    acc_ax, count_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
+    lower = [b["lower"] for b in bins]
+    width = [b["upper"] - b["lower"] for b in bins]
+    filled = [b for b in bins if b["count"]]
+    acc_ax.plot([0, 1], [0, 1], ":", color="grey", label="perfect calibration")
+    acc_ax.bar([b["lower"] for b in filled], [b["accuracy"] for b in filled],
+               [b["upper"] - b["lower"] for b in filled], align="edge", edgecolor="white", label="accuracy")
+    gaps = [b["confidence"] - b["accuracy"] for b in filled]  # > 0: overconfident
+    acc_ax.bar([b["lower"] for b in filled], gaps, [b["upper"] - b["lower"] for b in filled],
+               bottom=[b["accuracy"] for b in filled], align="edge", color=WRONG, alpha=0.3, hatch="//",
+               label="gap to the mean confidence")
+    acc_ax.set_xlim(0, 1)
+    acc_ax.set_ylim(0, 1)
+    acc_ax.set_ylabel("accuracy")
+    acc_ax.set_title(f"expected calibration error {ece:.4f} ({len(bins)} bins)")
+    acc_ax.legend(loc="upper left")
+    acc_ax.grid(alpha=0.3)
+    count_ax.bar(lower, [b["count"] for b in bins], width, align="edge", edgecolor="white", color="grey")
+    count_ax.set_xlabel("confidence (probability of the predicted class)")
+    count_ax.set_ylabel("images")
+    count_ax.grid(alpha=0.3)
     fig.savefig(path)
 
 
@@ -316,6 +352,10 @@ def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, nu
         ["checkpoint used", f"{used.name} (epoch {used_meta.get('epoch', -1) + 1}, {used_at})"],
         [f"accuracy recorded in training ({result.validation_split} split)", _pct(ev.recorded_val_accuracy)],
         [f"accuracy re-evaluated now ({ev.split} split)", f"{_pct(ev.accuracy)} of {ev.num_samples:,} images"],
+        ["top-5 accuracy", _pct(ev.top5_accuracy) if ev.top5_accuracy is not None
+         else f"n/a ({len(ev.classes)} classes: it needs 6 or more)"],
+        ["macro F1 / weighted F1", f"{_num(ev.macro_avg['f1'])} / {_num(ev.weighted_avg['f1'])}"],
+        ["expected calibration error", f"{_num(ev.ece)} (15 equal-width confidence bins)"],
         ["misclassified", f"{num_wrong:,}"],
         ["generated", time.strftime("%Y-%m-%d %H:%M:%S %Z")],
     ]
@@ -323,6 +363,8 @@ def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, nu
         summary.insert(2, ["error", result.error])
 
     keys = ["train_loss", "train_accuracy", "val_loss", "val_accuracy", "lr", "epoch_time_s", "images_per_s"]
+    if any(r.get("val_f1_macro") is not None for r in result.history):  # recorded by newer runs only
+        keys.insert(4, "val_f1_macro")
     metrics = [[r["epoch"] + 1, *(_num(r.get(k), 6 if k == "lr" else 4) for k in keys), r.get("checkpoint", "")]
                for r in result.history]
     # --checkpoint PATH may name another run's checkpoint: then no epoch of this run is marked.
@@ -339,15 +381,17 @@ def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, nu
 
     per_class = [[c, _num(s["precision"]), _num(s["recall"]), _num(s["f1"]), s["support"]]
                  for c, s in ev.per_class.items()]
+    averages = [[name, _num(s["precision"]), _num(s["recall"]), _num(s["f1"]), ev.num_samples]
+                for name, s in (("macro average", ev.macro_avg), ("weighted average", ev.weighted_avg))]
     config = [[k, json.dumps(v) if isinstance(v, (dict, list)) else v] for k, v in sorted(result.config.items())]
 
-    figures = []
+    figures = {}
     for plot_id, file, caption in PLOTS:
         if plot_id == "confident-errors" and num_wrong == 0:
             caption = "No test image is misclassified, so there are no confident errors to show."
         caption = caption.format(split=result.validation_split)
         data = base64.b64encode((out / file).read_bytes()).decode("ascii")
-        figures.append(
+        figures[plot_id] = (
             f'<figure><img id="{_e(plot_id)}" src="data:image/png;base64,{data}" alt="{_e(caption)}">'
             f"<figcaption>{_e(caption)} <span class=\"muted\">({_e(file)})</span></figcaption></figure>"
         )
@@ -355,14 +399,19 @@ def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, nu
     sections = [
         f"<h1>imgtrain report: {_e(result.name)}</h1>",
         _table("summary", None, summary, text_columns=(0, 1)),
-        "<h2>Learning curves</h2>", figures[0],
+        "<h2>Learning curves</h2>", figures["learning-curves"],
         "<h2>Per-epoch metrics</h2>",
-        _table("metrics-table", ["epoch", *keys, "checkpoint"], metrics, text_columns=(8,),
+        _table("metrics-table", ["epoch", *keys, "checkpoint"], metrics, text_columns=(len(keys) + 1,),
                row_classes=metric_marks),
-        f"<h2>Predictions on the {_e(ev.split)} split</h2>", figures[1],
-        "<h2>Confusion matrix</h2>", figures[2],
-        "<h2>Most confident errors</h2>", figures[3],
+        f"<h2>Predictions on the {_e(ev.split)} split</h2>", figures["predictions-grid"],
+        "<h2>Confusion matrix</h2>", figures["confusion-matrix"],
+        "<h2>Most confident errors</h2>", figures["confident-errors"],
+        "<h2>Calibration</h2>", figures["reliability-diagram"],
         "<h2>Per-class scores</h2>",
+        _table("averages-table", ["average", "precision", "recall", "F1", "support"], averages),
+        '<p class="muted">Macro: the unweighted mean over the classes present or predicted; weighted: the '
+        "mean weighted by each class's support. An undefined precision or recall (a class never predicted "
+        "or never present) counts as 0.</p>",
         _table("per-class-table", ["class", "precision", "recall", "F1", "support"], per_class),
         "<h2>Checkpoints</h2>",
         _table("checkpoints-table", ["checkpoint", "epoch", "step", "val accuracy", ""], checkpoints,

@@ -191,6 +191,13 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
     if cfg.data_on_device and not stream.in_memory(cfg, manifest):
         raise ImgtrainError("--data-on-device holds a small data set in device memory; this one is streamed "
                             "(encoded images, or too large): drop --data-on-device")
+    if (cfg.augment_policy != "none" or cfg.color_jitter or cfg.random_erasing) \
+            and stream.preset(cfg, manifest) != "photos":
+        raise ImgtrainError("--augment-policy, --color-jitter and --random-erasing augment photos; this data set "
+                            "trains with the digits preset: drop them, or pass --preset photos")
+    if cfg.sampling == "balanced" and not stream.in_memory(cfg, manifest):
+        raise ImgtrainError("--sampling balanced draws from a data set held in memory; this one is streamed "
+                            "(encoded images, or too large): use --class-weights auto instead")
     if cfg.backend == "local" and cfg.use_gpu and not _cuda_available():
         raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
     if stored is None:
@@ -231,6 +238,10 @@ def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
             model = zoo.build_from_args(args, cfg.drop_path, cfg.grad_checkpointing).eval()
     except ValueError as e:
         raise ImgtrainError(f"--model {cfg.model}: {e}") from None
+    if cfg.layer_decay:  # a model without a known layer order: one line now, not from every worker
+        from imgtrain.training.recipe import parameter_groups
+
+        parameter_groups(model, cfg)
     h, w, c = manifest["image_shape"]
     try:
         with torch.no_grad():

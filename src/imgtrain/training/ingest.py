@@ -22,6 +22,7 @@ import torch
 
 from imgtrain.config import TrainConfig, per_worker_batch_sizes, steps_per_epoch
 from imgtrain.data import format as fmt
+from imgtrain.data import photo_augment
 from imgtrain.data import stream
 
 BATCH_DTYPES = {"id": torch.int64, "image": torch.uint8, "label": torch.int64}
@@ -62,7 +63,7 @@ def streamed_train_batches(cfg: TrainConfig, manifest: dict, rank: int, world: i
             global_batch=cfg.batch_size, positions_end=total * cfg.batch_size,
             first_position=first_step * cfg.batch_size, world=world, rank=rank, train=True, augment=cfg.augment,
             max_rotate_deg=cfg.max_rotate_deg, max_shift=cfg.max_shift, max_scale=cfg.max_scale,
-            crop_min_area=cfg.crop_min_area)
+            crop_min_area=cfg.crop_min_area, photo_augment=photo_augment.from_config(cfg, manifest))
         windows = stream.epoch_windows(split_blocks, cfg.seed, epoch, stream.window_blocks(manifest))
         windows = stream.windows_from(windows, reader.first_position)
         yield from _batches(stream.train_tasks(windows, reader), reader, share, device, how,

@@ -48,7 +48,8 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
 
         rows = sort_by_id(*map(torch.from_numpy, read_split(data_cfg.data, "train")))
         train_batches = ordered_batches(rows, cfg.seed, cfg.batch_size, ingest.steps(cfg, manifest), world_size=1,
-                                        rank=0, device=device, on_device=cfg.data_on_device)
+                                        rank=0, device=device, on_device=cfg.data_on_device,
+                                        balanced=cfg.sampling == "balanced")
         val_batches = ingest.in_memory_val_batches(data_cfg, manifest, 0, 1, device)
         calibration = ingest.in_memory_val_batches(data_cfg, manifest, 0, 1, device, "train", cfg.bn_calibration) \
             if cfg.bn_calibration else None

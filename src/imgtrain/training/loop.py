@@ -31,7 +31,7 @@ from imgtrain.data.order import epoch_augment_draws
 from imgtrain.data.tensors import affine_matrices, apply_affine, to_model_input
 from imgtrain.errors import ImgtrainError
 from imgtrain.models.zoo import build_from_args, model_args
-from imgtrain.training import faults, mechanics
+from imgtrain.training import faults, mechanics, mixing
 from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
 from imgtrain.training.backend import Backend, Batch
 from imgtrain.training.calibration import calibrate_batchnorm
@@ -44,8 +44,8 @@ from imgtrain.training.evaluation import (
 )
 from imgtrain.training.recipe import (
     freeze,
-    one_cycle,
     optimizer_for,
+    schedule_for,
     set_batchnorm_momentum,
     weight_average,
 )
@@ -122,8 +122,10 @@ def setup(cfg: TrainConfig, manifest: dict, backend: Backend) -> tuple[Run, Resu
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     run = Run(
         cfg, manifest, backend, model, forward=torch.compile(model) if cfg.compile else model,  # same parameters
-        optimizer=optimizer, scheduler=one_cycle(optimizer, cfg, total_steps - resumed.step, resumed.schedule),
-        ema=ema, criterion=nn.CrossEntropyLoss(reduction="sum", label_smoothing=cfg.label_smoothing),
+        optimizer=optimizer,
+        scheduler=schedule_for(optimizer, cfg, resumed.step, total_steps, steps_per_epoch, resumed.schedule),
+        ema=ema, criterion=nn.CrossEntropyLoss(weight=class_weights(cfg, manifest, backend.device), reduction="sum",
+                                               label_smoothing=cfg.label_smoothing),
         autocast=torch.autocast(backend.device.type, dtype=half or torch.bfloat16, enabled=half is not None),
         memory_format=memory_format, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         step=resumed.step, history=list(resumed.history), ledger=None,
@@ -132,6 +134,20 @@ def setup(cfg: TrainConfig, manifest: dict, backend: Backend) -> tuple[Run, Resu
     if cfg.ledger and backend.run_dir:
         run.ledger = Ledger(backend, run.step)
     return run, resumed
+
+
+def class_weights(cfg: TrainConfig, manifest: dict, device) -> torch.Tensor | None:
+    """``--class-weights auto``: n / (classes x n_class) per class of the training split (a class
+    without training images gets 0: it never appears in a batch). The summed weighted loss is
+    divided by the batch size as an unweighted one is, not by the batch's sum of weights: that
+    would take a collective per step to stay exact across ranks, and the weights average 1 over
+    the split anyway."""
+    if cfg.class_weights != "auto":
+        return None
+    counts = torch.tensor(manifest["class_counts"]["train"], dtype=torch.float64)
+    present = int((counts > 0).sum())
+    weights = torch.where(counts > 0, counts.sum() / (present * counts.clamp(min=1)), torch.zeros_like(counts))
+    return weights.float().to(device)
 
 
 def train_epoch(run: Run, epoch: int, partial: Resumed | None) -> tuple[torch.Tensor, EpochTiming, float]:
@@ -210,12 +226,15 @@ def train_step(run: Run, batch: Batch, affine: torch.Tensor | None = None):
     x = to_model_input(batch["image"], run.manifest["normalize"]["mean"], run.manifest["normalize"]["std"])
     if affine is not None:  # x: [B, C, H, W] float32, normalised
         x = apply_affine(x, affine)
+    y = target = counted = batch["label"]
+    if (mix := mixing.draw(cfg, run.step, run.step // run.steps_per_epoch, x.shape[2], x.shape[3])) is not None:
+        x, target, counted = mixing.mixed(x, y, mix, run.manifest["num_classes"], backend, cfg.batch_size)
     if cfg.drop_path is not None:
         mechanics.seed_step_randomness(cfg.seed, run.step, backend.rank)
     run.optimizer.zero_grad(set_to_none=True)
     summed = correct = None
-    parts = mechanics.pieces(x, batch["label"], cfg.accumulate)
-    for k, (xk, y) in enumerate(parts):
+    parts = mechanics.pieces(cfg.accumulate, x, target, counted)  # mixed as a whole, then cut
+    for k, (xk, target_k, counted_k) in enumerate(parts):
         with mechanics.gradient_sync(run.model, sync=k == len(parts) - 1):
             backend.progress.enter("forward")
             with run.autocast:
@@ -224,12 +243,12 @@ def train_step(run: Run, batch: Batch, affine: torch.Tensor | None = None):
                 # makes that average the exact mean over the global batch even when ranks hold
                 # unequal shares (global batch not divisible by the number of workers). Each
                 # piece's summed loss is scaled the same: the pieces' gradients add up to it.
-                loss = run.criterion(logits, y) * (world / cfg.batch_size)
+                loss = run.criterion(logits, target_k) * (world / cfg.batch_size)
             backend.progress.enter("backward")
             mechanics.backward(loss, run.scaler)
         with torch.no_grad():
             piece_loss = loss.detach().double() * cfg.batch_size / world  # this rank's summed loss
-            piece_correct = (logits.argmax(1) == y).sum()
+            piece_correct = (logits.argmax(1) == counted_k).sum()
             summed = piece_loss if summed is None else summed + piece_loss
             correct = piece_correct if correct is None else correct + piece_correct
     backend.progress.enter("optimizer")

@@ -15,10 +15,11 @@ import torch.nn as nn
 from imgtrain.config import TrainConfig
 
 
-def pieces(x: torch.Tensor, y: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def pieces(n: int, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     """This rank's share of the batch in ``n`` pieces as equal as possible (sizes differ by at
-    most one; views, no copy): [(x [b_i, C, H, W], y [b_i])]."""
-    return list(zip(torch.tensor_split(x, n), torch.tensor_split(y, n)))
+    most one; views, no copy), each of ``tensors`` cut along its first dimension: images
+    [B, C, H, W] and targets [B] or [B, classes] -> [(images [b_i, ...], targets [b_i, ...])]."""
+    return list(zip(*(torch.tensor_split(t, n) for t in tensors)))
 
 
 @contextlib.contextmanager

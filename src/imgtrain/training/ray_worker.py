@@ -193,7 +193,7 @@ def _ray_data_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, de
             columns[key].append(batch[key])
     rows = sort_by_id(*(torch.cat(columns[key]) for key in ("id", "image", "label")))
     return ordered_batches(rows, cfg.seed, cfg.batch_size, ingest.steps(cfg, manifest), world, rank, device,
-                           on_device=cfg.data_on_device)
+                           on_device=cfg.data_on_device, balanced=cfg.sampling == "balanced")
 
 
 def _torch_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, device):
@@ -203,16 +203,17 @@ def _torch_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, devic
     from torch.utils.data import DataLoader, TensorDataset
 
     from imgtrain.data.format import read_split
-    from imgtrain.data.order import epoch_permutation, rank_rows
+    from imgtrain.data.order import epoch_order, rank_rows
 
     rows = sort_by_id(*map(torch.from_numpy, read_split(cfg.data, "train")))
     steps = ingest.steps(cfg, manifest)
     if cfg.data_on_device:  # no loader at all: batches are gathered in device memory
-        return ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world, rank, device, on_device=True)
+        return ordered_batches(rows, cfg.seed, cfg.batch_size, steps, world, rank, device, on_device=True,
+                               balanced=cfg.sampling == "balanced")
     train = TensorDataset(*rows)
 
     def train_batches(epoch: int, first_step: int):
-        perm = epoch_permutation(len(train), cfg.seed, epoch)
+        perm = epoch_order(rows[2], cfg.seed, epoch, cfg.sampling == "balanced")
         plan = [rank_rows(perm, k, cfg.batch_size, world, rank).tolist() for k in range(first_step, steps)]
         loader = DataLoader(train, batch_sampler=plan)
         for ids, images, labels in ray.train.torch.prepare_data_loader(loader, add_dist_sampler=False):
