@@ -51,6 +51,9 @@ AVERAGE_WINDOW_KEY = "average_window"
 # Only in the average checkpoint, whose model.pt holds the average: the evaluated weights
 # (model.pt of the last epoch's checkpoint) that a run resumed from it goes on with
 EVALUATED_WEIGHTS_KEY = "evaluated_weights"
+# Only with --precision fp16: torch.amp.GradScaler's state_dict (the loss scale and its growth
+# counter, plain numbers), so a resumed run scales as the uninterrupted one would have
+GRAD_SCALER_KEY = "grad_scaler"
 
 # meta.json: the epoch records of every epoch up to this checkpoint (its own included), so the
 # run's history can be rebuilt from the checkpoint a run resumes from

@@ -39,7 +39,7 @@ def setting(default, doc: str, *, flag: str | None = None, choices: tuple = (), 
 BACKENDS = ("ray", "local")
 INGESTS = ("ray-data", "torch")
 OPTIMIZERS = ("adamw", "sgd", "lamb", "lars")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("onecycle", "cosine", "step", "constant")
 STRATEGIES = ("ddp", "fsdp")
 
@@ -138,6 +138,23 @@ class TrainConfig:
                                  "(docs/training.md).", range="[0, 1]")
     label_smoothing: float = setting(0.0, "Cross-entropy label smoothing. Off: on the embedded split 0.1 cost "
                                      "0.2-0.4 points (docs/NOTES.md).", range="[0, 1)")
+    accumulate: int = setting(1, "Gradient accumulation: each worker's share of the global batch goes through the "
+                              "model in N pieces, their gradients summed into one optimizer step. The gradient is "
+                              "the whole batch's (BatchNorm sees the smaller pieces); --batch-size, steps, "
+                              "checkpoints and the data order stay as they are. For batches too large for memory.",
+                              range="[1, 1048576]")
+    clip_grad_norm: float = setting(0.0, "Clip the gradients' global L2 norm to this value before each optimizer "
+                                    "step (``torch.nn.utils.clip_grad_norm_``); the norm before clipping is in the "
+                                    "step records. 0 = no clipping.", range="[0, 1000000]")
+    drop_path: float | None = setting(None, "Stochastic depth (drop path) rate for models that have it: timm's "
+                                      "(``drop_path_rate``) and torchvision's ConvNeXt, EfficientNet, Swin and "
+                                      "MaxViT (``stochastic_depth_prob``); the deepest block drops at this rate, "
+                                      "earlier ones less. Unset keeps each model's own (torchvision's: 0.1-0.5, "
+                                      "timm's: 0); refused for a model without it (resnet18).", range="[0, 1)")
+    grad_checkpointing: bool = setting(False, "Activation (gradient) checkpointing for timm models that support it "
+                                       "(``set_grad_checkpointing``): blocks recompute their activations in the "
+                                       "backward pass, less memory for about a third more compute. The same "
+                                       "gradients, so a run may be resumed with or without it.", resumable=True)
     augment: bool = setting(True, "Random augmentation of the training images: the preset's (below).")
     preset: str = setting("auto", "Augmentation and evaluation transforms: ``digits`` (a random affine: rotation, "
                           "zoom, shift), ``photos`` (random resized crop and horizontal flip; resize and centre crop "
@@ -202,11 +219,14 @@ class TrainConfig:
     channels_last: bool = setting(True, "NHWC memory layout for convolutions: measured 5-10% faster on CPU here, "
                                   "and the usual choice on GPUs. The saved state_dict loads into a model of either "
                                   "layout.")
-    precision: str = setting("fp32", "Training precision: ``fp32``, or ``bf16`` (forward pass and loss under "
-                             "bfloat16 autocast; weights, gradients and optimizer state stay float32, no loss "
-                             "scaling needed). For GPUs with bfloat16 (A100, H100); on a CPU without bfloat16 "
-                             "instructions it is slower. Validation runs in float32, so recorded accuracies match "
-                             "a later ``imgtrain evaluate``.", choices=PRECISIONS)
+    precision: str = setting("fp32", "Training precision: ``fp32``; ``bf16`` (forward pass and loss under bfloat16 "
+                             "autocast, no loss scaling needed; GPUs with bfloat16: A100, H100); or ``fp16`` "
+                             "(float16 autocast with a gradient scaler, for GPUs without bfloat16: T4, V100). "
+                             "Weights, gradients and optimizer state stay float32. On a CPU bf16 is slower without "
+                             "bfloat16 instructions, fp16 several times slower. With fp16 a step whose gradients "
+                             "overflow is skipped and the scale lowered; the scale is checkpointed. Validation runs "
+                             "in float32, so recorded accuracies match a later ``imgtrain evaluate``.",
+                             choices=PRECISIONS)
     compile: bool = setting(False, "Compile the training forward and backward pass with ``torch.compile``. The "
                             "first steps pay for the compilation (tens of seconds); worth it on GPUs for long runs.",
                             resumable=True)
@@ -362,7 +382,7 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
         value = getattr(cfg, s.name)
         if s.choices and value not in s.choices:
             issues.append(f"{flag(s.name)} {value!r} is not one of {', '.join(s.choices)}")
-        elif s.range and (problem := range_problem(s.name, value, s.range)):
+        elif s.range and value is not None and (problem := range_problem(s.name, value, s.range)):
             issues.append(problem)
     if cfg.min_workers > cfg.workers:
         issues.append(f"--workers {cfg.min_workers}-{cfg.workers}: the minimum must be between 1 and the maximum")
@@ -374,6 +394,9 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
     if cfg.strategy == "fsdp" and cfg.backend == "local":
         issues.append("--strategy fsdp shards the model over Ray Train workers; --backend local is one process: "
                       "use --strategy ddp or --backend ray")
+    if 1 <= cfg.effective_workers() <= cfg.batch_size and cfg.accumulate > cfg.batch_size // cfg.effective_workers():
+        issues.append(f"--accumulate {cfg.accumulate} is more pieces than the {cfg.batch_size // cfg.effective_workers()} "
+                      f"samples of a worker's share of --batch-size {cfg.batch_size}: use at most that many")
     if cfg.strategy == "fsdp" and cfg.compile:
         issues.append("--compile is not supported with --strategy fsdp yet: drop one of them")
     if cfg.mlflow is not None and not cfg.mlflow.strip():

@@ -42,9 +42,12 @@ class Family:
     prefixes: tuple[str, ...]
     """How its model names start. A name belongs to the family with the longest prefix it starts
     with; "" claims every name no other family claims (torchvision's CNNs)."""
-    build: Callable[[str, int, int, str, list[int]], nn.Module]
+    build: Callable[..., nn.Module]
     """(name, in_channels, num_classes, stem, image_size [H, W]) -> the model, randomly
-    initialised; ValueError naming the rule for a stem or a size it does not take."""
+    initialised; ValueError naming the rule for a stem or a size it does not take. With
+    ``--drop-path`` also ``drop_path=RATE``, the stochastic depth rate for the model's
+    constructor: a family or constructor without one raises TypeError, which ``zoo`` turns
+    into the refusal."""
     check: Callable[[str, str], None]
     """(name, stem): ValueError, in a second and without building anything, for a name the
     family does not have (``unknown_name`` for the usual message) or a stem it refuses."""

@@ -13,13 +13,15 @@ if TYPE_CHECKING:
 PREFIX = "timm:"
 
 
-def build(name: str, channels: int, classes: int, stem: str, size: list[int]) -> nn.Module:
+def build(name: str, channels: int, classes: int, stem: str, size: list[int],
+          drop_path: float | None = None) -> nn.Module:
     timm = _import_timm()
     if stem == "small":
         raise ValueError("--stem small is for torchvision models")
     if not timm.is_model(name):
         raise ValueError(f"timm has no model {name!r}")
-    return timm.create_model(name, pretrained=False, num_classes=classes, in_chans=channels)
+    extra = {} if drop_path is None else {"drop_path_rate": drop_path}  # a model without it: TypeError
+    return timm.create_model(name, pretrained=False, num_classes=classes, in_chans=channels, **extra)
 
 
 def check(name: str, stem: str) -> None:

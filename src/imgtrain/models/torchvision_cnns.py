@@ -18,12 +18,15 @@ if TYPE_CHECKING:
     import torch.nn as nn
 
 
-def build(name: str, channels: int, classes: int, stem: str, size: list[int]) -> nn.Module:
+def build(name: str, channels: int, classes: int, stem: str, size: list[int],
+          drop_path: float | None = None) -> nn.Module:
     if name == "resnet18" and stem == "standard":
         from imgtrain.models.resnet18 import build_resnet18
 
+        if drop_path is not None:
+            raise TypeError("ResNet has no stochastic depth")
         return build_resnet18(channels, classes)
-    model = tv.get_model(name, classes)
+    model = tv.get_model(name, classes, drop_path)
     return small_stem(model, channels) if stem == "small" else tv.take_channels(model, channels)
 
 

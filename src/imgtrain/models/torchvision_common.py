@@ -35,11 +35,14 @@ def require_known(name: str) -> None:
         raise ValueError(f"no torchvision classification model {name!r}")
 
 
-def get_model(name: str, classes: int, **kwargs) -> nn.Module:
-    """torchvision's ``name``, randomly initialised, with ``classes`` outputs."""
+def get_model(name: str, classes: int, drop_path: float | None = None, **kwargs) -> nn.Module:
+    """torchvision's ``name``, randomly initialised, with ``classes`` outputs; ``drop_path``: its
+    ``stochastic_depth_prob`` (ConvNeXt, EfficientNet, Swin, MaxViT; other models: TypeError)."""
     from torchvision import models
 
     require_known(name)
+    if drop_path is not None:
+        kwargs["stochastic_depth_prob"] = drop_path
     return models.get_model(name, weights=None, num_classes=classes, **kwargs)
 
 

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 PREFIXES = ("vit_", "swin_", "maxvit_")
 
 
-def build(name: str, channels: int, classes: int, stem: str, size: list[int]) -> nn.Module:
+def build(name: str, channels: int, classes: int, stem: str, size: list[int],
+          drop_path: float | None = None) -> nn.Module:
     tv.require_known(name)
     if stem == "small":
         raise ValueError(f"{name} cuts the image into patches; it has no convolution stem to make small")
@@ -30,7 +31,7 @@ def build(name: str, channels: int, classes: int, stem: str, size: list[int]) ->
             raise ValueError(f"{name} needs square images whose side is a multiple of {patch} (these are "
                              f"{size[0]}x{size[1]}): prepare the data with --size {side}x{side}")
         kwargs["image_size"] = size[0]
-    return tv.take_channels(tv.get_model(name, classes, **kwargs), channels)
+    return tv.take_channels(tv.get_model(name, classes, drop_path, **kwargs), channels)
 
 
 register(Family(

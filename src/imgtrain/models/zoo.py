@@ -47,17 +47,68 @@ def chosen_stem(model: str, size) -> str:
     return "small" if family_of(model).small_stem and min(size) <= SMALL_STEM_MAX_SIDE else "standard"
 
 
-def build_from_args(args: dict) -> nn.Module:
+def build_from_args(args: dict, drop_path: float | None = None, grad_checkpointing: bool = False) -> nn.Module:
     """The model ``args`` (from a checkpoint's meta.json: untrusted) describe, built by its
     family. Raises ValueError, before anything is built, for args out of their bounds
-    (``args_problems``)."""
+    (``args_problems``).
+
+    Training's own options, not part of ``args`` (evaluation rebuilds the model without them):
+    ``drop_path``, the stochastic depth rate (None: the model's own), and ``grad_checkpointing``.
+    Both only change how the model trains: drop path is the identity in evaluation, and neither
+    adds a parameter or buffer, so the weights load into a model built with or without them.
+    ValueError for a model that has neither."""
     problems = args_problems(args)
     if problems:
         raise ValueError("; ".join(problems))
     name, channels, classes = args["architecture"], args["in_channels"], args["num_classes"]
     stem, size = args.get("stem", "standard"), args.get("image_size") or [224, 224]
     family = family_of(name)
-    return family.build(family.own_name(name), channels, classes, stem, size)
+    own = family.own_name(name)
+    if drop_path is None:
+        model = family.build(own, channels, classes, stem, size)
+    else:
+        try:
+            model = family.build(own, channels, classes, stem, size, drop_path=drop_path)
+        except TypeError:  # the family's build or the model's constructor takes no stochastic depth rate
+            model = None
+    if drop_path is not None and (model is None or not drop_path_rates(model)):
+        raise ValueError(f"{own} has no stochastic depth, so --drop-path cannot apply; models that have it: "
+                         "convnext_*, efficientnet_*, swin_*, maxvit_* and most timm: models")
+    if grad_checkpointing:
+        enable_grad_checkpointing(model, own)
+    return model
+
+
+def drop_path_rates(model: nn.Module) -> list[float]:
+    """The drop rate of every stochastic depth module in ``model`` (timm's ``DropPath``,
+    torchvision's ``StochasticDepth``), in order; empty for a model without any."""
+    kinds = []
+    try:
+        from torchvision.ops import StochasticDepth
+
+        kinds.append((StochasticDepth, "p"))
+    except ImportError:
+        pass
+    try:
+        from timm.layers import DropPath
+
+        kinds.append((DropPath, "drop_prob"))
+    except ImportError:
+        pass
+    return [float(getattr(m, attr)) for m in model.modules() for kind, attr in kinds if isinstance(m, kind)]
+
+
+def enable_grad_checkpointing(model: nn.Module, name: str) -> None:
+    """Turn on timm's activation checkpointing in ``model``; ValueError for a model without it
+    (torchvision's, and timm's that refuse: their method asserts it is off)."""
+    try:
+        if not hasattr(model, "set_grad_checkpointing"):
+            raise NotImplementedError
+        model.set_grad_checkpointing(True)  # timm's models, through checkpoint_seq: non-reentrant
+    except (AssertionError, NotImplementedError):
+        raise ValueError(f"{name} cannot checkpoint activations, so --grad-checkpointing cannot apply: only timm "
+                         "models with set_grad_checkpointing() support (timm:resnet50, timm:convnext_tiny, "
+                         "timm:vit_small_patch16_224, ...)") from None
 
 
 def args_problems(args) -> list[str]:

@@ -21,8 +21,12 @@ class StepWindow:
         # loss and correct stay tensors on the device until a record is sent: reading them at
         # every step would make the host wait for the GPU at every step
         self.samples, self.loss_sum, self.correct, self.wait, self.busy, self.n = 0, 0.0, 0, 0.0, 0.0, 0
+        self.norm_sum, self.norms = 0.0, 0  # --clip-grad-norm: the finite norms before clipping, and how many
 
-    def add(self, samples: int, mean_loss, correct, wait: float, total: float) -> None:
+    def add(self, samples: int, mean_loss, correct, wait: float, total: float, grad_norm=None) -> None:
+        if grad_norm is not None:  # an fp16 step that overflowed has an infinite norm: left out
+            self.norm_sum += grad_norm.nan_to_num(0.0, posinf=0.0)
+            self.norms += grad_norm.isfinite()
         self.samples += samples
         self.loss_sum += mean_loss
         self.correct += correct
@@ -30,14 +34,20 @@ class StepWindow:
         self.busy += total
         self.n += 1
 
-    def step_record(self, epoch: int, step: int, lr: float, world: int) -> dict:
-        """Rank 0's view of the last steps: loss, accuracy, throughput of the whole group."""
-        return {
+    def step_record(self, epoch: int, step: int, lr: float, world: int, scaler=None) -> dict:
+        """Rank 0's view of the last steps: loss, accuracy, throughput of the whole group; with
+        --clip-grad-norm the mean gradient norm before clipping, with fp16 the loss scale."""
+        record = {
             "kind": "step", "epoch": epoch, "step": step, "loss": float(self.loss_sum) / max(self.n, 1),
             "accuracy": float(self.correct) / max(self.samples, 1), "lr": lr,
             "images_per_s": self.samples * world / max(self.busy, 1e-9),
             "data_wait_fraction": self.wait / max(self.busy, 1e-9), "time": time.time(),
         }
+        if isinstance(self.norms, torch.Tensor):  # None when every step of the window overflowed
+            record["grad_norm"] = float(self.norm_sum) / int(self.norms) if int(self.norms) else None
+        if scaler is not None:
+            record["loss_scale"] = scaler.get_scale()
+        return record
 
     def rank_record(self, rank: int, epoch: int, step: int) -> dict:
         """Where this rank's time went over the last steps: is it starved by data?"""

@@ -81,6 +81,8 @@ def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name:
                 train_state[ckpt.AVERAGE_WINDOW_KEY] = run.window.state()
             if trained_evaluated is not None:
                 train_state[ckpt.EVALUATED_WEIGHTS_KEY] = _cpu(trained_evaluated.state_dict())
+            if run.scaler is not None:
+                train_state[ckpt.GRAD_SCALER_KEY] = run.scaler.state_dict()
             meta = {
                 "model_args": model_args(run.manifest, run.cfg.model, run.cfg.stem), "config": run.cfg.to_dict(),
                 "metrics": metrics, "data": run.manifest, "epoch": train_state[ckpt.EPOCH_KEY], "step": run.step,
@@ -123,7 +125,7 @@ def restore(directory: str, model: nn.Module, optimizer, ema, device) -> Resumed
         epoch_step=in_epoch["steps"] if in_epoch else 0,
         sums=in_epoch["sums"].double() if in_epoch else None,
         elapsed_s=in_epoch["elapsed_s"] if in_epoch else 0.0,
-        history=ckpt.history(meta), restored_from=Path(directory).name,
+        history=ckpt.history(meta), restored_from=Path(directory).name, grad_scaler=state.get(ckpt.GRAD_SCALER_KEY),
         window=state.get(ckpt.AVERAGE_WINDOW_KEY), averaged=ckpt.AVERAGE_KEY in meta,
     )
 

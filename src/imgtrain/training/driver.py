@@ -230,14 +230,16 @@ def _busy_hint(cfg: TrainConfig, run_dir: Path) -> str:
 
 def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
     """Build the model once here, run one image through it and load its initial weights, so
-    that a wrong name, an image size it cannot take or a file that does not fit fails in
-    seconds, before Ray starts; downloads --pretrained weights once for every worker. The
+    that a wrong name, an image size it cannot take, --drop-path or --grad-checkpointing for a
+    model without them, or a file that does not fit fails in seconds, before Ray starts;
+    downloads --pretrained weights once for every worker. The
     default model from scratch takes any image size: nothing to check, and no torch import
     (zoo imports it: seconds before anything else shows, so the default is TrainConfig's)."""
     from imgtrain.models.zoo import chosen_stem  # imports no torch
 
     stem = chosen_stem(cfg.model, manifest["image_shape"][:2]) if cfg.stem == "auto" else cfg.stem
-    if cfg.model == TrainConfig.model and stem == "standard" and not (cfg.init_from or cfg.pretrained):
+    if cfg.model == TrainConfig.model and stem == "standard" and not (cfg.init_from or cfg.pretrained) \
+            and cfg.drop_path is None and not cfg.grad_checkpointing:
         return
     display.phase("checking the model")
     import torch
@@ -249,7 +251,7 @@ def _check_model(cfg: TrainConfig, manifest: dict, display) -> None:
     try:
         zoo.check_name(cfg.model, cfg.stem)
         with torch.random.fork_rng(devices=[]):
-            model = zoo.build_from_args(args).eval()
+            model = zoo.build_from_args(args, cfg.drop_path, cfg.grad_checkpointing).eval()
     except ValueError as e:
         raise ImgtrainError(f"--model {cfg.model}: {e}") from None
     if cfg.layer_decay:  # a model without a known layer order: one line now, not from every worker

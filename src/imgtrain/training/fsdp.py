@@ -32,6 +32,8 @@ def shard(model: nn.Module, device: torch.device, precision: str) -> nn.Module:
     (``MixedPrecisionPolicy``). BatchNorm layers stay float32, each its own unit: with bfloat16
     weights and its float32 running statistics ``batch_norm`` refuses to run ("expected scalar
     type BFloat16 but found Float", CPU, torch 2.14); bfloat16 inputs with float32 weights work.
+    fp16: float32 weights, the forward pass under float16 autocast (loop.py), so the gradient
+    scaler unscales float32 gradients.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -31,7 +31,7 @@ from imgtrain.data.order import epoch_augment_draws
 from imgtrain.data.tensors import affine_matrices, apply_affine, to_model_input
 from imgtrain.errors import ImgtrainError
 from imgtrain.models.zoo import build_from_args, model_args
-from imgtrain.training import faults, mixing
+from imgtrain.training import faults, mechanics, mixing
 from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
 from imgtrain.training.averaging import WeightWindow, save_average
 from imgtrain.training.backend import Backend, Batch
@@ -101,13 +101,20 @@ def setup(cfg: TrainConfig, manifest: dict, backend: Backend) -> tuple[Run, Resu
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     if cfg.precision == "bf16" and backend.device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ImgtrainError(f"--precision bf16: {torch.cuda.get_device_name(backend.device)} has no bfloat16; use fp32")
+        raise ImgtrainError(f"--precision bf16: {torch.cuda.get_device_name(backend.device)} has no bfloat16; "
+                            "use fp16 or fp32")
+    if cfg.accumulate > cfg.batch_size // backend.world_size:  # config.validate checks the largest world size
+        raise ImgtrainError(f"--accumulate {cfg.accumulate}: a worker's share of --batch-size {cfg.batch_size} over "
+                            f"{backend.world_size} workers is {cfg.batch_size // backend.world_size} samples; use at most that")
     # same initial weights on every rank (DDP also broadcasts them; FSDP takes each rank's
     # shard of its own copy, so this is what makes them one model)
     torch.manual_seed(cfg.seed)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     with backend.restored_checkpoint() as restore_dir:
-        net = build_from_args(model_args(manifest, cfg.model, cfg.stem))
+        try:  # the driver has built it with these options: a refusal here is unexpected
+            net = build_from_args(model_args(manifest, cfg.model, cfg.stem), cfg.drop_path, cfg.grad_checkpointing)
+        except ValueError as e:
+            raise ImgtrainError(f"--model {cfg.model}: {e}") from None
         if not restore_dir and (weights := finetune.initial_weights(cfg)):  # the driver has checked the file
             finetune.initialise(net, weights, cfg.model)
         set_batchnorm_momentum(net, cfg.bn_momentum)
@@ -123,15 +130,17 @@ def setup(cfg: TrainConfig, manifest: dict, backend: Backend) -> tuple[Run, Resu
     n_train = manifest["splits"]["train"]["num_samples"]
     steps_per_epoch = max(1, epoch_steps(n_train, cfg.batch_size, cfg.limit_train_batches))
     total_steps = cfg.epochs * steps_per_epoch
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     run = Run(
         cfg, manifest, backend, model, forward=torch.compile(model) if cfg.compile else model,  # same parameters
         optimizer=optimizer,
         scheduler=schedule_for(optimizer, cfg, resumed.step, total_steps, steps_per_epoch, resumed.schedule),
         ema=ema, criterion=nn.CrossEntropyLoss(weight=class_weights(cfg, manifest, backend.device), reduction="sum",
                                                label_smoothing=cfg.label_smoothing),
-        autocast=torch.autocast(backend.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"),
+        autocast=torch.autocast(backend.device.type, dtype=half or torch.bfloat16, enabled=half is not None),
         memory_format=memory_format, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         step=resumed.step, history=list(resumed.history), ledger=None,
+        scaler=mechanics.grad_scaler(cfg, backend.device, resumed.grad_scaler),
     )
     if cfg.ledger and backend.run_dir:
         run.ledger = Ledger(backend, run.step)
@@ -179,18 +188,19 @@ def train_epoch(run: Run, epoch: int, partial: Resumed | None) -> tuple[torch.Te
         faults.maybe_fire(backend.fault, backend.rank, run.step, backend.run_dir, "step")
         if run.ledger is not None:
             run.ledger.write(epoch, i, run.step, batch["id"])
-        loss, correct = train_step(run, batch, None if affines is None else affines[i])
+        loss, correct, grad_norm = train_step(run, batch, None if affines is None else affines[i])
         sums[0] += loss
         sums[1] += correct
         sums[2] += len(batch["label"])
         step_time = time.perf_counter() - t0
-        window.add(len(batch["label"]), loss / len(batch["label"]), correct, data_wait, step_time)
+        window.add(len(batch["label"]), loss / len(batch["label"]), correct, data_wait, step_time, grad_norm)
         timing.add(data_wait, step_time)
         if run.step % cfg.log_every_steps == 0 or i == run.steps_per_epoch - 1:
             # Every rank reports its own step and data-wait times, rank 0 also the training
             # figures; fire and forget, so no rank ever waits for the driver.
             if backend.rank == 0:
-                backend.send(window.step_record(epoch, run.step, run.scheduler.get_last_lr()[0], backend.world_size))
+                backend.send(window.step_record(epoch, run.step, run.scheduler.get_last_lr()[0], backend.world_size,
+                                                run.scaler))
             backend.send(window.rank_record(backend.rank, epoch, run.step))
             window.reset()
         every = cfg.checkpoint_every_steps
@@ -216,10 +226,13 @@ def epoch_affines(run: Run, epoch_start_step: int) -> torch.Tensor:
     return theta.view(run.steps_per_epoch, -1, 2, 3).to(backend.device)
 
 
-def train_step(run: Run, batch: Batch, affine: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(run: Run, batch: Batch, affine: torch.Tensor | None = None):
     """One optimizer step on this rank's share of the global batch (``affine``: its augmentation's
-    matrices); returns this rank's summed loss (float64) and number of correct predictions, both
-    still on the device."""
+    matrices); returns this rank's summed loss (float64), its number of correct predictions and
+    the gradient norm before clipping (None without ``--clip-grad-norm``), all still on the device.
+
+    With ``--accumulate N`` the share goes through forward and backward in N pieces whose
+    gradients add up; ranks exchange gradients only in the last piece's backward."""
     cfg, backend, world = run.cfg, run.backend, run.backend.world_size
     x = to_model_input(batch["image"], run.manifest["normalize"]["mean"], run.manifest["normalize"]["std"])
     if affine is not None:  # x: [B, C, H, W] float32, normalised
@@ -227,26 +240,36 @@ def train_step(run: Run, batch: Batch, affine: torch.Tensor | None = None) -> tu
     y = target = counted = batch["label"]
     if (mix := mixing.draw(cfg, run.step, run.step // run.steps_per_epoch, x.shape[2], x.shape[3])) is not None:
         x, target, counted = mixing.mixed(x, y, mix, run.manifest["num_classes"], backend, cfg.batch_size)
-    backend.progress.enter("forward")
-    with run.autocast:
-        logits = run.forward(x.contiguous(memory_format=run.memory_format))
-        # DDP averages gradients over ranks; scaling the summed loss by world/global_batch
-        # makes that average the exact mean over the global batch even when ranks hold
-        # unequal shares (global batch not divisible by the number of workers).
-        loss = run.criterion(logits, target) * (world / cfg.batch_size)
+    if cfg.drop_path is not None:
+        mechanics.seed_step_randomness(cfg.seed, run.step, backend.rank)
     run.optimizer.zero_grad(set_to_none=True)
-    backend.progress.enter("backward")
-    loss.backward()
+    summed = correct = None
+    parts = mechanics.pieces(cfg.accumulate, x, target, counted)  # mixed as a whole, then cut
+    for k, (xk, target_k, counted_k) in enumerate(parts):
+        with mechanics.gradient_sync(run.model, sync=k == len(parts) - 1):
+            backend.progress.enter("forward")
+            with run.autocast:
+                logits = run.forward(xk.contiguous(memory_format=run.memory_format))
+                # DDP averages gradients over ranks; scaling the summed loss by world/global_batch
+                # makes that average the exact mean over the global batch even when ranks hold
+                # unequal shares (global batch not divisible by the number of workers). Each
+                # piece's summed loss is scaled the same: the pieces' gradients add up to it.
+                loss = run.criterion(logits, target_k) * (world / cfg.batch_size)
+            backend.progress.enter("backward")
+            mechanics.backward(loss, run.scaler)
+        with torch.no_grad():
+            piece_loss = loss.detach().double() * cfg.batch_size / world  # this rank's summed loss
+            piece_correct = (logits.argmax(1) == counted_k).sum()
+            summed = piece_loss if summed is None else summed + piece_loss
+            correct = piece_correct if correct is None else correct + piece_correct
     backend.progress.enter("optimizer")
+    grad_norm = mechanics.clip_gradients(run.model, run.optimizer, run.scaler, cfg.clip_grad_norm)
     freeze(run.optimizer, run.step < cfg.freeze_backbone * run.steps_per_epoch)
-    run.optimizer.step()
-    run.scheduler.step()
+    mechanics.optimizer_step(run.optimizer, run.scheduler, run.scaler)
     if run.ema is not None:
         run.ema.update()
     run.step += 1
-    with torch.no_grad():
-        summed = loss.detach().double() * cfg.batch_size / world  # this rank's summed loss
-        return summed, (logits.argmax(1) == counted).sum()
+    return summed, correct, grad_norm
 
 
 

@@ -34,6 +34,7 @@ class Resumed:
     restored_from: str | None = None  # the checkpoint's name
     window: dict | None = None  # --average-last's weights of the last epochs (``averaging.WeightWindow``)
     averaged: bool = False  # restored from the average checkpoint (made after the last epoch trained)
+    grad_scaler: dict | None = None  # --precision fp16: the gradient scaler's state
 
 
 @dataclass
@@ -57,6 +58,9 @@ class Run:
     history: list[dict]  # the epoch records so far: every checkpoint carries them
     ledger: Ledger | None
     window: WeightWindow | None = None  # --average-last's last epochs' weights (set by run_loop)
+    # --precision fp16: scales the loss so float16 gradients do not underflow, skips the steps
+    # whose gradients overflow; None otherwise
+    scaler: torch.amp.GradScaler | None = None
 
     @property
     def evaluated(self) -> nn.Module:

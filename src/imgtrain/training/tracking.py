@@ -28,7 +28,7 @@ from imgtrain.ops import process
 
 MLFLOW_RUN_FILE = "mlflow.json"  # {"tracking_uri", "experiment_id", "run_id"}: a resumed run continues it
 TENSORBOARD_DIR = "tensorboard"
-STEP_KEYS = ("loss", "accuracy", "images_per_s", "data_wait_fraction", "lr")
+STEP_KEYS = ("loss", "accuracy", "images_per_s", "data_wait_fraction", "lr", "grad_norm", "loss_scale")
 EPOCH_KEYS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_f1_macro", "images_per_s",
               "data_wait_fraction", "epoch_time_s")
 RANK_KEYS = ("step_time_s", "data_wait_s", "data_wait_fraction")
