@@ -109,4 +109,6 @@ def test_an_elastic_run_shrinks_when_a_node_leaves_and_grows_back_when_one_joins
     for epoch in epochs:  # every row exactly once per epoch, through both resizes
         ids = [i for s in range(epoch * STEPS_PER_EPOCH, (epoch + 1) * STEPS_PER_EPOCH) for i in batches[s]]
         assert len(ids) == len(set(ids)) == 16 * STEPS_PER_EPOCH
-    assert {len(ids) for ids in batches.values()} == {16}  # the global batch never changed
+    # the global batch never changed; the steps after the last epoch's end are left out: the test
+    # kills the run there, and a step one rank had logged and the other had not is cut in half
+    assert {len(batches[s]) for s in range(len(epochs) * STEPS_PER_EPOCH)} == {16}

@@ -15,11 +15,14 @@ from imgtrain.config import TrainConfig
 from imgtrain.data.order import epoch_order, epoch_permutation
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.faults import InjectedFault
+from imgtrain.models import registry
 from imgtrain.training.loop import class_weights
 from tests.conftest import assert_one_line_error, cli_here, quiet_display
+from tests.test_model_registry import TINY_CNNS
 
-# 256 rows / batch 64 = 4 steps per epoch, 8 in all; a step checkpoint after steps 2 and 6.
-SETTINGS = dict(backend="local", epochs=2, batch_size=64, eval_batch_size=50, log_every_steps=2,
+# 256 rows / batch 64 = 4 steps per epoch, 8 in all; a step checkpoint after steps 2 and 6. The
+# tests' tiny CNN (one BatchNorm layer): the order, the weights and the mixing are what is tested.
+SETTINGS = dict(backend="local", model="tinycnn_8", epochs=2, batch_size=64, eval_batch_size=50, log_every_steps=2,
                 checkpoint_every_steps=2, deterministic=True, threads_per_worker=1,
                 sampling="balanced", class_weights="auto", ledger=True, mixup=0.4, cutmix=1.0, label_smoothing=0.1)
 
@@ -47,7 +50,14 @@ def test_balanced_epochs_are_balanced_reproducible_and_new_each_epoch():
     assert torch.equal(epoch_order(labels, 0, 0), epoch_permutation(len(labels), 0, 0))
 
 
-def test_a_balanced_weighted_mixed_run_resumes_to_the_uninterrupted_runs_bits(tiny_data, tmp_path, monkeypatch):
+@pytest.fixture
+def tiny_cnn(monkeypatch):
+    monkeypatch.setattr(registry, "_FAMILIES", list(registry._FAMILIES))
+    registry.register(TINY_CNNS)
+
+
+def test_a_balanced_weighted_mixed_run_resumes_to_the_uninterrupted_runs_bits(tiny_cnn, tiny_data, tmp_path,
+                                                                              monkeypatch):
     def config(name: str) -> TrainConfig:
         return TrainConfig(data=str(tiny_data), storage=str(tmp_path), name=name, **SETTINGS)
 
