@@ -48,16 +48,22 @@ def lease_holder(record) -> str | None:
 
 
 def read_beat(st: Store, name: str):
-    """The run's heartbeat in the store (None: none, or not JSON)."""
-    try:
-        with st.fs.open_input_stream(f"{st.root}/{ownership.check_name(name)}/{HEARTBEAT_FILE}") as f:
-            return json.loads(f.read(1 << 16))
-    except FileNotFoundError:
-        return None
-    except ValueError:
-        return None
-    except OSError as e:
-        raise where(e, st) from None
+    """The run's heartbeat in the store (None: none, or not JSON). Read again when it is not
+    JSON: pyarrow reads an object as its size, then ranges of it, so a read while its driver
+    replaces it can get pieces of two versions (seen against moto: the new record and a byte of
+    the old one)."""
+    path = f"{st.root}/{ownership.check_name(name)}/{HEARTBEAT_FILE}"
+    for attempt in range(3):
+        try:
+            with st.fs.open_input_stream(path) as f:
+                return json.loads(f.read(1 << 16))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            continue
+        except OSError as e:
+            raise where(e, st) from None
+    return None
 
 
 def beat(st: Store, name: str, token: str | None = None, released: bool = False) -> None:
