@@ -342,25 +342,7 @@ def _model_line(args: dict, config: dict) -> str:
 
 def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, num_wrong: int, where: str) -> str:
     """The HTML page; ``where``: the run's location as its user names it (``write_report``)."""
-    data_name = (used_meta.get("data") or {}).get("name", "")
-    data, used_at = _data_location(ev, used_meta), _located(used, result.path, where)
-    summary = [
-        ["run", result.name], ["status", result.status], ["run directory", where],
-        ["data set", f"{data_name} ({data})" if data_name else data],
-        ["model", _model_line(used_meta.get("model_args") or {}, result.config)],
-        ["epochs completed", f"{len(result.history)} of {result.config.get('epochs')}"],
-        ["checkpoint used", f"{used.name} (epoch {used_meta.get('epoch', -1) + 1}, {used_at})"],
-        [f"accuracy recorded in training ({result.validation_split} split)", _pct(ev.recorded_val_accuracy)],
-        [f"accuracy re-evaluated now ({ev.split} split)", f"{_pct(ev.accuracy)} of {ev.num_samples:,} images"],
-        ["top-5 accuracy", _pct(ev.top5_accuracy) if ev.top5_accuracy is not None
-         else f"n/a ({len(ev.classes)} classes: it needs 6 or more)"],
-        ["macro F1 / weighted F1", f"{_num(ev.macro_avg['f1'])} / {_num(ev.weighted_avg['f1'])}"],
-        ["expected calibration error", f"{_num(ev.ece)} (15 equal-width confidence bins)"],
-        ["misclassified", f"{num_wrong:,}"],
-        ["generated", time.strftime("%Y-%m-%d %H:%M:%S %Z")],
-    ]
-    if result.error:
-        summary.insert(2, ["error", result.error])
+    summary = _summary(result, ev, used, used_meta, num_wrong, where)
 
     keys = ["train_loss", "train_accuracy", "val_loss", "val_accuracy", "lr", "epoch_time_s", "images_per_s"]
     if any(r.get("val_f1_macro") is not None for r in result.history):  # recorded by newer runs only
@@ -385,16 +367,7 @@ def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, nu
                 for name, s in (("macro average", ev.macro_avg), ("weighted average", ev.weighted_avg))]
     config = [[k, json.dumps(v) if isinstance(v, (dict, list)) else v] for k, v in sorted(result.config.items())]
 
-    figures = {}
-    for plot_id, file, caption in PLOTS:
-        if plot_id == "confident-errors" and num_wrong == 0:
-            caption = "No test image is misclassified, so there are no confident errors to show."
-        caption = caption.format(split=result.validation_split)
-        data = base64.b64encode((out / file).read_bytes()).decode("ascii")
-        figures[plot_id] = (
-            f'<figure><img id="{_e(plot_id)}" src="data:image/png;base64,{data}" alt="{_e(caption)}">'
-            f"<figcaption>{_e(caption)} <span class=\"muted\">({_e(file)})</span></figcaption></figure>"
-        )
+    figures = _figures(result, out, num_wrong)
 
     sections = [
         f"<h1>imgtrain report: {_e(result.name)}</h1>",
@@ -424,3 +397,42 @@ def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, nu
         f"<title>imgtrain report: {_e(result.name)}</title><style>{CSS}</style></head>\n<body>\n"
         + "\n".join(sections) + "\n</body></html>\n"
     )
+
+
+def _summary(result: runs.RunResult, ev, used: Path, used_meta: dict, num_wrong: int, where: str) -> list[list]:
+    """The summary table's rows: the run, its data, model and checkpoint, and the figures."""
+    data_name = (used_meta.get("data") or {}).get("name", "")
+    data, used_at = _data_location(ev, used_meta), _located(used, result.path, where)
+    summary = [
+        ["run", result.name], ["status", result.status], ["run directory", where],
+        ["data set", f"{data_name} ({data})" if data_name else data],
+        ["model", _model_line(used_meta.get("model_args") or {}, result.config)],
+        ["epochs completed", f"{len(result.history)} of {result.config.get('epochs')}"],
+        ["checkpoint used", f"{used.name} (epoch {used_meta.get('epoch', -1) + 1}, {used_at})"],
+        [f"accuracy recorded in training ({result.validation_split} split)", _pct(ev.recorded_val_accuracy)],
+        [f"accuracy re-evaluated now ({ev.split} split)", f"{_pct(ev.accuracy)} of {ev.num_samples:,} images"],
+        ["top-5 accuracy", _pct(ev.top5_accuracy) if ev.top5_accuracy is not None
+         else f"n/a ({len(ev.classes)} classes: it needs 6 or more)"],
+        ["macro F1 / weighted F1", f"{_num(ev.macro_avg['f1'])} / {_num(ev.weighted_avg['f1'])}"],
+        ["expected calibration error", f"{_num(ev.ece)} (15 equal-width confidence bins)"],
+        ["misclassified", f"{num_wrong:,}"],
+        ["generated", time.strftime("%Y-%m-%d %H:%M:%S %Z")],
+    ]
+    if result.error:
+        summary.insert(2, ["error", result.error])
+    return summary
+
+
+def _figures(result: runs.RunResult, out: Path, num_wrong: int) -> dict[str, str]:
+    """Each plot of PLOTS as an HTML figure, its PNG inlined."""
+    figures = {}
+    for plot_id, file, caption in PLOTS:
+        if plot_id == "confident-errors" and num_wrong == 0:
+            caption = "No test image is misclassified, so there are no confident errors to show."
+        caption = caption.format(split=result.validation_split)
+        data = base64.b64encode((out / file).read_bytes()).decode("ascii")
+        figures[plot_id] = (
+            f'<figure><img id="{_e(plot_id)}" src="data:image/png;base64,{data}" alt="{_e(caption)}">'
+            f"<figcaption>{_e(caption)} <span class=\"muted\">({_e(file)})</span></figcaption></figure>"
+        )
+    return figures

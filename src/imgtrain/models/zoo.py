@@ -102,10 +102,8 @@ def enable_grad_checkpointing(model: nn.Module, name: str) -> None:
     """Turn on timm's activation checkpointing in ``model``; ValueError for a model without it
     (torchvision's, and timm's that refuse: their method asserts it is off)."""
     try:
-        if not hasattr(model, "set_grad_checkpointing"):
-            raise NotImplementedError
         model.set_grad_checkpointing(True)  # timm's models, through checkpoint_seq: non-reentrant
-    except (AssertionError, NotImplementedError):
+    except (AssertionError, AttributeError):
         raise ValueError(f"{name} cannot checkpoint activations, so --grad-checkpointing cannot apply: only timm "
                          "models with set_grad_checkpointing() support (timm:resnet50, timm:convnext_tiny, "
                          "timm:vit_small_patch16_224, ...)") from None
