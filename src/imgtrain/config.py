@@ -197,7 +197,7 @@ class TrainConfig:
     sampling: str = setting("shuffle", "The rows of an epoch: ``shuffle`` (each once, in a seeded order) or "
                             "``balanced`` (as many rows drawn with replacement, each class equally likely: rare "
                             "classes repeat, frequent ones are partly left out; still a function of seed and "
-                            "epoch). Balanced needs a data set held in memory (digits-sized).",
+                            "epoch). A streamed data set draws each window of about 16k rows this way.",
                             choices=("shuffle", "balanced"))
     ema_decay: float = setting(0.98, "Per-step decay of an exponential moving average of the weights, which is "
                                "what gets evaluated and saved as model.pt; 0 turns it off. Smooths the "

@@ -73,14 +73,50 @@ def test_a_balanced_weighted_mixed_run_resumes_to_the_uninterrupted_runs_bits(ti
     assert list(resumed.metrics["train_loss"]) == list(reference.metrics["train_loss"])
 
 
-def test_balanced_sampling_of_a_streamed_data_set_is_refused_in_seconds(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def imbalanced_photos(tmp_path_factory):
+    """A streamed (encoded) data set with 48, 12 and 4 training photos per class."""
     from imgtrain.data.options import PrepareOptions
     from imgtrain.data.prepare import prepare
     from tests.integration.test_streamed import make_photos
 
-    make_photos(tmp_path / "src", per_class=3)
-    prepare("folder", tmp_path / "data", tmp_path / "src", PrepareOptions(size=(16, 16)))
-    proc = cli_here(capsys, "train", "--data", str(tmp_path / "data"), "--storage", str(tmp_path), "--name", "b",
-                    "--backend", "local", "--batch-size", "4", "--sampling", "balanced")
-    assert_one_line_error(proc, "--sampling balanced", "--class-weights auto")
-    assert not (tmp_path / "b").exists()
+    root = tmp_path_factory.mktemp("imbalanced")
+    make_photos(root / "src", per_class=60, size=16)
+    for c, keep in ((1, 15), (2, 5), (3, 0)):
+        for path in sorted((root / "src" / f"class{c}").iterdir())[keep:]:
+            path.unlink()
+    (root / "src" / "class3").rmdir()
+    manifest = prepare("folder", root / "data", root / "src", PrepareOptions(size=(16, 16), test_fraction=0.2))
+    assert manifest["storage"] == "encoded" and manifest["class_counts"]["train"] == [48, 12, 4]
+    return root / "data", manifest
+
+
+def streamed_epoch(data, manifest, world: int, epoch: int = 0, first_step: int = 0, **settings):
+    """The (ids, labels) the ranks of a world train on, global batch by global batch, as
+    --backend local streams them."""
+    from imgtrain.training.ingest import streamed_train_batches
+
+    cfg = TrainConfig(data=str(data), batch_size=8, seed=3, **{"sampling": "balanced", **settings})
+    per_rank = [list(streamed_train_batches(cfg, manifest, rank, world, "cpu", "local")(epoch, first_step))
+                for rank in range(world)]
+    ranks_in_step_order = [batch for step in zip(*per_rank) for batch in step]
+    return tuple(torch.cat([batch[key] for batch in ranks_in_step_order]) for key in ("id", "label"))
+
+
+def test_balanced_epochs_of_a_streamed_data_set_are_balanced_and_the_same_at_any_world_size(imbalanced_photos):
+    data, manifest = imbalanced_photos
+    ids, labels = streamed_epoch(data, manifest, world=1)
+    assert len(ids) == 64  # 8 whole global batches: as many rows as the split has
+    shares = torch.bincount(labels, minlength=3).double() / len(labels)
+    assert torch.all((shares - 1 / 3).abs() < 0.15), shares  # 75 %, 19 %, 6 % drawn as about thirds
+    assert len(set(ids[labels == 2].tolist())) <= 4 < int((labels == 2).sum())  # the rare photos repeat
+    assert torch.equal(torch.cat(streamed_epoch(data, manifest, world=2)), torch.cat((ids, labels)))
+    # resumed after global step 4, a world of 2 trains on the rest of the very same epoch
+    tail_ids, _ = streamed_epoch(data, manifest, world=2, first_step=4)
+    assert torch.equal(tail_ids, ids[32:])
+    assert not torch.equal(streamed_epoch(data, manifest, world=1, epoch=1)[0], ids)
+    # the default stays the shuffle: each row once
+    shuffled, _ = streamed_epoch(data, manifest, world=1, sampling="shuffle")
+    assert len(set(shuffled.tolist())) == len(shuffled) == 64
+
+

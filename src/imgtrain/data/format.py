@@ -391,6 +391,14 @@ def read_row_group(path: Path, group: int, storage: str) -> pa.Table:
         raise ImgtrainError(f"cannot read {path} ({one_line(e, 120)}); prepare the data set again") from None
 
 
+def read_labels(path: Path, group: int) -> np.ndarray:
+    """One row group's labels alone (what a balanced epoch is drawn from)."""
+    try:
+        return pq.ParquetFile(path).read_row_group(group, columns=["label"]).column("label").to_numpy()
+    except (pa.ArrowException, OSError) as e:
+        raise ImgtrainError(f"cannot read {path} ({one_line(e, 120)}); prepare the data set again") from None
+
+
 def read_split(data_dir: PathLike, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A whole split of a data set with tensor storage, as numpy: (ids int64 [N], images uint8
     [N, H, W, C], labels int64 [N]), rows in file order. For small data sets: it holds them all.

@@ -9,6 +9,10 @@ The order of an epoch is a pure function of (seed, epoch), whatever the world si
   after the other; global step k trains on positions [k*B, (k+1)*B), cut between the ranks by
   ``per_worker_batch_sizes`` (``config.rank_share``) as the in-memory path cuts its permutation.
 
+With ``--sampling balanced`` each window's positions read rows drawn with replacement from
+that window, weighted against their class's frequency (``balanced_draw``): still a function of
+(seed, epoch), so all of the above holds.
+
 A rank decodes only its own rows, in tasks of at most TASK_ROWS rows of one row group (so the
 CPUs share a window); ``in_sequence`` puts each window's decoded rows back in sequence order,
 holding one window's share at a time.
@@ -87,6 +91,8 @@ class Reader:
     max_scale: float = 0.15
     crop_min_area: float = images.CROP_MIN_AREA  # the photos' random resized crop
     photo_augment: PhotoAugment = PhotoAugment()  # the photos' policy, jitter and erasing after it
+    # --sampling balanced: each class's weight (1 / its training rows, 0 if it has none); empty: shuffle
+    class_weights: tuple[float, ...] = ()
 
     @staticmethod
     def for_data(data_dir, manifest: dict, **fields) -> "Reader":
@@ -143,6 +149,8 @@ def train_tasks(windows: list[dict], reader: Reader) -> list[dict]:
     row group each, so that the CPUs share a window's decoding. A task names its window, block
     and which of this rank's rows there it decodes, and finds those rows itself (a task's
     description stays small at any scale)."""
+    if reader.class_weights:
+        return [task for window in windows for task in _balanced_tasks(window, reader)]
     tasks = []
     for window in windows:
         _, mine = _window_positions(window, reader)
@@ -152,6 +160,37 @@ def train_tasks(windows: list[dict], reader: Reader) -> list[dict]:
             tasks += [{**window, "block": b, "first": a, "count": min(TASK_ROWS, count - a)}
                       for a in range(0, count, TASK_ROWS)]
             offset += rows
+    return tasks
+
+
+def balanced_draw(window: dict, labels: np.ndarray, reader: Reader) -> np.ndarray:
+    """--sampling balanced: the row (of the window, in block order) each of its positions
+    reads, in position order. As many draws as the window has rows, with replacement, a row of
+    class c weighing 1 / (training rows of c): the in-memory rule, applied window by window
+    (prepared files are in a seeded random order, so a window holds every class in its share
+    and an epoch comes out balanced). A function of (seed, epoch, window) and the labels."""
+    weights = np.asarray(reader.class_weights, np.float64)[labels]
+    rng = np.random.default_rng([reader.seed, reader.epoch, window["window"], 0xBA1A])
+    return rng.choice(len(labels), size=len(labels), p=weights / weights.sum())
+
+
+def _balanced_tasks(window: dict, reader: Reader) -> list[dict]:
+    """A balanced window's tasks: they name their rows (repeated when drawn twice) and positions
+    outright, at most TASK_ROWS of one row group, since finding them needs the window's labels,
+    which the rank reads (one column) and the tasks need not read again."""
+    sizes = [rows for _, _, rows in window["blocks"]]
+    labels = np.concatenate([fmt.read_labels(Path(f), g) for f, g, _ in window["blocks"]])
+    drawn = balanced_draw(window, labels, reader)
+    position = window["start"] + np.arange(len(drawn))
+    mine = _mine(position, reader)
+    drawn, position = drawn[mine], position[mine]
+    starts = np.cumsum([0] + sizes)
+    block = np.searchsorted(starts, drawn, side="right") - 1
+    tasks = []
+    for b, (f, g, _) in enumerate(window["blocks"]):
+        rows, at = drawn[block == b] - starts[b], position[block == b]
+        tasks += [{"file": f, "group": g, "rows": rows[a:a + TASK_ROWS].tolist(),
+                   "positions": at[a:a + TASK_ROWS].tolist()} for a in range(0, len(rows), TASK_ROWS)]
     return tasks
 
 
@@ -185,7 +224,8 @@ def read_task(task: dict, reader: Reader) -> dict:
         local = np.flatnonzero(mine[offset:offset + size])[task["first"]:task["first"] + task["count"]]
         positions = position[offset + local]
     else:
-        f, g, positions = task["file"], task["group"], None
+        f, g = task["file"], task["group"]
+        positions = np.asarray(task["positions"], np.int64) if "positions" in task else None  # balanced training
         local = np.asarray(task["rows"], np.int64) if "rows" in task else np.arange(task["first"], task["first"] + task["count"])
     table = fmt.read_row_group(Path(f), g, reader.storage)
     out = {"id": table.column("id").to_numpy()[local], "image": _pixels(table, local, positions, reader),

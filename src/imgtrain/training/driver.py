@@ -197,9 +197,6 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
             and stream.preset(cfg, manifest) != "photos":
         raise ImgtrainError("--augment-policy, --color-jitter and --random-erasing augment photos; this data set "
                             "trains with the digits preset: drop them, or pass --preset photos")
-    if cfg.sampling == "balanced" and not stream.in_memory(cfg, manifest):
-        raise ImgtrainError("--sampling balanced draws from a data set held in memory; this one is streamed "
-                            "(encoded images, or too large): use --class-weights auto instead")
     if cfg.backend == "local" and cfg.use_gpu and not _cuda_available():
         raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
     if stored is None:

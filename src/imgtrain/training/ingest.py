@@ -63,13 +63,22 @@ def streamed_train_batches(cfg: TrainConfig, manifest: dict, rank: int, world: i
             global_batch=cfg.batch_size, positions_end=total * cfg.batch_size,
             first_position=first_step * cfg.batch_size, world=world, rank=rank, train=True, augment=cfg.augment,
             max_rotate_deg=cfg.max_rotate_deg, max_shift=cfg.max_shift, max_scale=cfg.max_scale,
-            crop_min_area=cfg.crop_min_area, photo_augment=photo_augment.from_config(cfg, manifest))
+            crop_min_area=cfg.crop_min_area, photo_augment=photo_augment.from_config(cfg, manifest),
+            class_weights=balanced_weights(cfg, manifest))
         windows = stream.epoch_windows(split_blocks, cfg.seed, epoch, stream.window_blocks(manifest))
         windows = stream.windows_from(windows, reader.first_position)
         yield from _batches(stream.train_tasks(windows, reader), reader, share, device, how,
                             preprocess_cpus(cfg, world), windows)
 
     return train_batches
+
+
+def balanced_weights(cfg: TrainConfig, manifest: dict) -> tuple[float, ...]:
+    """The streamed reader's class weights: with --sampling balanced, 1 / each class's training
+    rows (0 for a class without any); otherwise none (a shuffled epoch)."""
+    if cfg.sampling != "balanced":
+        return ()
+    return tuple(1.0 / n if n else 0.0 for n in manifest["class_counts"]["train"])
 
 
 def streamed_val_batches(cfg: TrainConfig, manifest: dict, rank: int, world: int, device,
