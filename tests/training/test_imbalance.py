@@ -17,7 +17,7 @@ from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.faults import InjectedFault
 from imgtrain.models import registry
 from imgtrain.training.loop import class_weights
-from tests.conftest import assert_one_line_error, cli_here, quiet_display
+from tests.conftest import quiet_display
 from tests.test_model_registry import TINY_CNNS
 
 # 256 rows / batch 64 = 4 steps per epoch, 8 in all; a step checkpoint after steps 2 and 6. The
