@@ -43,7 +43,16 @@ def write_report(run, checkpoint: str = "best", storage: str = "./runs"):
     return _write_report(run, checkpoint=checkpoint, storage=storage)
 
 
+def export(run, format: str, out, checkpoint: str = "best", storage: str = "./runs", **options):
+    """The checkpoint's model as ONNX, TorchScript or pt2 in the folder ``out``, with its labels,
+    preprocessing and model card, verified against PyTorch. See ``imgtrain.inference.export``."""
+    from imgtrain.inference.export import export as _export
+
+    return _export(run, format, out, checkpoint=checkpoint, storage=storage, **options)
+
+
 __all__ = [
     "TrainConfig", "ImgtrainError", "RunResult", "train", "prepare", "PrepareOptions", "load_run", "list_runs",
     "EvalResult", "InferenceOptions", "Predictor", "evaluate", "load_model", "predict", "write_report",
+    "export",
 ]

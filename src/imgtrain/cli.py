@@ -533,6 +533,34 @@ def predict_cmd(
     console.print(summary)
 
 
+@app.command("export")
+def export_cmd(
+    run: str = typer.Argument(..., help="Run name (in --storage), run directory or checkpoint directory."),
+    out: Path = typer.Option(..., "--out", help="Folder to write the model, labels, preprocessing and model card into."),
+    format: str = typer.Option("onnx", "--format", help="onnx (ONNX Runtime, TensorRT, Triton), torchscript or "
+                               "pt2 (torch.export)."),
+    checkpoint: str = typer.Option("best", help=CHECKPOINT_HELP),
+    data: Optional[str] = typer.Option(None, help="The data set to verify on (default: the run's)."),
+    split: str = typer.Option("test", help="The split the export is verified and measured on."),
+    storage: str = typer.Option("./runs", help=STORAGE_HELP),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out folder."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """Export a checkpoint's model (preprocessing and softmax inside, dynamic batch) with a model
+    card, verified against PyTorch on the test split before it is written."""
+    from imgtrain.inference.export import export
+
+    with _json_alone_on_stdout(json_out):
+        result = export(run, format, out, checkpoint=checkpoint, storage=storage, data=data, split=split,
+                        overwrite=overwrite)
+    if json_out:
+        print(json.dumps(result.to_json(), indent=2))
+        return
+    console.print(result.verification.line(), soft_wrap=True)
+    console.print(f"{result.verification.split} accuracy {result.test_metrics['accuracy']:.2%}; wrote "
+                  f"{result.model_file} with labels.json, preprocessing.json and MODEL_CARD.md", soft_wrap=True)
+
+
 @app.command("report")
 def report_cmd(
     run: str = typer.Argument(..., help="Run name (in --storage) or run directory."),

@@ -227,7 +227,7 @@ def evaluate(
         raise ImgtrainError(f"checkpoint {loaded.path} does not say which data set it was trained on; pass --data")
     data_dir = local_data(data_dir)  # one in an object store: copied to this machine first
     manifest = verify_dataset(data_dir)
-    _check_compatible(loaded, manifest, data_dir)
+    check_compatible(loaded, manifest, data_dir)
     if split not in manifest["splits"]:
         raise ImgtrainError(f"data set {data_dir} has no split {split!r}; it has {', '.join(manifest['splits'])}")
     if manifest["splits"][split]["num_samples"] == 0:
@@ -261,7 +261,7 @@ def evaluate(
     )
 
 
-def _check_compatible(loaded: LoadedCheckpoint, manifest: dict, data_dir) -> None:
+def check_compatible(loaded: LoadedCheckpoint, manifest: dict, data_dir) -> None:
     p = loaded.preprocess
     if manifest["num_classes"] != len(p.classes):
         raise ImgtrainError(

@@ -1,0 +1,272 @@
+"""``imgtrain export``: a checkpoint's model as a file that ONNX Runtime, TorchScript or
+``torch.export`` loads without imgtrain, verified on the test split before the command succeeds.
+
+What is exported (``Exportable``) takes uint8 images [B, C, H, W] at the training size and
+returns class probabilities [B, K]: the scaling to [0, 1], the normalisation and the softmax are
+inside it, so a deployment only has to resize and lay out its images (``preprocessing.json``
+says how). The batch dimension is dynamic.
+
+The folder written: the model file, ``labels.json`` (class names by output index),
+``preprocessing.json``, ``verification.json`` and ``MODEL_CARD.md`` (``model_card.py``). It is
+assembled in a hidden folder beside ``--out`` and renamed into place once verified, so a failed
+export leaves no half-written model where a deployment could pick it up.
+
+Verification runs the test split (or ``--split``) through both the PyTorch model and the
+exported one, loaded back by its own runtime: the top-1 classes must agree on at least
+``AGREEMENT_MIN`` of the images; the largest probability difference is reported beside it.
+The same pass measures the test metrics the model card states.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from imgtrain.data.images import EVAL_CROP
+from imgtrain.errors import ImgtrainError, one_line
+from imgtrain.inference.metrics import TOP_K, EvalSums
+from imgtrain.inference.predictor import LoadedCheckpoint, load_checkpoint
+
+FORMATS = {"onnx": "model.onnx", "torchscript": "model.torchscript.pt", "pt2": "model.pt2"}
+RUNTIMES = {"onnx": "onnxruntime", "torchscript": "torch", "pt2": "torch"}
+AGREEMENT_MIN = 0.999  # top-1 agreement with PyTorch below this fails the export
+ONNX_OPSET = 18
+ONNX_ONE_FILE_MAX = 1_500_000_000  # bytes of weights; above, they go beside model.onnx (model.onnx.data)
+VERIFY_BATCH = 256
+INPUT_NAME, OUTPUT_NAME = "images", "probabilities"
+
+
+def exportable(loaded: LoadedCheckpoint):
+    """The model with its preprocessing and softmax inside: uint8 [B, C, H, W] -> float [B, K]."""
+    import torch
+
+    class Exportable(torch.nn.Module):
+        def __init__(self, model, mean, std):
+            super().__init__()
+            self.model = model
+            self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
+            self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+
+        def forward(self, images):
+            x = (images.float() / 255.0 - self.mean) / self.std
+            return self.model(x).float().softmax(1)
+
+    p = loaded.preprocess
+    model = loaded.model.to(memory_format=torch.contiguous_format)  # the runtimes take NCHW
+    return Exportable(model, p.mean, p.std).eval()
+
+
+@dataclass
+class Verification:
+    split: str
+    images: int = 0
+    agreeing: int = 0  # same top-1 class as PyTorch
+    max_prob_diff: float = 0.0  # largest |p_exported - p_torch| over every image and class
+
+    @property
+    def agreement(self) -> float:
+        return self.agreeing / max(self.images, 1)
+
+    @property
+    def passed(self) -> bool:
+        return self.images > 0 and self.agreement >= AGREEMENT_MIN
+
+    def line(self) -> str:
+        return (f"verified on the {self.split} split: top-1 identical to PyTorch on {self.agreeing:,} of "
+                f"{self.images:,} images ({self.agreement:.2%}, at least {AGREEMENT_MIN:.1%} needed); "
+                f"largest probability difference {self.max_prob_diff:.2e}")
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    format: str
+    model_file: Path
+    checkpoint: str
+    verification: Verification
+    test_metrics: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        v = self.verification
+        return {"out": str(self.out), "format": self.format, "model_file": str(self.model_file),
+                "checkpoint": self.checkpoint, "verification": {**asdict(v), "agreement": v.agreement},
+                "test_metrics": self.test_metrics}
+
+
+def export(run, fmt: str, out, checkpoint: str = "best", storage: str = "./runs", data: str | None = None,
+           split: str = "test", overwrite: bool = False) -> ExportResult:
+    """Export ``run``'s checkpoint as ``fmt`` into the folder ``out`` and verify it (module docstring)."""
+    if fmt not in FORMATS:
+        raise ImgtrainError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    _check_runtime(fmt)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ImgtrainError(f"{out} exists and is not an empty folder; pass --overwrite or another --out")
+    loaded = load_checkpoint(run, checkpoint, storage)
+    data_dir, manifest = _test_data(loaded, data, split)
+    model = exportable(loaded)
+    staging = out.parent / f".{out.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        model_file = staging / FORMATS[fmt]
+        _write(model, fmt, model_file, loaded.preprocess.image_shape)
+        verification, sums = _verify(model, _load(fmt, model_file), data_dir, manifest, split, loaded)
+        if not verification.passed:
+            raise ImgtrainError(f"the exported model disagrees with PyTorch: {verification.line()}; "
+                                f"nothing was written to {out}")
+        test_metrics = _metrics(sums, loaded.preprocess.classes)
+        _write_sidecars(staging, fmt, loaded, manifest, verification, test_metrics)
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return ExportResult(out, fmt, out / FORMATS[fmt], str(loaded.path), verification, test_metrics)
+
+
+def _check_runtime(fmt: str) -> None:
+    if fmt == "onnx":
+        import importlib.util
+
+        missing = [m for m in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ImgtrainError(f"--format onnx needs {', '.join(missing)}: pip install 'imgtrain[export]'")
+
+
+def _test_data(loaded: LoadedCheckpoint, data: str | None, split: str) -> tuple[Path, dict]:
+    from imgtrain.data.format import verify_dataset
+    from imgtrain.inference.batch import check_compatible
+    from imgtrain.storage.staging import local_data
+
+    data_dir = data or (loaded.meta.get("config") or {}).get("data")
+    if not data_dir:
+        raise ImgtrainError(f"checkpoint {loaded.path} does not say which data set it was trained on; pass --data "
+                            "(the export is verified on its test split)")
+    data_dir = local_data(data_dir)
+    manifest = verify_dataset(data_dir)
+    check_compatible(loaded, manifest, data_dir)
+    if not manifest["splits"].get(split, {}).get("num_samples"):
+        raise ImgtrainError(f"data set {data_dir} has no images in a split {split!r} to verify the export on; "
+                            f"pass --split (it has {', '.join(manifest['splits'])})")
+    return Path(data_dir), manifest
+
+
+# ---------------------------------------------------------------- writing and loading each format
+
+
+def _write(model, fmt: str, path: Path, image_shape) -> None:
+    import torch
+
+    h, w, c = image_shape
+    example = (torch.zeros(2, c, h, w, dtype=torch.uint8),)
+    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporters' deprecation and tracer chatter
+            if fmt == "pt2":
+                torch.export.save(torch.export.export(model, example, dynamic_shapes={"images": {0: batch}}), path)
+            elif fmt == "torchscript":
+                torch.jit.trace(model, example).save(str(path))  # deprecated in PyTorch, still what many tools load
+            else:
+                # one file, as Triton and most tools expect, unless protobuf's 2 GB limit forbids it
+                large = sum(t.numel() * t.element_size() for t in model.state_dict().values()) > ONNX_ONE_FILE_MAX
+                torch.onnx.export(model, example, str(path), dynamo=True, opset_version=ONNX_OPSET,
+                                  input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], external_data=large,
+                                  dynamic_shapes={"images": {0: batch}}, verbose=False)
+    except ImgtrainError:
+        raise
+    except Exception as e:  # an exporter's refusal of this model: say which
+        raise ImgtrainError(f"PyTorch could not export this model as {fmt} ({one_line(e, 240)}); "
+                            f"try another --format") from None
+
+
+def _load(fmt: str, path: Path):
+    """The exported model loaded back by its own runtime: uint8 numpy [B, C, H, W] -> numpy [B, K]."""
+    import torch
+
+    if fmt == "onnx":
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return lambda x: session.run([OUTPUT_NAME], {INPUT_NAME: x})[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = torch.jit.load(str(path)) if fmt == "torchscript" else torch.export.load(path).module()
+
+    def run(x):
+        with torch.no_grad():
+            return module(torch.from_numpy(x)).numpy()
+
+    return run
+
+
+# ---------------------------------------------------------------- verification
+
+
+def _verify(model, exported, data_dir: Path, manifest: dict, split: str,
+            loaded: LoadedCheckpoint) -> tuple[Verification, EvalSums]:
+    """Both models on every image of the split, batch by batch (memory: one batch)."""
+    import torch
+
+    from imgtrain.data import stream
+
+    reader = stream.Reader.for_data(data_dir, manifest, preset=loaded.preprocess.preset, train=False, augment=False)
+    tasks = stream.eval_tasks(stream.blocks(data_dir, manifest, split), 1, 0)
+    result, sums = Verification(split), EvalSums(len(loaded.preprocess.classes))
+    for batch in stream.cut(stream.local_parts(tasks, reader), VERIFY_BATCH):
+        x = np.ascontiguousarray(batch["image"].transpose(0, 3, 1, 2))  # NHWC -> NCHW
+        with torch.no_grad():
+            ours = model(torch.from_numpy(x)).numpy()
+        theirs = np.asarray(exported(x))
+        result.images += len(x)
+        result.agreeing += int((ours.argmax(1) == theirs.argmax(1)).sum())
+        result.max_prob_diff = max(result.max_prob_diff, float(np.abs(ours - theirs).max()))
+        top = np.argsort(-ours, axis=1, kind="stable")[:, :TOP_K]
+        sums.add(batch["label"], top, ours[np.arange(len(ours)), top[:, 0]])
+    return result, sums
+
+
+def _metrics(sums: EvalSums, classes) -> dict:
+    precision, recall, f1, support = sums.class_scores()
+    return {"accuracy": sums.accuracy, "top5_accuracy": sums.top5_accuracy, "images": sums.n,
+            "macro_avg": sums.averages()["macro"], "ece": sums.ece,
+            "per_class": {str(c): {"precision": float(precision[i]), "recall": float(recall[i]),
+                                   "f1": float(f1[i]), "support": int(support[i])} for i, c in enumerate(classes)}}
+
+
+def _write_sidecars(folder: Path, fmt: str, loaded: LoadedCheckpoint, manifest: dict,
+                    verification: Verification, test_metrics: dict) -> None:
+    from imgtrain.inference.model_card import model_card
+
+    p = loaded.preprocess
+    h, w, c = p.image_shape
+    (folder / "labels.json").write_text(json.dumps(list(p.classes), indent=1) + "\n")
+    preprocessing = {
+        "input": {"name": INPUT_NAME, "dtype": "uint8", "layout": "NCHW", "shape": ["batch", c, h, w],
+                  "channels": "grayscale" if c == 1 else "RGB", "range": [0, 255]},
+        "output": {"name": OUTPUT_NAME, "dtype": "float32", "shape": ["batch", len(p.classes)],
+                   "meaning": "class probabilities (softmax), in labels.json's order"},
+        "inside_the_model": {"scale": "x / 255", "normalize": {"mean": list(p.mean), "std": list(p.std)}},
+        "before_the_model": _resize_rule(p.preset, h, w),
+    }
+    (folder / "preprocessing.json").write_text(json.dumps(preprocessing, indent=2) + "\n")
+    check = {**asdict(verification), "agreement": verification.agreement, "required": AGREEMENT_MIN}
+    (folder / "verification.json").write_text(json.dumps(check, indent=2) + "\n")
+    (folder / "MODEL_CARD.md").write_text(model_card(fmt, FORMATS[fmt], RUNTIMES[fmt], loaded, manifest,
+                                                     verification.line(), test_metrics))
+
+
+def _resize_rule(preset: str, h: int, w: int) -> str:
+    """What imgtrain's evaluation does to an image before the model (``images.conform_image``)."""
+    if preset == "photos":
+        return (f"apply the EXIF orientation and convert to RGB; take the centre region that keeps "
+                f"{EVAL_CROP:.1%} of the shorter side at the {h}x{w} aspect ratio and resize it to {h}x{w} "
+                f"with PIL's bilinear filter; then HWC -> CHW")
+    return (f"apply the EXIF orientation and convert to 8-bit grayscale; resize to {h}x{w} with PIL's "
+            f"bilinear filter when the size differs; then add the channel axis")

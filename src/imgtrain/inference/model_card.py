@@ -1,0 +1,105 @@
+"""The ``MODEL_CARD.md`` an export writes beside its model: what the model is, what it was trained
+on and how, how well it does on its test split (measured during the export's verification, not
+copied from training), and what it is and is not meant for."""
+
+from __future__ import annotations
+
+import platform
+from datetime import datetime, timezone
+
+from imgtrain.inference.predictor import LoadedCheckpoint
+
+RECIPE_KEYS = ("model", "pretrained", "epochs", "batch_size", "lr", "optimizer", "schedule", "weight_decay",
+               "label_smoothing", "preset", "augment_policy", "mixup", "cutmix", "ema_decay", "average_last",
+               "precision", "workers", "seed")
+PER_CLASS_ROWS = 50  # a card with 1,000 classes lists the 50 weakest; labels.json has them all
+
+
+def model_card(fmt: str, model_file: str, runtime: str, loaded: LoadedCheckpoint, manifest: dict,
+               verification: str, test: dict) -> str:
+    meta, config = loaded.meta, loaded.meta.get("config") or {}
+    p = loaded.preprocess
+    h, w, c = p.image_shape
+    arch = (meta.get("model_args") or {}).get("architecture", config.get("model", "?"))
+    lines = [
+        f"# {config.get('name') or loaded.path.parent.name}: {arch}, {len(p.classes)} classes",
+        "",
+        f"Exported by imgtrain {meta.get('imgtrain_version', '?')} on "
+        f"{datetime.now(timezone.utc):%Y-%m-%d} as **{fmt}** (`{model_file}`, loaded with {runtime}) from "
+        f"checkpoint `{loaded.path.name}` (epoch {meta.get('epoch', '?')}).",
+        "",
+        "## Input and output",
+        "",
+        f"* Input `images`: uint8 [batch, {c}, {h}, {w}] ({'grayscale' if c == 1 else 'RGB'}, 0-255); the scaling, "
+        f"normalisation (mean {list(p.mean)}, std {list(p.std)}) and softmax are inside the model.",
+        f"* Output `probabilities`: float32 [batch, {len(p.classes)}], in the order of `labels.json`.",
+        "* Images of another size: `preprocessing.json` says how imgtrain's evaluation resizes them.",
+        "",
+        "## Data",
+        "",
+        *_data_lines(manifest),
+        "",
+        "## Training recipe",
+        "",
+        "| setting | value |",
+        "|---|---|",
+        *[f"| {k} | {config[k]} |" for k in RECIPE_KEYS if k in config],
+        "",
+        f"Versions: torch {meta.get('torch_version', '?')}, Ray {meta.get('ray_version', '?')}, "
+        f"Python {platform.python_version()}. The whole configuration is in the run's `config.json`.",
+        "",
+        f"## Test metrics ({test['images']:,} images of the test split, measured at export)",
+        "",
+        *_metric_lines(test),
+        "",
+        "## Export check",
+        "",
+        verification + ".",
+        "",
+        "## Intended use and known limits",
+        "",
+        f"* Classifies {h}x{w} {'grayscale' if c == 1 else 'colour'} images into exactly the classes of "
+        "`labels.json`; an image of anything else still gets one of them, often with high confidence.",
+        "* The test metrics hold for images like the test split's (same source, same preparation); expect "
+        "less on images from other cameras, scanners or domains: measure on your own before relying on it.",
+        "* The probabilities are the softmax's, not calibrated beyond what the ECE above says.",
+        "* Not for decisions about people without a human review and an evaluation of its errors per group.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _data_lines(manifest: dict) -> list[str]:
+    splits = manifest.get("splits") or {}
+    counts = manifest.get("class_counts") or {}
+    sizes = ", ".join(f"{name} {s.get('num_samples', 0):,}" for name, s in splits.items())
+    lines = [f"Data set `{manifest.get('name', '?')}` (source {manifest.get('source', '?')}, prepared "
+             f"{manifest.get('created', '?')}): {sizes} images."]
+    train = counts.get("train")
+    if train:
+        low, high = min(train), max(train)
+        lines.append(f"Training images per class: {low:,} to {high:,}"
+                     + (f" (imbalanced: {high / max(low, 1):.0f}x)." if high > 3 * max(low, 1) else "."))
+    return lines
+
+
+def _metric_lines(test: dict) -> list[str]:
+    top5 = test.get("top5_accuracy")
+    macro = test["macro_avg"]
+    lines = [f"* accuracy {test['accuracy']:.2%}" + (f", top-5 {top5:.2%}" if top5 is not None else ""),
+             f"* macro precision {macro['precision']:.3f}, recall {macro['recall']:.3f}, F1 {macro['f1']:.3f}",
+             f"* expected calibration error {test['ece']:.4f} (15 equal-width confidence bins)",
+             "", "| class | precision | recall | F1 | test images |", "|---|---:|---:|---:|---:|"]
+    rows = sorted(test["per_class"].items(), key=lambda kv: kv[1]["f1"])[:PER_CLASS_ROWS]
+    if len(test["per_class"]) <= PER_CLASS_ROWS:
+        rows = list(test["per_class"].items())
+    lines += [f"| {_cell(name)} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} | {s['support']:,} |"
+              for name, s in rows]
+    if len(test["per_class"]) > PER_CLASS_ROWS:
+        lines.append(f"\n(the {PER_CLASS_ROWS} classes with the lowest F1 of {len(test['per_class']):,})")
+    return lines
+
+
+def _cell(text: str) -> str:
+    """A class name as a Markdown table cell (a "|" would end it)."""
+    return text.replace("|", "\\|")
