@@ -431,11 +431,16 @@ TTA_OPTION = typer.Option("none", help="Test-time augmentation: none, or flip (t
                           "each image and its mirror image: two forward passes; for photos, not digits).")
 
 
-def _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k=3, tta="none"):
+ENGINE_OPTION = typer.Option("torch", help="torch: a run or checkpoint; onnxruntime: an ONNX export folder "
+                             "(imgtrain export --format onnx), int8 or not.")
+
+
+def _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k=3, tta="none",
+                       engine="torch"):
     from imgtrain.inference.batch import InferenceOptions
 
     return InferenceOptions(backend=backend, batch_size=batch_size, concurrency=concurrency,
-                            threads=threads, use_gpu=gpu, address=address, top_k=top_k, tta=tta)
+                            threads=threads, use_gpu=gpu, address=address, top_k=top_k, tta=tta, engine=engine)
 
 
 @app.command("evaluate")
@@ -446,7 +451,7 @@ def evaluate_cmd(
     data: Optional[str] = typer.Option(None, help="Another prepared data set, a folder or s3://... (default: the run's)."),
     gpu: bool = GPU_OPTION, concurrency: int = CONCURRENCY_OPTION, batch_size: int = BATCH_OPTION,
     threads: int = THREADS_OPTION, backend: str = BACKEND_OPTION, address: Optional[str] = ADDRESS_OPTION,
-    tta: str = TTA_OPTION,
+    tta: str = TTA_OPTION, engine: str = ENGINE_OPTION,
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
@@ -454,7 +459,7 @@ def evaluate_cmd(
     confusion matrix of a checkpoint."""
     from imgtrain.inference.batch import evaluate
 
-    opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address, tta=tta)
+    opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address, tta=tta, engine=engine)
     with _json_alone_on_stdout(json_out):
         result = evaluate(run, checkpoint=checkpoint, storage=storage, split=split, data=data, options=opts)
     if json_out:
@@ -512,14 +517,14 @@ def predict_cmd(
     image_column: str = typer.Option("image", help="Parquet input: the image column."),
     gpu: bool = GPU_OPTION, concurrency: int = CONCURRENCY_OPTION, batch_size: int = BATCH_OPTION,
     threads: int = THREADS_OPTION, backend: str = BACKEND_OPTION, address: Optional[str] = ADDRESS_OPTION,
-    tta: str = TTA_OPTION,
+    tta: str = TTA_OPTION, engine: str = ENGINE_OPTION,
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
 ):
     """Predict classes for images; images of another size or colour mode are converted."""
     from imgtrain.inference.batch import predict
 
-    opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k, tta)
+    opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k, tta, engine)
     result = predict(run, input, out, checkpoint=checkpoint, storage=storage, on_error=on_error,
                      split=split, image_column=image_column, options=opts, overwrite=overwrite)
     err = err_console
@@ -544,6 +549,10 @@ def export_cmd(
     split: str = typer.Option("test", help="The split the export is verified and measured on."),
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out folder."),
+    quantize: str = typer.Option("none", help="int8 (with --format onnx): ONNX Runtime's static quantization, "
+                                 "calibrated on training images."),
+    max_accuracy_drop: float = typer.Option(0.01, help="--quantize int8 is refused when it costs more test "
+                                            "accuracy than this fraction."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
     """Export a checkpoint's model (preprocessing and softmax inside, dynamic batch) with a model
@@ -552,11 +561,16 @@ def export_cmd(
 
     with _json_alone_on_stdout(json_out):
         result = export(run, format, out, checkpoint=checkpoint, storage=storage, data=data, split=split,
-                        overwrite=overwrite)
+                        overwrite=overwrite, quantize=quantize, max_accuracy_drop=max_accuracy_drop)
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
         return
     console.print(result.verification.line(), soft_wrap=True)
+    int8 = result.test_metrics.get("int8")
+    if int8:
+        console.print(f"int8: {result.verification.split} accuracy {int8['accuracy']:.2%} against "
+                      f"{int8['fp32_accuracy']:.2%} in float32 (drop {int8['accuracy_drop']:.2%}, at most "
+                      f"{int8['max_accuracy_drop']:.2%} allowed)", soft_wrap=True)
     console.print(f"{result.verification.split} accuracy {result.test_metrics['accuracy']:.2%}; wrote "
                   f"{result.model_file} with labels.json, preprocessing.json and MODEL_CARD.md", soft_wrap=True)
 
@@ -602,7 +616,7 @@ def serve_cmd(
                                 "2-3x the requests per second under load on 2 cores); proxy: through Ray "
                                 "Serve's proxy, needed for several replicas or a joined cluster. auto: direct "
                                 "where it can."),
-    tta: str = TTA_OPTION,
+    tta: str = TTA_OPTION, engine: str = ENGINE_OPTION,
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster; default: start one."),
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
 ):
@@ -615,7 +629,7 @@ def serve_cmd(
                     max_queued_requests=max_queued_requests, max_batch_size=max_batch_size,
                     batch_wait_ms=batch_wait_ms)
     run_server(run, checkpoint=checkpoint, storage=storage, host=host, port=port, limits=limits,
-               replicas=replicas, address=address, openapi=openapi, ingress=ingress, tta=tta,
+               replicas=replicas, address=address, openapi=openapi, ingress=ingress, tta=tta, engine=engine,
                announce=lambda line: console.print(line, soft_wrap=True))
 
 

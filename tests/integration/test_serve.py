@@ -571,22 +571,29 @@ def test_direct_ingress_is_refused_where_it_cannot_work(trained, capsys):
     assert_one_line_error(proc, "--ingress direct", "--ingress proxy")
 
 
-def test_tta_flip_answers_the_mean_of_the_image_and_its_mirror_image(ray_cluster, trained, digit, tmp_path):
-    """``--tta flip``: the replica's probabilities are the flip-averaged Predictor's (joined to the
-    session's cluster through the proxy, as above, to spare a Ray start); the driver warns once that
-    a digits model never saw a mirrored digit."""
+def test_an_onnx_export_served_with_tta_flip_answers_as_the_pytorch_model(ray_cluster, trained, digit, tmp_path):
+    """``--engine onnxruntime --tta flip`` on an ONNX export of the run: the replica's
+    probabilities are the flip-averaged Predictor's on the same export, and within float error of
+    the PyTorch model's (joined to the session's cluster through the proxy, as above, to spare a Ray
+    start); the driver warns once that a digits model never saw a mirrored digit."""
     from ray import serve
 
+    from imgtrain.inference.export import export
+
     pixels, _ = digit
-    flipped = Predictor(trained[1], tta="flip")
+    exported = export(trained[1], "onnx", tmp_path / "export").out
+    flipped = Predictor(exported, tta="flip", engine="onnxruntime")
+    torch_flipped = Predictor(trained[1], tta="flip").predict_proba(pixels[None])[0]
     try:
         with serving(trained[0], tmp_path, "--ingress", "proxy", "--address", ray_cluster, "--tta", "flip",
-                     run=run_name(trained)) as (proc, port, stdout, stderr):
-            assert request(port, "/healthz")[1]["tta"] == "flip"
+                     "--engine", "onnxruntime", run=str(exported)) as (proc, port, stdout, stderr):
+            health = request(port, "/healthz")[1]
+            assert (health["tta"], health["engine"]) == ("flip", "onnxruntime")
             assert "warning: --tta flip" in stderr.read_text()
             status, answer = request(port, "/predict", png_bytes(pixels), "image/png")
             assert status == 200, answer
             assert_prediction(answer, flipped.predict_proba(pixels[None])[0], flipped.loaded.preprocess.classes)
+            assert_prediction(answer, torch_flipped, flipped.loaded.preprocess.classes)
             proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, stderr.read_text()
     finally:

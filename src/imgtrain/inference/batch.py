@@ -45,9 +45,16 @@ class InferenceOptions:
     address: str | None = None  # join this Ray cluster; default: start a private one
     top_k: int = DEFAULT_TOP_K
     tta: str = "none"  # flip: softmax averaged over each image and its mirror image (photos)
+    engine: str = "torch"  # onnxruntime: an ONNX export folder instead of a checkpoint (onnx_engine.py)
 
     def validate(self) -> None:
+        from imgtrain.inference.onnx_engine import ENGINES
+
         problems = []
+        if self.engine not in ENGINES:
+            problems.append(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "onnxruntime" and self.use_gpu:
+            problems.append("--engine onnxruntime runs on CPUs here; drop --gpu")
         if self.backend not in ("ray", "local"):
             problems.append(f"backend must be ray or local, got {self.backend!r}")
         if self.batch_size < 1:
@@ -125,7 +132,7 @@ def _ray_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, indic
             fn_constructor_kwargs=dict(
                 checkpoint=str(loaded.path), device="cuda" if opts.use_gpu else "cpu",
                 top_k=opts.top_k, threads=0 if opts.use_gpu else opts.threads_per_actor(),
-                tta=opts.tta, indices=indices,
+                tta=opts.tta, indices=indices, engine=opts.engine,
             ),
             batch_size=opts.batch_size, batch_format="numpy", num_cpus=1, num_gpus=1 if opts.use_gpu else 0,
             compute=ray.data.ActorPoolStrategy(size=opts.concurrency),
@@ -221,7 +228,8 @@ def evaluate(
     from imgtrain.storage.staging import local_data
 
     opts = options or InferenceOptions()
-    loaded = load_checkpoint(run, checkpoint, storage)
+    # an ONNX Runtime session takes its threads when it is made: the local backend's, here
+    loaded = load_checkpoint(run, checkpoint, storage, engine=opts.engine, threads=opts.threads)
     data_dir = data or (loaded.meta.get("config") or {}).get("data")
     if not data_dir:
         raise ImgtrainError(f"checkpoint {loaded.path} does not say which data set it was trained on; pass --data")
@@ -313,7 +321,8 @@ def predict(
     if on_error not in ON_ERROR:
         raise ImgtrainError(f"--on-error must be skip or fail, got {on_error!r}")
     out = check_output(out, overwrite)  # before any work, not after it
-    loaded = load_checkpoint(run, checkpoint, storage)
+    # an ONNX Runtime session takes its threads when it is made: the local backend's, here
+    loaded = load_checkpoint(run, checkpoint, storage, engine=opts.engine, threads=opts.threads)
     inputs = list_inputs(input, split=split, image_column=image_column)
     writer, skipped, converted = TableWriter(out), [], 0
     try:

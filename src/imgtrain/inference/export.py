@@ -7,7 +7,8 @@ inside it, so a deployment only has to resize and lay out its images (``preproce
 says how). The batch dimension is dynamic.
 
 The folder written: the model file, ``labels.json`` (class names by output index),
-``preprocessing.json``, ``verification.json`` and ``MODEL_CARD.md`` (``model_card.py``). It is
+``preprocessing.json``, ``verification.json``, ``MODEL_CARD.md`` (``model_card.py``) and
+``imgtrain.json`` (what ``predict``/``serve --engine onnxruntime`` need, and the model file's sha256). It is
 assembled in a hidden folder beside ``--out`` and renamed into place once verified, so a failed
 export leaves no half-written model where a deployment could pick it up.
 
@@ -30,6 +31,7 @@ import numpy as np
 from imgtrain.data.images import EVAL_CROP
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.inference.metrics import TOP_K, EvalSums
+from imgtrain.inference.onnx_engine import EXPORT_META, file_sha256
 from imgtrain.inference.predictor import LoadedCheckpoint, load_checkpoint
 
 FORMATS = {"onnx": "model.onnx", "torchscript": "model.torchscript.pt", "pt2": "model.pt2"}
@@ -38,6 +40,7 @@ AGREEMENT_MIN = 0.999  # top-1 agreement with PyTorch below this fails the expor
 ONNX_OPSET = 18
 ONNX_ONE_FILE_MAX = 1_500_000_000  # bytes of weights; above, they go beside model.onnx (model.onnx.data)
 VERIFY_BATCH = 256
+MAX_ACCURACY_DROP = 0.01  # --quantize int8 is refused when it costs more test accuracy than this
 INPUT_NAME, OUTPUT_NAME = "images", "probabilities"
 
 
@@ -99,10 +102,17 @@ class ExportResult:
 
 
 def export(run, fmt: str, out, checkpoint: str = "best", storage: str = "./runs", data: str | None = None,
-           split: str = "test", overwrite: bool = False) -> ExportResult:
-    """Export ``run``'s checkpoint as ``fmt`` into the folder ``out`` and verify it (module docstring)."""
+           split: str = "test", overwrite: bool = False, quantize: str = "none",
+           max_accuracy_drop: float = MAX_ACCURACY_DROP) -> ExportResult:
+    """Export ``run``'s checkpoint as ``fmt`` into the folder ``out`` and verify it (module
+    docstring). ``quantize="int8"`` (ONNX): ONNX Runtime's static int8 quantization, refused when
+    it costs more than ``max_accuracy_drop`` of accuracy on the split (``quantize.py``)."""
     if fmt not in FORMATS:
         raise ImgtrainError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if quantize not in ("none", "int8") or (quantize == "int8" and fmt != "onnx"):
+        raise ImgtrainError(f"--quantize must be none, or int8 with --format onnx; got {quantize!r} with {fmt}")
+    if not 0 <= max_accuracy_drop <= 1:
+        raise ImgtrainError(f"--max-accuracy-drop is a fraction of the images in [0, 1], got {max_accuracy_drop}")
     _check_runtime(fmt)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
@@ -121,6 +131,11 @@ def export(run, fmt: str, out, checkpoint: str = "best", storage: str = "./runs"
             raise ImgtrainError(f"the exported model disagrees with PyTorch: {verification.line()}; "
                                 f"nothing was written to {out}")
         test_metrics = _metrics(sums, loaded.preprocess.classes)
+        if quantize == "int8":
+            from imgtrain.inference.quantize import quantize_int8
+
+            test_metrics["int8"] = quantize_int8(model_file, data_dir, manifest, split, loaded, test_metrics,
+                                                 max_accuracy_drop, out)
         _write_sidecars(staging, fmt, loaded, manifest, verification, test_metrics)
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
@@ -256,8 +271,17 @@ def _write_sidecars(folder: Path, fmt: str, loaded: LoadedCheckpoint, manifest: 
         "before_the_model": _resize_rule(p.preset, h, w),
     }
     (folder / "preprocessing.json").write_text(json.dumps(preprocessing, indent=2) + "\n")
-    check = {**asdict(verification), "agreement": verification.agreement, "required": AGREEMENT_MIN}
+    check = {**asdict(verification), "agreement": verification.agreement, "required": AGREEMENT_MIN,
+             "int8": test_metrics.get("int8")}
     (folder / "verification.json").write_text(json.dumps(check, indent=2) + "\n")
+    # what imgtrain's own engines need to run the export (onnx_engine.load_export)
+    meta = {key: loaded.meta.get(key) for key in ("model_args", "data", "epoch", "metrics", "imgtrain_version",
+                                                  "torch_version")}
+    config = loaded.meta.get("config") or {}
+    meta["config"] = {k: config.get(k) for k in ("name", "data", "preset", "model")}
+    meta.update(format=fmt, checkpoint=str(loaded.path), quantized=test_metrics.get("int8") is not None,
+                sha256={FORMATS[fmt]: file_sha256(folder / FORMATS[fmt])})
+    (folder / EXPORT_META).write_text(json.dumps(meta, indent=1) + "\n")
     (folder / "MODEL_CARD.md").write_text(model_card(fmt, FORMATS[fmt], RUNTIMES[fmt], loaded, manifest,
                                                      verification.line(), test_metrics))
 

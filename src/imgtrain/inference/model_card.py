@@ -89,6 +89,7 @@ def _metric_lines(test: dict) -> list[str]:
     lines = [f"* accuracy {test['accuracy']:.2%}" + (f", top-5 {top5:.2%}" if top5 is not None else ""),
              f"* macro precision {macro['precision']:.3f}, recall {macro['recall']:.3f}, F1 {macro['f1']:.3f}",
              f"* expected calibration error {test['ece']:.4f} (15 equal-width confidence bins)",
+             *_int8_lines(test.get("int8")),
              "", "| class | precision | recall | F1 | test images |", "|---|---:|---:|---:|---:|"]
     rows = sorted(test["per_class"].items(), key=lambda kv: kv[1]["f1"])[:PER_CLASS_ROWS]
     if len(test["per_class"]) <= PER_CLASS_ROWS:
@@ -103,3 +104,13 @@ def _metric_lines(test: dict) -> list[str]:
 def _cell(text: str) -> str:
     """A class name as a Markdown table cell (a "|" would end it)."""
     return text.replace("|", "\\|")
+
+
+def _int8_lines(int8: dict | None) -> list[str]:
+    if not int8:
+        return []
+    return [f"* **this export is int8** ({int8['method']}, calibrated on {int8['calibration_images']:,} training "
+            f"images): accuracy {int8['accuracy']:.2%} against {int8['fp32_accuracy']:.2%} in float32 "
+            f"({int8['accuracy_drop']:+.2%} drop allowed up to {int8['max_accuracy_drop']:.2%}); top-1 as the "
+            f"float32 model's on {int8['agreement_with_fp32']:.2%} of the images. The figures above and per class "
+            f"are the float32 model's."]

@@ -14,6 +14,7 @@ format used in training), so no glue code is needed:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,16 +55,19 @@ class Preprocess:
             images = np.asarray(images)
             if not images.flags.writeable:  # Ray Data's zero-copy batches; torch wants to own them
                 images = images.copy()
-        x = torch.as_tensor(images)
-        if x.ndim == 3:
-            x = x.unsqueeze(0)
-        if x.dtype != torch.uint8 or tuple(x.shape[1:]) != self.image_shape:
+        x = self.checked(torch.as_tensor(images))
+        x = to_model_input(x.to(device), list(self.mean), list(self.std))
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+
+    def checked(self, images):
+        """uint8 images [B, H, W, C] of the model's shape (a batch of one from [H, W, C]), numpy or torch."""
+        x = images[None] if images.ndim == 3 else images
+        if str(x.dtype).removeprefix("torch.") != "uint8" or tuple(x.shape[1:]) != self.image_shape:
             raise ImgtrainError(
                 f"the model takes uint8 images of shape {list(self.image_shape)} (H, W, C), "
                 f"got {str(x.dtype).removeprefix('torch.')} {list(x.shape[1:])}"
             )
-        x = to_model_input(x.to(device), list(self.mean), list(self.std))
-        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+        return x
 
 
 @dataclass
@@ -79,16 +83,22 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(
-    run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs", device: str = "cpu"
+    run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs", device: str = "cpu",
+    engine: str = "torch", threads: int = 0,
 ) -> LoadedCheckpoint:
-    """Verify the checkpoint's checksums, rebuild its model and load the weights (eval mode)."""
+    """Verify the checkpoint's checksums, rebuild its model and load the weights (eval mode).
+    ``engine="onnxruntime"``: an ONNX export folder instead (``onnx_engine.load_export``)."""
     import torch
 
+    from imgtrain.inference.onnx_engine import check_engine, load_export
     from imgtrain.models.zoo import build_from_args
 
+    check_engine(engine, run_or_checkpoint)
+    if engine == "onnxruntime":
+        return load_export(run_or_checkpoint, threads)
     path = runs.resolve_checkpoint(run_or_checkpoint, checkpoint, storage)  # verified
     meta = ckpt.read_meta(path)
-    args, data = meta.get("model_args") or {}, meta.get("data") or {}
+    args = meta.get("model_args") or {}
     try:
         with torch.random.fork_rng(devices=[]):  # its random initial weights are overwritten: the caller's RNG is left alone
             model = build_from_args(args)
@@ -105,6 +115,17 @@ def load_checkpoint(
             f"with {args.get('in_channels')} channel(s) and {args.get('num_classes')} classes "
             f"(another architecture or class count?): {detail}"
         ) from None
+    preprocess = preprocess_of(path, meta)
+    model = model.to(device).eval()
+    if preprocess.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return LoadedCheckpoint(model, preprocess, path, meta)
+
+
+def preprocess_of(path: Path, meta: dict) -> Preprocess:
+    """How the model of ``meta`` (a checkpoint's meta.json, or an export's imgtrain.json) takes
+    its images, its untrusted fields checked first."""
+    args, data = meta.get("model_args") or {}, meta.get("data") or {}
     channels, k = args["in_channels"], args["num_classes"]
     if not isinstance(data, dict):
         raise ImgtrainError(f"checkpoint {path}: {ckpt.META_FILE} data is not an object; use another checkpoint")
@@ -114,18 +135,12 @@ def load_checkpoint(
     problems = _data_problems(classes, norm, image_shape, channels, k)
     if problems:
         raise ImgtrainError(f"checkpoint {path}: {ckpt.META_FILE} {'; '.join(problems)}; use another checkpoint")
-    image_shape = tuple(image_shape)
-    classes = tuple(str(c) for c in classes)
-    preprocess = Preprocess(
-        image_shape=image_shape,
-        mean=tuple(norm["mean"]), std=tuple(norm["std"]), classes=classes,
+    return Preprocess(
+        image_shape=tuple(image_shape),
+        mean=tuple(norm["mean"]), std=tuple(norm["std"]), classes=tuple(str(c) for c in classes),
         channels_last=bool((meta.get("config") or {}).get("channels_last", False)),
-        preset=preprocess_preset(path),
+        preset=preset_of(meta),
     )
-    model = model.to(device).eval()
-    if preprocess.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    return LoadedCheckpoint(model, preprocess, path, meta)
 
 
 def _data_problems(classes, norm, image_shape, channels: int, k: int) -> list[str]:
@@ -154,8 +169,15 @@ def _unit_number(value) -> bool:
 
 
 def preprocess_preset(checkpoint_dir: Path) -> str:
-    """The evaluation transform a checkpoint's model was validated with."""
-    meta = ckpt.read_meta(checkpoint_dir)
+    """The evaluation transform a checkpoint's (or an export's) model was validated with."""
+    from imgtrain.inference.onnx_engine import EXPORT_META, is_export
+
+    if is_export(checkpoint_dir):
+        return preset_of(json.loads((Path(checkpoint_dir) / EXPORT_META).read_text()))
+    return preset_of(ckpt.read_meta(checkpoint_dir))
+
+
+def preset_of(meta: dict) -> str:
     config, data = meta.get("config") or {}, meta.get("data") or {}
     preset = config.get("preset") if config.get("preset") not in (None, "auto") else data.get("preset")
     return preset or default_preset(data.get("image_shape"))
@@ -203,7 +225,8 @@ class Predictor:
     """
 
     def __init__(self, checkpoint, storage: str = "./runs", device: str = "cpu",
-                 top_k: int = DEFAULT_TOP_K, threads: int = 0, tta: str = "none", indices: bool = False):
+                 top_k: int = DEFAULT_TOP_K, threads: int = 0, tta: str = "none", indices: bool = False,
+                 engine: str = "torch"):
         check_tta(tta)  # the warning for digits is the driver's, once (batch.predictions, serve)
         # Set around each call and put back after, not for good: the process may be the
         # caller's own (a notebook), which must find its setting as it left it.
@@ -212,7 +235,7 @@ class Predictor:
             self.loaded = checkpoint
         else:
             with process.torch_threads(threads):
-                self.loaded = load_checkpoint(checkpoint, "best", storage, device)
+                self.loaded = load_checkpoint(checkpoint, "best", storage, device, engine, threads)
         self.device, self.tta, self.indices = device, tta, indices
         self.top_k = max(1, min(top_k, len(self.loaded.preprocess.classes)))
         self.classes = np.asarray(self.loaded.preprocess.classes, dtype=object)
@@ -222,6 +245,8 @@ class Predictor:
         import torch
 
         model, preprocess = self.loaded.model, self.loaded.preprocess
+        if hasattr(model, "probabilities"):  # an ONNX export (onnx_engine.OnnxModel): its own threads
+            return model.probabilities(preprocess.checked(images), self.tta)
         with process.torch_threads(self.threads), torch.inference_mode():
             x = preprocess(images, self.device)  # [B, C, H, W]
             probs = model(x).float().softmax(1)

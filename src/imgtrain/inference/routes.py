@@ -7,7 +7,7 @@ methods are its routes. A new route is a method of ``ModelServer`` here, nothing
                     -> {"label", "index", "confidence", "probabilities": {class: prob}} (a list for a batch)
     GET  /healthz   -> {"status": "ok", "checkpoint" (its name), "classes", "image_shape",
                         "forward_passes", "images_predicted" (this replica's, since it started),
-                        "tta" (none, or flip: --tta)}
+                        "tta" (none, or flip: --tta), "engine" (torch, or onnxruntime: --engine)}
     GET  /          a page to try the model in a browser (try_page.py)
     GET  /openapi.json  only with ``--openapi`` (no /docs or /redoc: they load outside scripts)
 
@@ -90,10 +90,12 @@ class ModelServer:
     """One replica: the checkpoint's model in eval mode on the CPU, fed batches gathered from
     concurrent requests."""
 
-    def __init__(self, checkpoint_dir: str, limits: Limits, threads: int, openapi: bool = False, tta: str = "none"):
+    def __init__(self, checkpoint_dir: str, limits: Limits, threads: int, openapi: bool = False, tta: str = "none",
+                 engine: str = "torch"):
         _bind_as_serves_proxy_does()  # before Serve starts this replica's HTTP server (direct ingress)
         # verifies the sha256s again; every forward pass below is its predict_proba (tta included)
-        self.predictor = Predictor(checkpoint_dir, threads=threads, tta=tta)
+        self.predictor = Predictor(checkpoint_dir, threads=threads, tta=tta, engine=engine)
+        self.engine = engine
         self.shape = self.predictor.loaded.preprocess.image_shape  # (H, W, C)
         self.classes = list(self.predictor.loaded.preprocess.classes)
         # A name, not the server's file system layout: /healthz answers anyone who can connect.
@@ -119,7 +121,8 @@ class ModelServer:
     def healthz(self):
         return {"status": "ok", "checkpoint": self.checkpoint, "classes": self.classes,
                 "image_shape": list(self.shape), "forward_passes": self.forward_passes,
-                "images_predicted": self.images_predicted, "tta": self.predictor.tta}
+                "images_predicted": self.images_predicted, "tta": self.predictor.tta,
+                "engine": self.engine}
 
     @http_app.get("/openapi.json")
     def openapi_schema(self):

@@ -23,6 +23,7 @@ from ray import serve
 from imgtrain import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError, one_line
+from imgtrain.inference.onnx_engine import check_engine, load_export
 from imgtrain.inference.predictor import TTA, check_tta, preprocess_preset
 from imgtrain.inference.requests import RETRY_AFTER_S, Limits
 from imgtrain.inference.routes import REPLICA_CPUS, ModelServer
@@ -67,13 +68,14 @@ def choose_ingress(ingress: str, replicas: int, joins_cluster: bool) -> str:
 def run_server(run, checkpoint: str = "best", storage: str = "./runs", host: str = "127.0.0.1",
                port: int = 8000, limits: Limits = Limits(), replicas: int = 1,
                address: str | None = None, openapi: bool = False, ingress: str = "auto", announce=print,
-               tta: str = "none") -> None:
+               tta: str = "none", engine: str = "torch") -> None:
     """Serve the checkpoint until SIGINT or SIGTERM; returns after a clean shutdown. ``tta="flip"``:
-    each answer's probabilities are averaged over the image and its mirror image (``Predictor``)."""
+    each answer's probabilities are averaged over the image and its mirror image (``Predictor``).
+    ``engine="onnxruntime"``: ``run`` is an ONNX export folder, served with ONNX Runtime."""
     import ray
 
     ingress = choose_ingress(ingress, replicas, joins_cluster=address is not None or ray.is_initialized())
-    path, logs = _check_request(run, checkpoint, storage, host, port, limits, replicas, tta)
+    path, logs = _check_request(run, checkpoint, storage, host, port, limits, replicas, tta, engine)
     private_env = direct_ingress_env(port) if ingress == "direct" else None
     stop = _StopSignals()
     terminal = sys.stdout  # ray_session swaps sys.stdout for a log file; announce needs the real one
@@ -88,7 +90,7 @@ def run_server(run, checkpoint: str = "best", storage: str = "./runs", host: str
                 try:
                     # Serve starts its proxy with direct ingress too: it gets a port of its own.
                     proxy_port = free_port(host) if ingress == "direct" else port
-                    _deploy(path, host, proxy_port, limits, replicas, openapi, tta)
+                    _deploy(path, host, proxy_port, limits, replicas, openapi, tta, engine)
                     if _wait_ready(host, port, stop, logs):
                         with contextlib.redirect_stdout(terminal):
                             via = "the replica answers directly" if ingress == "direct" else \
@@ -105,7 +107,8 @@ def run_server(run, checkpoint: str = "best", storage: str = "./runs", host: str
                 raise
 
 
-def _check_request(run, checkpoint, storage, host, port, limits, replicas, tta="none") -> tuple[Path, Path]:
+def _check_request(run, checkpoint, storage, host, port, limits, replicas, tta="none",
+                   engine="torch") -> tuple[Path, Path]:
     """(the verified checkpoint, where logs go), after every check that can fail before Ray starts."""
     problems = limits.problems()
     if tta not in TTA:
@@ -116,8 +119,9 @@ def _check_request(run, checkpoint, storage, host, port, limits, replicas, tta="
         problems.append(f"--replicas must be at least 1, got {replicas}")
     if problems:
         raise ImgtrainError("; ".join(problems))
-    # Verified here: a damaged checkpoint fails in one line, not in a replica's log.
-    path = runs.resolve_checkpoint(run, checkpoint, storage)
+    # Verified here: a damaged checkpoint (or export) fails in one line, not in a replica's log.
+    check_engine(engine, run)
+    path = load_export(run).path if engine == "onnxruntime" else runs.resolve_checkpoint(run, checkpoint, storage)
     check_tta(tta, preprocess_preset(path))  # flip on a digits model: a warning, once, here
     check_port_free(host, port)
     in_run = (path.parent / runs.CONFIG_FILE).is_file()  # a checkpoint inside a run directory
@@ -126,7 +130,8 @@ def _check_request(run, checkpoint, storage, host, port, limits, replicas, tta="
     return path, logs
 
 
-def _deploy(path: Path, host: str, port: int, limits: Limits, replicas: int, openapi: bool, tta: str) -> None:
+def _deploy(path: Path, host: str, port: int, limits: Limits, replicas: int, openapi: bool, tta: str,
+            engine: str) -> None:
     from ray.serve.config import BackpressureConfig
 
     serve.start(http_options={"host": host, "port": port,
@@ -143,7 +148,7 @@ def _deploy(path: Path, host: str, port: int, limits: Limits, replicas: int, ope
         max_ongoing_requests=2 * per_replica,
         max_queued_requests=per_replica * replicas,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=RETRY_AFTER_S),
-    ).bind(str(path), limits, cluster_mod.threads_for(replicas), openapi, tta)
+    ).bind(str(path), limits, cluster_mod.threads_for(replicas), openapi, tta, engine)
     serve.run_many([serve.RunTarget(app, name=APP_NAME)], wait_for_applications_running=False)
 
 
