@@ -95,9 +95,18 @@ def commands(line: str) -> list[list[str]]:
 
 
 def docs_commands(program: str) -> list[tuple[str, list[str]]]:
-    """(where, arguments) of every `program ...` command in the docs' fenced blocks."""
-    return [(where, command[1:]) for page in DOC_PAGES for where, line in shell_lines(page)
-            for command in commands(line) if command[0].rsplit("/", 1)[-1] == program]
+    """(where, arguments) of every `program ...` command in the docs' fenced blocks. What follows
+    a `--` is a command of the same program (`imgtrain cluster manifest ... -- train ...`)."""
+    found = []
+    for page in DOC_PAGES:
+        for where, line in shell_lines(page):
+            for command in commands(line):
+                if command[0].rsplit("/", 1)[-1] != program:
+                    continue
+                arguments = command[1:]
+                cut = arguments.index("--") if "--" in arguments else len(arguments)
+                found += [(where, arguments[:cut])] + ([(where, arguments[cut + 1:])] if cut < len(arguments) else [])
+    return found
 
 
 def command_path(arguments: list[str]):

@@ -22,7 +22,7 @@ LAYERS = [
     ["data"],  # sources, the prepared data set, the streamed epoch, batch augmentation
     ["models"],  # model families by name, held to the data set's bounds
     ["checkpoint", "storage", "runs", "configfile"],  # the run store: checkpoints, bucket, run files
-    ["cluster", "finetune"],  # starting or joining Ray; --init-from's weights (from a run)
+    ["cluster", "finetune", "kuberay"],  # starting or joining Ray; --init-from's weights; KubeRay manifests
     ["training", "inference"],
     ["sweep"],  # a trial is a training run
     ["commands"],  # clean, doctor: above the run store and the cluster

@@ -717,6 +717,76 @@ def doctor_cmd(
         raise typer.Exit(1)
 
 
+cluster_app = typer.Typer(no_args_is_help=True, help="Run imgtrain on Kubernetes: manifests for KubeRay.")
+app.add_typer(cluster_app, name="cluster")
+
+
+def _installed_ray() -> str:
+    from importlib.metadata import version
+
+    return version("ray")
+
+
+@cluster_app.command("manifest")
+def cluster_manifest(
+    command: Optional[list[str]] = typer.Argument(None, metavar="-- COMMAND", help=(
+        "The imgtrain command the cluster runs, after --, e.g. -- train --data s3://b/data --storage s3://b/runs "
+        "--name big --workers 4 (`--address auto` is added). Required for a RayJob.")),
+    kind: str = typer.Option("rayjob", help="rayjob: a RayJob, a cluster made for the command and gone after it; "
+                             "raycluster: a RayCluster alone, to `ray job submit` commands to."),
+    name: Optional[str] = typer.Option(None, help="The RayJob's or RayCluster's name, a DNS-1035 label "
+                                       "\\[default: imgtrain-RUN, RUN the command's --name]"),
+    image: Optional[str] = typer.Option(None, help="Container image holding imgtrain and the same Ray as "
+                                        "--ray-version (no public image has imgtrain: docs/clusters.md shows a "
+                                        "Dockerfile). Required."),
+    pods: int = typer.Option(2, help="Worker pods, beside the head pod (which runs the driver, no training)."),
+    cpus_per_pod: int = typer.Option(4, help="CPUs of each worker pod (the command's Ray Train workers and Ray Data "
+                                     "share them)."),
+    gpus_per_pod: int = typer.Option(0, help="NVIDIA GPUs of each worker pod (nvidia.com/gpu)."),
+    memory_per_pod: str = typer.Option("8Gi", help="Memory of each worker pod, in Kubernetes' units."),
+    head_cpus: int = typer.Option(2, help="CPUs of the head pod."),
+    head_memory: str = typer.Option("8Gi", help="Memory of the head pod."),
+    secret: Optional[str] = typer.Option(None, help="A Kubernetes Secret whose keys become the environment of the "
+                                         "head and worker containers: the bucket's AWS_ACCESS_KEY_ID, "
+                                         "AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL, AWS_REGION)."),
+    service_account: Optional[str] = typer.Option(None, help="The pods' service account (e.g. one bound to a "
+                                                  "cloud role that reaches the bucket)."),
+    pvc: Optional[str] = typer.Option(None, help="CLAIM:/mount/path: a ReadWriteMany PersistentVolumeClaim mounted "
+                                      "in every pod; a local --storage is then allowed under that path."),
+    ray_version: Optional[str] = typer.Option(None, help=f"Ray version of the image \\[default: {_installed_ray()}, "
+                                              "this machine's]"),
+    auth: str = typer.Option("token", help="token: KubeRay turns on Ray's token authentication (KubeRay 1.6+, "
+                             "Ray 2.52+); none: anyone who reaches the pods may submit jobs."),
+    out: Optional[Path] = typer.Option(None, help="Write the manifest to this file \\[default: stdout]."),
+):
+    """Write a KubeRay manifest (YAML) that runs an imgtrain command on Kubernetes.
+
+    --kind rayjob (the default): `kubectl apply -f` it and the command runs on a cluster made for it.
+
+    --kind raycluster: a cluster alone; submit commands to it with `ray job submit` (the manifest's comments say how).
+
+    The command is checked first: it must parse, keep its runs where every pod sees them, and fit the pods.
+    """
+    from imgtrain import kuberay
+
+    parsed = kuberay.parse_command(typer.main.get_command(app), command) if command else None
+    spec = kuberay.Spec(kind=kind, name=name if name is not None else kuberay.default_name(parsed), image=image or "",
+                        pods=pods, cpus_per_pod=cpus_per_pod, gpus_per_pod=gpus_per_pod, memory_per_pod=memory_per_pod,
+                        head_cpus=head_cpus, head_memory=head_memory, secret=secret, service_account=service_account,
+                        pvc=pvc, ray_version=ray_version or _installed_ray(), auth=auth)
+    kuberay.check(spec, parsed)
+    text = kuberay.to_yaml(spec, parsed)
+    if out is None:
+        sys.stdout.write(text)  # the YAML alone: rich would wrap it and read [..] as markup
+        return
+    from imgtrain.ops.files import atomic_write_text
+
+    if out.is_dir() or not out.parent.is_dir():
+        raise ImgtrainError(f"--out {out}: name a file in a folder that exists")
+    atomic_write_text(out, text)
+    err_console.print(f"wrote {out}: kubectl apply -f {out}", soft_wrap=True)
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """imgtrain's own warnings as one line each; any other as Python shows it."""
     if issubclass(category, ImgtrainWarning):

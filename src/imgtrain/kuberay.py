@@ -1,0 +1,337 @@
+"""KubeRay manifests (``imgtrain cluster manifest``): a RayJob that runs one imgtrain command on a
+RayCluster made for it, or a RayCluster alone to submit commands to.
+
+Everything a pod cannot get right by itself is refused here, before a cluster is asked for: the
+command must parse (it is imgtrain's own parser that reads it), runs must go where every pod
+and the next cluster see them (a pod's disk is its own, and goes with it), and the pods must
+hold the Ray Train workers the command asks for (Ray would wait for them forever).
+The manifests follow KubeRay's ray.io/v1 CRDs; tests/test_kuberay.py checks them against the
+CRDs' schemas (tests/data/kuberay/).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+import warnings
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+import yaml
+
+from imgtrain.cluster import required_cpus
+from imgtrain.config import TrainConfig, parse_workers, resolve, validate
+from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
+from imgtrain.storage.remote import is_remote
+
+KINDS = ("rayjob", "raycluster")
+AUTH_MODES = ("token", "none")
+# KubeRay's limits (ray-operator/controllers/ray/utils/constant.go, util.go CheckName): a RayJob's
+# cluster is named after it with 6 more characters, and every pod and service after the cluster.
+MAX_NAME = {"rayjob": 47, "raycluster": 50}  # a RayCluster's 51-53: KubeRay cuts its pods' and Secret's names
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+RAY_VERSION = re.compile(r"^[0-9]+\.[0-9]+\.[0-9]+$")
+TOKEN_AUTH_SINCE = (2, 52, 0)  # KubeRay refuses authOptions.mode token for an older rayVersion
+HEAD_PORTS = (("gcs-server", 6379), ("dashboard", 8265), ("client", 10001))
+TTL_AFTER_JOB_S = 300  # the finished job's pods stay this long for `kubectl logs`, then go
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What the manifest asks Kubernetes for: every option of ``imgtrain cluster manifest``."""
+
+    kind: str = "rayjob"
+    name: str = ""  # "" = imgtrain-{the run's --name}, or imgtrain
+    image: str = ""
+    pods: int = 2  # worker pods; the head pod comes on top
+    cpus_per_pod: int = 4
+    gpus_per_pod: int = 0
+    memory_per_pod: str = "8Gi"
+    head_cpus: int = 2
+    head_memory: str = "8Gi"
+    secret: str | None = None  # a Secret whose keys become every Ray container's environment
+    service_account: str | None = None
+    pvc: str | None = None  # "CLAIM:/mount/path", mounted in every pod
+    ray_version: str = ""
+    auth: str = "token"
+
+    @property
+    def mount(self) -> tuple[str, PurePosixPath] | None:
+        if not self.pvc:
+            return None
+        claim, _, path = self.pvc.partition(":")
+        return claim, PurePosixPath(path)
+
+
+@dataclass(frozen=True)
+class Command:
+    """The imgtrain command the cluster runs, as imgtrain's own parser read it."""
+
+    words: tuple[str, ...]  # after `imgtrain`, with `--address auto` where the command joins Ray
+    storage: str | None  # where it keeps runs (its default where not given); None: it keeps none
+    data: str | None
+    run_name: str | None
+    train: TrainConfig | None  # a `train` command's flags over the defaults (not a --config file's)
+
+    @property
+    def entrypoint(self) -> str:
+        return shlex.join(["imgtrain", *self.words])
+
+
+def parse_command(root, words: list[str]) -> Command:
+    """Read ``words`` (``train --data ...``) with the CLI's command group ``root`` (typer's click):
+    a command that does not parse is refused now, not in a pod after the cluster came up."""
+    from typer import TyperException  # typer's own copy of click raises its ClickException, a TyperException
+
+    if any(w in ("--help", "-h") for w in words):
+        raise ImgtrainError("the command after -- holds --help: give the command to run on the cluster")
+    if any(ord(c) < 32 or ord(c) == 127 for w in words for c in w):  # the manifest's comments quote it, line by line
+        raise ImgtrainError("the command after -- holds a control character (a newline?): pass plain arguments")
+    command, path, rest = root, [], list(words)
+    while getattr(command, "commands", None) and rest and not rest[0].startswith("-"):  # a group
+        if rest[0] not in command.commands:
+            where = " ".join(["imgtrain", *path])
+            raise ImgtrainError(f"the command after --: '{where}' has no command {one_line(rest[0], 80)!r}")
+        command, path, rest = command.commands[rest[0]], [*path, rest[0]], rest[1:]
+    if not path:
+        raise ImgtrainError("the command after -- names no imgtrain command: e.g. -- train --data s3://... --name NAME")
+    if getattr(command, "commands", None) and not getattr(command, "invoke_without_command", False):
+        raise ImgtrainError(f"the command after --: 'imgtrain {' '.join(path)}' needs one of its commands: "
+                            f"{', '.join(sorted(command.commands))}")  # its parser would print its help instead
+    try:
+        params = command.make_context("imgtrain " + " ".join(path), list(rest)).params
+    except TyperException as e:
+        where = " ".join(["imgtrain", *path])
+        raise ImgtrainError(f"the command after -- ({where}): {one_line(e.format_message(), 300)}") from None
+    train = _train_config(params) if path == ["train"] else None
+    storage = params.get("storage") or (TrainConfig.storage if "storage" in params else None)
+    joins = "address" in params and not params["address"]
+    return Command(words=tuple(words) + (("--address", "auto") if joins else ()), storage=_text(storage),
+                   data=_text(params.get("data")), run_name=_text(params.get("name")), train=train)
+
+
+def _text(value) -> str | None:
+    """An option's value as given (a Path option comes back a Path); None when unset or empty."""
+    return str(value) if value not in (None, "") else None
+
+
+def _train_config(params: dict) -> TrainConfig:
+    """The settings a `train` command's flags give, checked as `train` checks them. A --config
+    file is read by the pod (its path is the pod's): its settings are not known here."""
+    given = {k: v for k, v in params.items() if v is not None and k not in ("config", "overwrite", "quiet", "json_out")}
+    if "workers" in given:
+        given["min_workers"], given["workers"] = parse_workers(given["workers"])
+    cfg = resolve(given)
+    if params.get("config") is None:
+        validate(cfg)
+    return cfg
+
+
+def default_name(command: Command | None) -> str:
+    """imgtrain-{run name}, made a DNS label, or imgtrain."""
+    run = re.sub(r"[^a-z0-9-]+", "-", (command.run_name or "").lower()) if command else ""
+    return ("imgtrain-" + run)[:MAX_NAME["rayjob"]].strip("-") if run.strip("-") else "imgtrain"
+
+
+def check(spec: Spec, command: Command | None) -> None:
+    """Refuse, in one line, what KubeRay, Kubernetes or the pods would refuse later."""
+    problems = _spec_problems(spec)
+    if spec.kind == "rayjob" and command is None:
+        problems.append("a RayJob runs a command: give it after --, e.g. -- train --data s3://b/data "
+                        "--storage s3://b/runs --name NAME")
+    if problems:
+        raise ImgtrainError("; ".join(problems))
+    if command is not None:
+        _check_storage(spec, command)
+        if command.train is not None and command.train.backend == "ray":
+            _check_fit(spec, command.train)
+
+
+def _spec_problems(spec: Spec) -> list[str]:
+    problems = []
+    if spec.kind not in KINDS:
+        problems.append(f"--kind {one_line(spec.kind, 40)!r} is not one of {', '.join(KINDS)}")
+    limit = MAX_NAME.get(spec.kind, min(MAX_NAME.values()))
+    if not DNS_1035_LABEL.match(spec.name) or len(spec.name) > limit:
+        problems.append(f"--name {one_line(spec.name, 80)!r} must be a DNS-1035 label of at most {limit} characters: "
+                        "lower-case letters, digits and '-', starting with a letter and ending with a letter or digit")
+    if not spec.image:
+        problems.append(f"--image is required: a container image with imgtrain and Ray {spec.ray_version} installed "
+                        "(docs/clusters.md shows a Dockerfile)")
+    elif any(c.isspace() or ord(c) < 32 for c in spec.image):
+        problems.append(f"--image {one_line(spec.image, 80)!r} is not an image reference (it holds spaces)")
+    for flag, value, least in (("--pods", spec.pods, 1), ("--cpus-per-pod", spec.cpus_per_pod, 1),
+                               ("--gpus-per-pod", spec.gpus_per_pod, 0), ("--head-cpus", spec.head_cpus, 1)):
+        if value < least:
+            problems.append(f"{flag} must be at least {least}, got {value}")
+    for flag, value in (("--memory-per-pod", spec.memory_per_pod), ("--head-memory", spec.head_memory)):
+        if not QUANTITY.match(value) or not float(re.match(r"[0-9.]*", value).group() or 0):
+            problems.append(f"{flag} {one_line(value, 40)!r} is not an amount of memory in Kubernetes' units, "
+                            "such as 8Gi or 512Mi")
+    for flag, value in (("--secret", spec.secret), ("--service-account", spec.service_account)):
+        if value is not None and not _object_name(value):
+            problems.append(f"{flag} {one_line(value, 80)!r} is not a Kubernetes object name (lower-case letters, "
+                            "digits, '-' and '.')")
+    return problems + _pvc_problems(spec) + _ray_problems(spec)
+
+
+def _object_name(value: str) -> bool:
+    return len(value) <= 253 and bool(DNS_1123_SUBDOMAIN.match(value))
+
+
+def _pvc_problems(spec: Spec) -> list[str]:
+    if spec.mount is None:
+        return []
+    claim, path = spec.mount
+    if not _object_name(claim) or not path.is_absolute() or str(path) != posixpath.normpath(str(path)) \
+            or str(path) in ("/", "/dev/shm") or ":" in str(path):
+        return [f"--pvc {one_line(spec.pvc, 80)!r}: give CLAIM:/mount/path, a PersistentVolumeClaim's name and "
+                "an absolute path to mount it at, e.g. runs-volume:/mnt/shared"]
+    return []
+
+
+def _ray_problems(spec: Spec) -> list[str]:
+    if not RAY_VERSION.match(spec.ray_version):
+        return [f"--ray-version {one_line(spec.ray_version, 40)!r} is not a version such as 2.60.0"]
+    if spec.auth not in AUTH_MODES:
+        return [f"--auth {one_line(spec.auth, 40)!r} is not one of {', '.join(AUTH_MODES)}"]
+    if spec.auth == "token" and tuple(map(int, spec.ray_version.split("."))) < TOKEN_AUTH_SINCE:
+        return [f"--auth token needs Ray {'.'.join(map(str, TOKEN_AUTH_SINCE))} or later (--ray-version "
+                f"{spec.ray_version}): use a newer Ray, or --auth none"]
+    return []
+
+
+def _shared(spec: Spec, location: str) -> bool:
+    """Whether every pod sees ``location`` (a bucket, or a path on the --pvc volume)."""
+    if is_remote(location):
+        return True
+    path = posixpath.normpath(location.removeprefix("file://"))
+    return spec.mount is not None and path.startswith("/") and PurePosixPath(path).is_relative_to(spec.mount[1])
+
+
+def _check_storage(spec: Spec, command: Command) -> None:
+    if command.storage is not None and not _shared(spec, command.storage):
+        instead = (f"a path under the --pvc mount {spec.mount[1]}" if spec.mount else
+                   "--pvc CLAIM:/mnt/shared (a ReadWriteMany volume) and a --storage under it")
+        raise ImgtrainError(f"--storage {one_line(command.storage, 120)} is a path on each pod's own disk, which no "
+                            "other pod sees and which goes with its pod: keep runs in s3://bucket/prefix (--secret "
+                            f"gives the pods its keys), or on {instead}")
+    if command.data and not _shared(spec, command.data):
+        warnings.warn(f"--data {one_line(command.data, 120)} is read from each pod's own disk: it must be in the image "
+                      "at that path (or in a bucket, or on the --pvc volume)", ImgtrainWarning, stacklevel=2)
+    remote = [loc for loc in (command.storage, command.data) if loc and is_remote(loc)]
+    if remote and not (spec.secret or spec.service_account):
+        warnings.warn(f"{remote[0]}: neither --secret nor --service-account gives the pods credentials for it; "
+                      "they need them from their nodes (an instance role)", ImgtrainWarning, stacklevel=2)
+
+
+def _check_fit(spec: Spec, cfg: TrainConfig) -> None:
+    """The command's Ray Train workers on the worker pods (the head holds none): what Ray cannot
+    place it waits for forever."""
+    if cfg.use_gpu and not spec.gpus_per_pod:
+        raise ImgtrainError("the command trains on GPUs (--gpu) but the pods have none: pass --gpus-per-pod N")
+    per_pod = int(spec.cpus_per_pod // cfg.cpus_per_worker)
+    if cfg.use_gpu:
+        per_pod = min(per_pod, spec.gpus_per_pod)
+    shape = f"{spec.cpus_per_pod} CPU" + (f" and {spec.gpus_per_pod} GPU" if cfg.use_gpu else "")
+    if per_pod * spec.pods < cfg.workers:
+        raise ImgtrainError(
+            f"{spec.pods} pod(s) of {shape} hold {per_pod * spec.pods} of the command's {cfg.workers} training "
+            f"workers ({cfg.cpus_per_worker:g} CPU{' and 1 GPU' if cfg.use_gpu else ''} each): raise --pods or "
+            f"{'--gpus-per-pod' if cfg.use_gpu and per_pod == spec.gpus_per_pod else '--cpus-per-pod'}, or lower "
+            "the command's --workers")
+    needed, total = required_cpus(cfg), spec.pods * spec.cpus_per_pod
+    if total < needed:
+        raise ImgtrainError(f"{spec.pods} pod(s) of {spec.cpus_per_pod} CPU hold {total} CPUs; the command's "
+                            f"{cfg.workers} training workers and Ray Data's reads need {needed:g}: raise --pods or "
+                            "--cpus-per-pod")
+    if spec.gpus_per_pod and not cfg.use_gpu:
+        warnings.warn("the pods have GPUs but the command trains on CPUs: add --gpu to the command after --",
+                      ImgtrainWarning, stacklevel=2)
+
+
+def manifest(spec: Spec, command: Command | None) -> dict:
+    """The RayJob (the cluster made for ``command``, gone after it) or the RayCluster alone."""
+    cluster = cluster_spec(spec)
+    if spec.kind == "raycluster":
+        return {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": spec.name}, "spec": cluster}
+    return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": spec.name}, "spec": {
+        "entrypoint": command.entrypoint,
+        # the pods cost while they stand; the runs are in the storage, which outlives them
+        "shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": TTL_AFTER_JOB_S,
+        "rayClusterSpec": cluster,
+    }}
+
+
+def cluster_spec(spec: Spec) -> dict:
+    """A head pod for the driver and one group of identical worker pods, no autoscaling."""
+    out: dict = {"rayVersion": spec.ray_version}
+    if spec.auth == "token":  # KubeRay makes the token's Secret and gives it to every Ray container and the submitter
+        out["authOptions"] = {"mode": "token"}
+    # The head reserves no CPU: Ray Train workers and Ray Data tasks go to the worker pods, whose
+    # CPUs the command's plan was checked against; the driver runs on the head all the same.
+    out["headGroupSpec"] = {"rayStartParams": {"num-cpus": "0"},
+                            "template": _pod(spec, "ray-head", spec.head_cpus, spec.head_memory, 0, HEAD_PORTS)}
+    params = {"num-gpus": str(spec.gpus_per_pod)} if spec.gpus_per_pod else {}
+    out["workerGroupSpecs"] = [{
+        "groupName": "workers", "replicas": spec.pods, "minReplicas": spec.pods, "maxReplicas": spec.pods,
+        "rayStartParams": params,
+        "template": _pod(spec, "ray-worker", spec.cpus_per_pod, spec.memory_per_pod, spec.gpus_per_pod),
+    }]
+    return out
+
+
+def _pod(spec: Spec, name: str, cpus: int, memory: str, gpus: int, ports=()) -> dict:
+    """One Ray container's pod: requests equal to limits (Ray sizes itself from them)."""
+    limits = {"cpu": str(cpus), "memory": memory, **({"nvidia.com/gpu": str(gpus)} if gpus else {})}
+    container: dict = {"name": name, "image": spec.image,
+                       "resources": {"requests": dict(limits), "limits": limits},
+                       # Ray's object store and NCCL live in /dev/shm; a container's own is 64 MB
+                       "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]}
+    if ports:
+        container["ports"] = [{"name": port_name, "containerPort": port} for port_name, port in ports]
+    if spec.secret:  # every key (AWS_ACCESS_KEY_ID, ...) an environment variable of the driver and the workers
+        container["envFrom"] = [{"secretRef": {"name": spec.secret}}]
+    volumes: list[dict] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    if spec.mount:
+        claim, path = spec.mount
+        volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": claim}})
+        container["volumeMounts"].append({"name": "shared", "mountPath": str(path)})
+    pod: dict = {"containers": [container], "volumes": volumes}
+    if spec.service_account:
+        pod["serviceAccountName"] = spec.service_account
+    if gpus:  # GPU nodes are often tainted so that only pods asking for GPUs land there
+        pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    return {"spec": pod}
+
+
+def header(spec: Spec, command: Command | None) -> list[str]:
+    """The manifest's opening comment lines: how to apply it, and for a RayCluster how to run
+    the command on it."""
+    kind = "RayJob" if spec.kind == "rayjob" else "RayCluster"
+    lines = [f"{kind} for KubeRay (ray.io/v1), from `imgtrain cluster manifest`. Apply: kubectl apply -f FILE"]
+    if spec.kind == "rayjob":
+        return lines + [f"The command's output: kubectl logs -f job/{spec.name}; the pods go "
+                        f"{TTL_AFTER_JOB_S} s after the job ends (the runs stay in the storage)."]
+    lines += ["Then submit commands to it from this machine:",
+              f"  kubectl port-forward svc/{spec.name}-head-svc 8265:8265 &"]
+    if spec.auth == "token":
+        lines.append(f"  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$(kubectl get secret {spec.name} "
+                     "-o jsonpath='{.data.auth_token}' | base64 -d)")
+    job = command.entrypoint if command else "imgtrain train --address auto --storage s3://... --name NAME ..."
+    return lines + [f"  ray job submit --address http://127.0.0.1:8265 -- {job}"]
+
+
+class _Dumper(yaml.SafeDumper):
+    def ignore_aliases(self, data):  # the same dict twice is written twice, never as &id001 / *id001
+        return True
+
+
+def to_yaml(spec: Spec, command: Command | None) -> str:
+    """The manifest as YAML, its header as comments: the whole text is one YAML document."""
+    body = yaml.dump(manifest(spec, command), Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                     width=10_000)
+    return "".join(f"# {line}\n" for line in header(spec, command)) + body
