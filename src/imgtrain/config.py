@@ -42,6 +42,7 @@ OPTIMIZERS = ("adamw", "sgd", "lamb", "lars")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("onecycle", "cosine", "step", "constant")
 STRATEGIES = ("ddp", "fsdp")
+WANDB_FORBIDDEN = "/\\#?%:"  # W&B refuses these in project names
 
 
 @dataclass
@@ -277,6 +278,11 @@ class TrainConfig:
                                      "missing).", resumable=True)
     tensorboard: bool = setting(False, "Write TensorBoard event files to ``{run}/tensorboard``. Needs ``pip install "
                                 "'imgtrain[tensorboard]'``.", resumable=True)
+    wandb: str | None = setting(None, "Weights & Biases project: log params, step and epoch metrics and the final "
+                                "model to a W&B run there (``WANDB_MODE=offline``: to ``{run}/wandb`` only, for "
+                                "``wandb sync``). Needs ``pip install 'imgtrain[wandb]'``.", resumable=True)
+    wandb_entity: str | None = setting(None, "W&B entity (user or team) the ``--wandb`` project belongs to; unset: "
+                                       "your default entity.", resumable=True)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -401,6 +407,7 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
         issues.append("--compile is not supported with --strategy fsdp yet: drop one of them")
     if cfg.mlflow is not None and not cfg.mlflow.strip():
         issues.append("--mlflow needs a tracking URI, e.g. sqlite:///mlflow.db")
+    issues += wandb_problems(cfg)
     if cfg.init_from and cfg.pretrained:
         issues.append("--init-from and --pretrained both give initial weights: pass one")
     if cfg.average_last > cfg.epochs:
@@ -422,6 +429,18 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
         issues.append("--mlflow-experiment must not be empty")
     if issues:
         raise ImgtrainError("invalid configuration: " + "; ".join(issues))
+
+
+def wandb_problems(cfg: TrainConfig) -> list[str]:
+    """A W&B project or entity that W&B would refuse after Ray has started, or an entity without a project."""
+    issues = []
+    for flag, value in (("--wandb", cfg.wandb), ("--wandb-entity", cfg.wandb_entity)):
+        if value is not None and (not value.strip() or set(value) & set(WANDB_FORBIDDEN) or len(value) > 128):
+            issues.append(f"{flag} {value!r} is not a W&B name: up to 128 characters, none of {WANDB_FORBIDDEN}"
+                          + (" (the entity goes in --wandb-entity)" if flag == "--wandb" and "/" in value else ""))
+    if cfg.wandb_entity is not None and cfg.wandb is None:
+        issues.append("--wandb-entity is the entity of a --wandb project: give --wandb PROJECT too")
+    return issues
 
 
 def schedule_problems(cfg: TrainConfig) -> list[str]:

@@ -1,5 +1,8 @@
-"""The trackers against a real MLflow sqlite store and real TensorBoard event files."""
+"""The trackers against a real MLflow sqlite store, real TensorBoard event files and W&B's offline run files."""
 
+import base64
+import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -16,15 +19,18 @@ import torch
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY
-from imgtrain.config import TrainConfig
+from imgtrain.config import TrainConfig, validate
 from imgtrain.errors import ImgtrainError
 from imgtrain.training.tracking import (
     MLFLOW_RUN_FILE,
+    WANDB_RUN_FILE,
     MLflowTracker,
     TensorBoardTracker,
+    WandbTracker,
     metrics_of,
     open_trackers,
     public_config,
+    require,
     scrub,
 )
 
@@ -249,10 +255,182 @@ def test_tensorboard_event_files_hold_the_metrics_and_a_restart_hides_the_steps_
 def test_the_base_install_needs_no_tracker_and_says_what_to_install(tmp_path):
     # Hide MLflow as if the extra were not installed; nothing else changes.
     code = ("import sys; sys.modules['mlflow'] = None; sys.argv = ['imgtrain'] + sys.argv[1:]; "
-            "import imgtrain.cli, imgtrain.training.driver; assert 'tensorboard' not in sys.modules; imgtrain.cli.main()")
+            "import imgtrain.cli, imgtrain.training.driver; assert 'tensorboard' not in sys.modules and 'wandb' not in sys.modules; imgtrain.cli.main()")
     done = subprocess.run([sys.executable, "-c", code, "train", "--name", "x", "--data", str(tmp_path),
                            "--mlflow", "sqlite:///m.db", "--storage", str(tmp_path / "runs")],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 2
     assert done.stderr.strip() == "error: --mlflow needs MLflow: pip install 'imgtrain[mlflow]'"
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- Weights & Biases, offline
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    """W&B logging offline, its settings, cache and staged artifacts in the test's folder (never
+    the user's home); the run folder is where its run files go (WANDB_DIR unset)."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    for var, folder in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / folder))
+    yield
+    wandb.teardown()  # settings read afresh by the next test; a service a failed test left, stopped
+
+
+def wandb_sessions(run_dir, run_id) -> list[dict]:
+    """What each W&B session of ``run_id`` wrote offline (its .wandb transaction log), oldest first:
+    config, history rows, artifacts, metric definitions and exit code."""
+    from wandb.proto import wandb_internal_pb2
+
+    sessions = []
+    for path in (run_dir / "wandb").glob(f"offline-run-*-{run_id}*/run-{run_id}.wandb"):
+        session = {"config": {}, "rows": [], "artifacts": [], "metrics": [], "summary": {}, "exit_code": None}
+        for data in leveldb_log(path.read_bytes()):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                session["start"] = record.run.start_time.ToNanoseconds()
+                session["config"].update({u.key: json.loads(u.value_json) for u in record.run.config.update})
+            elif kind == "history":
+                session["rows"].append({"/".join(i.nested_key) or i.key: json.loads(i.value_json)
+                                        for i in record.history.item})
+            elif kind == "summary":
+                session["summary"].update({"/".join(u.nested_key) or u.key: json.loads(u.value_json)
+                                           for u in record.summary.update})
+            elif kind in ("artifact", "metric"):
+                session[kind + "s"].append(getattr(record, kind))
+            elif kind == "exit":
+                session["exit_code"] = record.exit.exit_code
+        sessions.append(session)
+    return sorted(sessions, key=lambda s: s["start"])
+
+
+def leveldb_log(data: bytes):
+    """The records of W&B's transaction log: LevelDB's log format (32 KiB blocks of chunks, each
+    with a 7-byte header: CRC, length, type) after a 7-byte file header (``:W&B``, magic, version)."""
+    import struct
+
+    assert data[:4] == b":W&B"
+    position, pieces = 7, b""
+    while position + 7 <= len(data):
+        left_in_block = 32768 - position % 32768
+        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        if left_in_block < 7 or (kind, length) == (0, 0):  # the block's padding
+            position += left_in_block
+            continue
+        pieces += data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a whole record, or a record's last chunk
+            yield pieces
+            pieces = b""
+
+
+def series(session, name) -> list[tuple[int, float]]:
+    return [(row["global_step"], row[name]) for row in session["rows"] if name in row]
+
+
+def wandb_services() -> list[str]:
+    """W&B's service processes started by this process (wandb-core)."""
+    children = []
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+            children += f.read().split()
+    found = []
+    for pid in children:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"wandb" in f.read():
+                found.append(pid)
+    return found
+
+
+def test_wandb_gets_params_metrics_the_model_and_the_outcome_and_a_resume_continues_the_run(run_dir, wandb_offline):
+    notes, hooks = [], (sys.exit, sys.excepthook)
+    cfg = TrainConfig(name="t", data="/d", epochs=1, wandb="imgtrain-tests")
+    [tracker] = open_trackers(cfg, run_dir, MANIFEST, notes.append)  # as the driver opens them
+    for r in records(0, 8):
+        tracker.log(r)
+    tracker.finish("failed", None)
+    # the service it started is stopped with it, and the hooks wandb.init sets are put back
+    assert wandb_services() == [] and (sys.exit, sys.excepthook) == hooks
+
+    run_id = json.loads((run_dir / WANDB_RUN_FILE).read_text())["run_id"]
+    [files] = (run_dir / "wandb").glob(f"offline-run-*-{run_id}")  # in the run folder
+    assert notes == [f"W&B: logging offline to {files} (`wandb sync` uploads it)"]
+    [first] = wandb_sessions(run_dir, run_id)
+    assert first["config"]["lr"] == cfg.lr and first["config"]["wandb"] == "imgtrain-tests"
+    assert first["config"]["data_train_samples"] == 256 and first["config"]["data_name"] == "tiny"
+    assert [(m.glob_name, m.step_metric) for m in first["metrics"] if m.step_metric] == [("*", "global_step")]
+    assert series(first, "step/loss") == [(2, 0.5), (4, 0.25), (6, 1 / 6), (8, 0.125)]
+    assert series(first, "rank1/data_wait_fraction") == [(s, 0.2) for s in (2, 4, 6, 8)]
+    assert series(first, "epoch/val_accuracy") == [(8, 0.7)]
+    assert [row["_timestamp"] for row in first["rows"] if "step/loss" in row] == [1002.0, 1004.0, 1006.0, 1008.0]
+    assert first["artifacts"] == [] and first["exit_code"] == 1
+
+    resumed = WandbTracker(TrainConfig(name="t", data="/d", epochs=2, wandb="imgtrain-tests"), run_dir, MANIFEST)
+    assert resumed.run.id == run_id  # the same W&B run goes on
+    for r in records(8, 12):
+        resumed.log(r)
+    best = best_checkpoint(run_dir)
+    resumed.finish("finished", best)
+    resumed.close()
+    first_again, second = wandb_sessions(run_dir, run_id)
+    assert second["config"]["epochs"] == 2 and series(second, "step/loss") == [(10, 0.1), (12, 1 / 12)]
+    [model] = second["artifacts"]
+    assert (model.type, model.name, set(model.aliases)) == ("model", f"model-{run_id}", {"best", "latest"})
+    digests = {entry.path: entry.digest for entry in model.manifest.contents}
+    assert digests == {name: base64.b64encode(hashlib.md5((best / name).read_bytes()).digest()).decode()
+                       for name in ("model.pt", "meta.json")}
+    assert second["summary"]["best_checkpoint"] == str(best) and second["exit_code"] == 0
+    assert wandb_services() == []
+
+
+def test_a_wandb_run_that_cannot_start_fails_in_one_line_and_leaves_nothing_running(run_dir, wandb_offline):
+    hooks = (sys.exit, sys.excepthook)
+    cfg = TrainConfig(name="t", data="/d", wandb="a/b", tensorboard=True)  # a name W&B refuses (validate would first)
+    with pytest.raises(ImgtrainError) as failed:
+        open_trackers(cfg, run_dir, MANIFEST, print)
+    assert str(failed.value).startswith("cannot log to W&B project a/b: ") and "\n" not in str(failed.value)
+    assert wandb_services() == [] and (sys.exit, sys.excepthook) == hooks
+    assert not (run_dir / WANDB_RUN_FILE).exists()
+
+
+def test_wandb_without_the_package_or_an_api_key_is_refused_in_one_line(tmp_path, monkeypatch):
+    import wandb
+
+    cfg = TrainConfig(name="t", data="/d", wandb="p")
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if the extra were not installed
+    with pytest.raises(ImgtrainError) as refused:
+        require(cfg)
+    assert str(refused.value) == "--wandb needs W&B: pip install 'imgtrain[wandb]'"
+    monkeypatch.undo()
+
+    # Online, and no key anywhere: wandb.init would ask on the terminal. Refused before it starts.
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    wandb.teardown()  # settings read from this environment
+    try:
+        with pytest.raises(ImgtrainError) as refused:
+            require(cfg)
+        assert str(refused.value).startswith("--wandb logs to the W&B server and no API key was found: run "
+                                             "`wandb login` or set WANDB_API_KEY, or log offline with WANDB_MODE=offline")
+        assert "\n" not in str(refused.value)
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        wandb.teardown()
+        require(cfg)  # offline needs no key
+    finally:
+        wandb.teardown()
+
+
+def test_wandb_names_w_and_b_would_refuse_are_refused_before_anything_starts():
+    with pytest.raises(ImgtrainError, match=r"--wandb 'team/p' is not a W&B name.*\(the entity goes in --wandb-entity\)"):
+        validate(TrainConfig(name="t", data="/d", wandb="team/p"))
+    with pytest.raises(ImgtrainError, match="--wandb-entity is the entity of a --wandb project"):
+        validate(TrainConfig(name="t", data="/d", wandb_entity="team"))

@@ -126,12 +126,18 @@ def _versions() -> Check:
 
 
 def _extras() -> Check:
-    found = [f"{p} {package_version(p)}" for p in ("mlflow-skinny", "mlflow", "tensorboard") if package_version(p)]
-    missing = [hint for p, hint in (("mlflow", "imgtrain[mlflow]"), ("tensorboard", "imgtrain[tensorboard]"))
-               if not any(f.startswith(p) for f in found)]
+    from imgtrain.training.tracking import TRACKERS
+
+    found, missing = [], []
+    for tracker in TRACKERS:
+        versions = [f"{p} {package_version(p)}" for p in tracker.packages if package_version(p)]
+        found += versions
+        if not versions:
+            missing.append(tracker)
     detail = ", ".join(found) or "none"
     if missing:
-        detail += f" (for --mlflow / --tensorboard: pip install {' '.join(repr(m) for m in missing)})"
+        detail += (f" (for {' / '.join(t.flag for t in missing)}: pip install "
+                   f"{' '.join(repr(f'imgtrain[{t.extra}]') for t in missing)})")
     return Check(INFO, "tracking extras", detail)
 
 

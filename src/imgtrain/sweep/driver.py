@@ -29,6 +29,7 @@ from imgtrain.ops.files import link_dir
 from imgtrain.sweep import state as st
 from imgtrain.sweep.space import Dimension
 from imgtrain.sweep.trial import EPOCHS_DONE, run_trial
+from imgtrain.training import tracking
 
 SCHEDULERS = ("asha", "fifo")
 METRICS = {"val_accuracy": "max", "val_loss": "min", "val_f1_macro": "max", "train_accuracy": "max",
@@ -58,7 +59,8 @@ class SweepRequest:
 
 
 # Settings that may differ on a re-run without changing the experiment (where, how fast, logs).
-RUN_ONLY = ("address", "dashboard", "stall_timeout_s", "mlflow", "mlflow_experiment", "tensorboard")
+RUN_ONLY = ("address", "dashboard", "stall_timeout_s", "mlflow", "mlflow_experiment", "tensorboard", "wandb",
+            "wandb_entity")
 
 
 def check(req: SweepRequest) -> SweepRequest:
@@ -106,6 +108,7 @@ def tune(req: SweepRequest, say=print) -> dict:
 
     req = check(req)
     base = req.base
+    tracking.require(base)  # a tracker that cannot be used: one line now, not one failed trial each
     # a missing or malformed data set: one line now, not one per trial (each trial checks its hashes)
     manifest = verify_dataset(base.data, check_hashes=False)
     sweep_dir = st.sweep_path(base.storage, base.name)

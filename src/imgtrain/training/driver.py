@@ -290,7 +290,7 @@ def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacemen
     cfg, manifest = plan.cfg, plan.manifest
     runs.write_config(run_dir, {**tracking.public_config(cfg), **runs.versions()})
     runs.write_status(run_dir, "running", started=time.time())
-    if cfg.mlflow or cfg.tensorboard:
+    if tracking.wanted(cfg):
         display.phase("opening the trackers")
     try:
         trackers = tracking.open_trackers(cfg, run_dir, manifest, display.note)

@@ -1,0 +1,129 @@
+"""What every tracker shares: the ``Tracker`` interface, the tracked metric names and params,
+and the config as it may leave the machine (tracking credentials removed)."""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import re
+from pathlib import Path
+
+from imgtrain.config import TrainConfig
+
+STEP_KEYS = ("loss", "accuracy", "images_per_s", "data_wait_fraction", "lr", "grad_norm", "loss_scale")
+EPOCH_KEYS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_f1_macro", "images_per_s",
+              "data_wait_fraction", "epoch_time_s")
+RANK_KEYS = ("step_time_s", "data_wait_s", "data_wait_fraction")
+MODEL_FILES = ("model.pt", "meta.json")  # the final model; train_state.pt (optimizer) stays out
+
+
+def metrics_of(record: dict) -> dict[str, float]:
+    """The tracked metrics in one record, by their tracked names."""
+    kind = record.get("kind")
+    if kind == "step":
+        keys, prefix = STEP_KEYS, "step"
+    elif kind == "epoch":
+        keys, prefix = EPOCH_KEYS, "epoch"
+    elif kind == "rank":
+        keys, prefix = RANK_KEYS, f"rank{record['rank']}"
+    else:
+        return {}
+    return {f"{prefix}/{k}": float(record[k]) for k in keys if record.get(k) is not None}
+
+
+def public_uri(uri: str | None) -> str | None:
+    """A tracking URI without the user name and password it may carry (``http://u:p@host``):
+    what is written to files (config.json, meta.json, report.html) and messages. MLflow reads
+    credentials from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD as well."""
+    if not uri or "@" not in uri:
+        return uri
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if not parts.netloc or "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def scrub(text: str) -> str:
+    """``text`` with the credentials of every URL in it removed (MLflow's errors quote the URI).
+    Up to the authority's last ``@``, as ``public_uri`` and requests read it: a password may hold one."""
+    return re.sub(r"(\w+://)[^/?#\s]*@", r"\1", text)
+
+
+def public_config(cfg: TrainConfig) -> dict:
+    """The config as it may be stored and shown: credentials removed from the MLflow URI."""
+    return dict(cfg.to_dict(), mlflow=public_uri(cfg.mlflow))
+
+
+def params_of(cfg: TrainConfig, manifest: dict) -> dict:
+    """A run's params, the same in every tracker: each config field and the data set's name and sizes."""
+    return {**public_config(cfg), "data_name": manifest.get("name", ""),
+            "data_train_samples": manifest["splits"]["train"]["num_samples"],
+            "data_test_samples": manifest["splits"]["test"]["num_samples"]}
+
+
+def first_line(error: BaseException) -> str:
+    """``Type: first line of the message``, credentials scrubbed, short enough for one line."""
+    return f"{type(error).__name__}: {scrub((str(error).strip().splitlines() or [''])[0])[:200]}"
+
+
+class Tracker(abc.ABC):
+    """One experiment tracker. Opening it (the constructor, ``cls(cfg, run_dir, manifest)``)
+    starts its run, or continues the one a resumed imgtrain run logged to, and logs the params;
+    it raises ImgtrainError when the tracker cannot be used. The driver then sends it every
+    record (``log``), calls ``finish`` once with the run's outcome, and ``close`` whatever happened.
+    A subclass says how metrics, a restart, the final model and the outcome reach its backend."""
+
+    name: str  # in messages: "MLflow"
+    setting: str  # the TrainConfig field that turns it on
+    flag: str  # that field's option
+    extra: str  # pip install 'imgtrain[EXTRA]'
+    module: str  # what the extra installs, imported to check it is there
+    packages: tuple[str, ...]  # its distributions, for `imgtrain doctor`
+    opened: str | None = None  # once open: a line for the terminal, where to look at the run
+
+    @classmethod
+    def wanted(cls, cfg: TrainConfig) -> bool:
+        return bool(getattr(cfg, cls.setting))
+
+    @classmethod
+    def problem(cls, cfg: TrainConfig) -> str | None:
+        """Why the tracker cannot be used, found in seconds, before Ray or the run start; None if it can."""
+        try:
+            importlib.import_module(cls.module)
+        except ImportError:
+            return f"{cls.flag} needs {cls.name}: pip install 'imgtrain[{cls.extra}]'"
+        return None
+
+    def log(self, record: dict) -> None:
+        """One record of the run (metrics.jsonl's kinds): its metrics at its global step."""
+        if record.get("kind") == "start" and record["step"] > 0:
+            self.restarted(record["step"])
+        values = metrics_of(record)
+        if values:
+            self.log_metrics(values, record["step"], record.get("time"))
+
+    def finish(self, status: str, best_checkpoint: Path | None) -> None:
+        """The run ended ``status`` (finished, failed, interrupted); a finished run's best checkpoint
+        is its model."""
+        if status == "finished" and best_checkpoint is not None:
+            self.log_model(best_checkpoint)
+        self.end(status)
+
+    @abc.abstractmethod
+    def log_metrics(self, values: dict[str, float], step: int, time: float | None) -> None:
+        """``values`` (tracked names) at the global optimizer ``step``, measured at ``time`` (epoch seconds)."""
+
+    def restarted(self, step: int) -> None:
+        """A worker group restarted from a checkpoint at ``step``: the steps after it are trained again."""
+
+    def log_model(self, checkpoint: Path) -> None:
+        """The final model: ``MODEL_FILES`` of ``checkpoint``."""
+
+    def end(self, status: str) -> None:
+        """The tracker's run ends with the imgtrain run's status."""
+
+    def close(self) -> None:
+        """Release what the tracker holds and put back what it changed in the process; called
+        after ``finish``, and also when ``finish`` failed or never ran."""
