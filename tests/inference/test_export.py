@@ -161,6 +161,8 @@ def test_bad_export_requests_get_one_line(local_run, tmp_path, monkeypatch, caps
     (tmp_path / "taken" / "model.onnx").write_text("a user's file")
     assert_one_line_error(cli_here(capsys, "export", str(local_run.path), "--out", str(tmp_path / "taken")),
                           "--overwrite")
+    assert_one_line_error(cli_here(capsys, "export", str(local_run.path), "--out", str(tmp_path / "taken"),
+                                   "--overwrite"), "not an earlier export")
     import importlib.util
 
     find_spec = importlib.util.find_spec

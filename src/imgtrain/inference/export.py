@@ -31,7 +31,7 @@ import numpy as np
 from imgtrain.data.images import EVAL_CROP
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.inference.metrics import TOP_K, EvalSums
-from imgtrain.inference.onnx_engine import EXPORT_META, file_sha256
+from imgtrain.inference.onnx_engine import EXPORT_META, file_sha256, is_export
 from imgtrain.inference.predictor import LoadedCheckpoint, load_checkpoint
 
 FORMATS = {"onnx": "model.onnx", "torchscript": "model.torchscript.pt", "pt2": "model.pt2"}
@@ -115,8 +115,12 @@ def export(run, fmt: str, out, checkpoint: str = "best", storage: str = "./runs"
         raise ImgtrainError(f"--max-accuracy-drop is a fraction of the images in [0, 1], got {max_accuracy_drop}")
     _check_runtime(fmt)
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise ImgtrainError(f"{out} exists and is not an empty folder; pass --overwrite or another --out")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not overwrite:
+            raise ImgtrainError(f"{out} exists and is not an empty folder; pass --overwrite or another --out")
+        if not is_export(out):  # --overwrite replaces an earlier export, never a folder of the user's
+            raise ImgtrainError(f"{out} is not an earlier export (no {EXPORT_META}); --overwrite replaces only "
+                                f"those: pass another --out")
     loaded = load_checkpoint(run, checkpoint, storage)
     data_dir, manifest = _test_data(loaded, data, split)
     model = exportable(loaded)
