@@ -50,7 +50,7 @@ def test_a_source_registered_in_one_file_is_prepared_checked_and_described(tmp_p
 
 
 def test_an_unknown_source_and_a_name_registered_twice_are_refused(npz_source):
-    with pytest.raises(ImgtrainError, match="unknown data source 'cifar'; choose one of: .*, list, npz$"):
+    with pytest.raises(ImgtrainError, match="unknown data source 'cifar'; choose one of: .*, list, webdataset, hf, npz$"):
         registry.get("cifar")
     with pytest.raises(ValueError, match="registered twice"):
         registry.register(NPZ)

@@ -13,7 +13,7 @@ data set would hold a few classes only.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -24,6 +24,7 @@ from imgtrain.data import images
 from imgtrain.errors import ImgtrainError
 
 CHUNK_FILES = 64  # images per chunk of the preparation pool
+MAX_LISTED_BAD = 1000  # skipped files named in the manifest (and counted beyond)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,21 @@ class Chunk:
 
 
 @dataclass
+class Skipped:
+    """What a source dropped while listing (a sample without a label, a damaged archive): the
+    first MAX_LISTED_BAD as (name, why), and how many in all. Bounded, whatever the source holds."""
+
+    files: list[tuple[str, str]] = field(default_factory=list)
+    count: int = 0
+
+    def add(self, name: str, why: str, count: int = 1) -> None:
+        """One entry: a file, or ``count`` images dropped together (a whole file's rows)."""
+        self.count += count
+        if len(self.files) < MAX_LISTED_BAD:
+            self.files.append((name, why))
+
+
+@dataclass
 class Listing:
     """A source of encoded (PNG/JPEG) images, in chunks."""
 
@@ -46,6 +62,8 @@ class Listing:
     chunks: list[Chunk]
     fixed_test: np.ndarray | None = None  # bool [N]: the source's own test split, if it has one
     ids: np.ndarray | None = None  # int64 [N]: the images' stable ids; None: their positions
+    fixed_val: np.ndarray | None = None  # bool [N]: the source's own validation split, if it has one
+    skipped: Skipped = field(default_factory=Skipped)  # dropped while listing: never in a chunk
 
     def __post_init__(self):
         if self.ids is None:

@@ -24,16 +24,14 @@ import numpy as np
 
 from imgtrain.data import images
 from imgtrain.data.format import NORMALIZE_MEAN, NORMALIZE_STD, default_preset
-from imgtrain.data.listing import Listing, PixelListing
+from imgtrain.data.listing import MAX_LISTED_BAD, Listing, PixelListing
+from imgtrain.data.named_splits import SPLIT_CODES
 from imgtrain.data.options import PrepareOptions
 from imgtrain.data.raw import RawDataset, Split, take_images
 from imgtrain.data.sources import registry  # importing the package registers every source
 from imgtrain.data.splits import stratified_split
 from imgtrain.data.writer import DatasetWriter, write_dataset
 from imgtrain.errors import ImgtrainError
-
-SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
-MAX_LISTED_BAD = 1000  # skipped files named in the manifest (and counted beyond)
 
 
 def prepare(source: str, out_dir, source_path=None, options: PrepareOptions | None = None,
@@ -76,15 +74,21 @@ def _check_not_nested(spec: registry.SourceSpec, source_path, out_dir) -> None:
 
 
 def assign_splits(labels: np.ndarray, fixed_test: np.ndarray | None, test_fraction: float, val_fraction: float,
-                  seed: int) -> np.ndarray:
-    """int8 [N]: 0 train, 1 val, 2 test. Stratified and seeded; a source's own test split
-    (``fixed_test``) is kept, and the validation split is drawn from the training rows."""
+                  seed: int, fixed_val: np.ndarray | None = None) -> np.ndarray:
+    """int8 [N]: 0 train, 1 val, 2 test. Stratified and seeded; a source's own test and
+    validation splits (``fixed_test``, ``fixed_val``) are kept, a missing test split is drawn
+    from the rows outside them, and a validation split from the training rows."""
     split = np.zeros(len(labels), np.int8)
+    if fixed_val is not None:
+        if val_fraction:
+            raise ImgtrainError("the source has its own validation split; drop --val-fraction")
+        split[fixed_val] = SPLIT_CODES["val"]
     if fixed_test is not None:
         split[fixed_test] = SPLIT_CODES["test"]
     else:
-        _, test = stratified_split(labels, test_fraction, seed)
-        split[test] = SPLIT_CODES["test"]
+        pool = np.flatnonzero(split == 0)  # every row when the source has no validation split
+        _, test = stratified_split(labels[pool], test_fraction, seed)
+        split[pool[test]] = SPLIT_CODES["test"]
     if val_fraction:
         train = np.flatnonzero(split == 0)
         # of the training rows, the share that makes val_fraction of them all
@@ -130,9 +134,15 @@ class _Measured:
 
 
 def _prepare_encoded(listed: Listing, out_dir, fields: dict, opts: PrepareOptions, progress) -> dict:
-    split = assign_splits(listed.labels, listed.fixed_test, opts.test_fraction, opts.val_fraction, opts.seed)
+    # what the source dropped while listing is listed first, and with --on-error fail stops it now
+    measured = _Measured(bad=list(listed.skipped.files), bad_count=listed.skipped.count)
+    if measured.bad and (opts.on_error == "fail" or not len(listed.labels)):
+        hint = "fix them or pass --on-error skip" if opts.on_error == "fail" else "none is left to prepare"
+        raise ImgtrainError(f"{measured.bad_count} sample(s) of the source cannot be used: "
+                            f"{_shown(measured)}; {hint}")
+    split = assign_splits(listed.labels, listed.fixed_test, opts.test_fraction, opts.val_fraction, opts.seed,
+                          listed.fixed_val)
     names = [s for s, code in SPLIT_CODES.items() if (split == code).any()]
-    measured = _Measured()
     total, done = len(listed.labels), 0
     with DatasetWriter(out_dir, listed.classes, "encoded", names, opts.overwrite) as out:
         for chunk, results in _run_chunks(listed.chunks, opts.size, opts.workers):
@@ -177,11 +187,15 @@ def _shape_and_statistics(m: _Measured, channels: int | None, size) -> dict:
 
 
 def _bad_files_error(m: _Measured, on_error: str) -> ImgtrainError:
-    shown = ", ".join(f"{name} ({why})" for name, why in m.bad[:3])
-    more = f" and {m.bad_count - 3} more" if m.bad_count > 3 else ""
     hint = "remove or fix them, or pass --on-error skip" if on_error == "fail" else "check the source"
     what = "cannot be read as PNG/JPEG images" if m.count else "cannot be read; none of the images can"
-    return ImgtrainError(f"{m.bad_count} file(s) {what}: {shown}{more}; {hint}")
+    return ImgtrainError(f"{m.bad_count} file(s) {what}: {_shown(m)}; {hint}")
+
+
+def _shown(m: _Measured) -> str:
+    """The first three skipped files and why, and how many more."""
+    shown = ", ".join(f"{name} ({why})" for name, why in m.bad[:3])
+    return shown + (f" and {m.bad_count - 3} more" if m.bad_count > 3 else "")
 
 
 def _run_chunks(chunks: list, size, workers: int):
