@@ -452,6 +452,8 @@ def evaluate_cmd(
     gpu: bool = GPU_OPTION, concurrency: int = CONCURRENCY_OPTION, batch_size: int = BATCH_OPTION,
     threads: int = THREADS_OPTION, backend: str = BACKEND_OPTION, address: Optional[str] = ADDRESS_OPTION,
     tta: str = TTA_OPTION, engine: str = ENGINE_OPTION,
+    label_issues: int = typer.Option(0, help="Also list the N training images whose label the model most "
+                                     "confidently disagrees with (confident learning; see the report)."),
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
@@ -461,7 +463,8 @@ def evaluate_cmd(
 
     opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address, tta=tta, engine=engine)
     with _json_alone_on_stdout(json_out):
-        result = evaluate(run, checkpoint=checkpoint, storage=storage, split=split, data=data, options=opts)
+        result = evaluate(run, checkpoint=checkpoint, storage=storage, split=split, data=data, options=opts,
+                          label_issues=label_issues)
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
         return
@@ -484,6 +487,18 @@ def evaluate_cmd(
         table.add_row(name, f"{s['precision']:.3f}", f"{s['recall']:.3f}", f"{s['f1']:.3f}", str(result.num_samples))
     console.print(table)
     console.print(_confusion_table(result))
+    if result.label_issues is not None:
+        console.print(_label_issues_table(result))
+
+
+def _label_issues_table(result) -> Table:
+    found = result.label_issues
+    table = Table("id", "labelled", "model says", "p(label)", "p(model's class)",
+                  title=f"labels worth a second look ({found['scanned']:,} of {found['of']:,} training images scanned)")
+    for x in found["issues"]:
+        table.add_row(str(x["id"]), result.classes[x["label"]], result.classes[x["predicted"]],
+                      f"{x['label_prob']:.3f}", f"{x['predicted_prob']:.3f}")
+    return table
 
 
 CONFUSION_TABLE_MAX_CLASSES = 20  # wider, a terminal's matrix is unreadable: the most confused pairs instead

@@ -35,8 +35,10 @@ PLOTS = {  # element id -> file in report/
     "confusion-matrix": "confusion_matrix.png",
     "confident-errors": "confident_errors.png",
     "reliability-diagram": "reliability_diagram.png",
+    "label-issues": "label_issues.png",
 }
-TABLE_IDS = ("summary", "metrics-table", "config-table", "averages-table", "per-class-table", "checkpoints-table")
+TABLE_IDS = ("summary", "metrics-table", "config-table", "averages-table", "per-class-table", "checkpoints-table",
+             "label-issues-table")
 
 
 def tiny_config(data, storage, name, **overrides):
@@ -148,6 +150,10 @@ def test_cli_writes_the_plots_and_the_evaluation(trained, page):
     assert set(ev["macro_avg"]) == set(ev["weighted_avg"]) == {"precision", "recall", "f1"}
     assert len(ev["calibration"]) == 15 and sum(b["count"] for b in ev["calibration"]) == 100
     assert 0 <= ev["ece"] <= 1 and ev["tta"] == "none"
+    issues = ev["label_issues"]  # the training images the model disagrees with, as evaluate finds them
+    assert issues["scanned"] == issues["of"] == 256 and 0 < len(issues["issues"]) <= 16
+    again = imgtrain.evaluate(str(result.path), options=imgtrain.InferenceOptions(backend="local"), label_issues=16)
+    assert again.to_json()["label_issues"] == issues
 
 
 def test_page_is_self_contained_and_complete(trained, page):

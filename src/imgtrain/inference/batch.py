@@ -165,6 +165,7 @@ class EvalResult:
     ece: float | None = None  # expected calibration error, metrics.ECE_BINS equal-width bins
     calibration: list = field(default_factory=list)  # per bin: lower, upper, count, confidence, accuracy
     tta: str = "none"
+    label_issues: dict | None = None  # --label-issues N: training images to check (label_issues.py)
     predictions: object = field(default=None, repr=False)  # DataFrame: id, label, pred_*, top-k
     confusion: np.ndarray | None = field(default=None, repr=False)  # confusion_counts: [E, 3]
 
@@ -172,7 +173,10 @@ class EvalResult:
         keys = ("accuracy", "top5_accuracy", "num_samples", "classes", "per_class", "macro_avg", "weighted_avg",
                 "ece", "calibration", "confusion_matrix", "checkpoint", "split", "data", "recorded_val_accuracy",
                 "tta")
-        return {k: getattr(self, k) for k in keys}
+        out = {k: getattr(self, k) for k in keys}
+        if self.label_issues is not None:
+            out["label_issues"] = self.label_issues
+        return out
 
 
 def confusion_counts(labels: np.ndarray, preds: np.ndarray, num_classes: int) -> np.ndarray:
@@ -219,7 +223,7 @@ def per_class_json(scores, classes) -> dict[str, dict]:
 
 def evaluate(
     run, checkpoint: str = "best", storage: str = "./runs", split: str = "test",
-    data: str | None = None, options: InferenceOptions | None = None,
+    data: str | None = None, options: InferenceOptions | None = None, label_issues: int = 0,
 ) -> EvalResult:
     """Accuracy, top-5 accuracy, per-class and averaged scores, calibration and confusion matrix
     of a checkpoint on a prepared split (``metrics.py`` defines them)."""
@@ -265,8 +269,19 @@ def evaluate(
         recorded_val_accuracy=loaded.recorded_val_accuracy if split == eval_split(manifest) and not data else None,
         top5_accuracy=sums.top5_accuracy, macro_avg=averages["macro"], weighted_avg=averages["weighted"],
         ece=sums.ece, calibration=sums.calibration(), tta=opts.tta,
+        label_issues=_label_issues(loaded, data_dir, manifest, label_issues),
         predictions=rows, confusion=counts,
     )
+
+
+def _label_issues(loaded: LoadedCheckpoint, data_dir, manifest: dict, top: int) -> dict | None:
+    if top <= 0:
+        return None
+    if "train" not in manifest["splits"]:
+        raise ImgtrainError(f"--label-issues looks at the training split, and {data_dir} has none")
+    from imgtrain.inference.label_issues import find_label_issues
+
+    return find_label_issues(loaded, data_dir, "train", top=top)
 
 
 def check_compatible(loaded: LoadedCheckpoint, manifest: dict, data_dir) -> None:

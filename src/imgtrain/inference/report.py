@@ -52,6 +52,9 @@ PLOTS = (
      "Test-set confusion matrix: rows are the true class, columns the predicted class."),
     ("confident-errors", "confident_errors.png",
      "The misclassified test images the model was most confident about."),
+    ("label-issues", "label_issues.png",
+     "Training images whose label deserves a second look: the model confidently predicts another class "
+     "(label_issues.py says the rule); the title gives the label and the model's answer."),
     ("reliability-diagram", "reliability_diagram.png",
      "Reliability diagram: the accuracy of the test images in each of 15 equal-width confidence bins "
      "(confidence: the predicted class's probability) against the diagonal of perfect calibration; below, "
@@ -97,14 +100,36 @@ def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path
     _confusion_plot(ev.confusion, ev.classes, png["confusion-matrix"])
     _image_grid(_stack(pictures, worst), worst, ev.classes, png["confident-errors"], with_confidence=True)
     _reliability_diagram(ev.calibration, ev.ece, png["reliability-diagram"])
-    shown = {"checkpoint": _located(used, result.path, where), "data": _data_location(ev, used_meta)}
+    issues = _label_issues(ev, png["label-issues"])
+    shown = {"checkpoint": _located(used, result.path, where), "data": _data_location(ev, used_meta),
+             "label_issues": issues}
     atomic_write_text(out / EVAL_FILE, json.dumps({**ev.to_json(), **shown}, indent=2))
 
     page = out / PAGE_FILE
-    atomic_write_text(page, _page(result, ev, used, used_meta, out, num_wrong=len(wrong), where=where))
+    atomic_write_text(page, _page(result, ev, used, used_meta, out, num_wrong=len(wrong), where=where,
+                                  issues=issues))
     if in_store:
         mirror.push(remote.store(storage), run_dir.name, under=REPORT_DIR)
     return page
+
+
+def _label_issues(ev, path: Path) -> dict | None:
+    """Scan the training split for labels worth a second look and draw them; None when the data
+    set has no training split here (a run evaluated on another data set's copy)."""
+    from imgtrain.data import stream
+    from imgtrain.data.format import load_manifest
+    from imgtrain.inference.label_issues import find_label_issues, issue_rows
+    from imgtrain.inference.predictor import load_checkpoint
+
+    loaded = load_checkpoint(ev.checkpoint)
+    if "train" not in load_manifest(ev.data)["splits"]:
+        return None
+    found = find_label_issues(loaded, ev.data, "train", top=GRID_SIDE**2)
+    rows = issue_rows(found, ev.classes)
+    pictures = stream.fetch_images(ev.data, "train", set(rows["id"]), preset=loaded.preprocess.preset)
+    _image_grid(_stack(pictures, rows), rows, ev.classes, path, with_confidence=True, given="labelled",
+                empty="No training image contradicts its label confidently: nothing to show.")
+    return found
 
 
 def _located(path: Path, run_dir: Path, where: str) -> str:
@@ -216,12 +241,12 @@ def _show_image(ax, image: np.ndarray) -> None:
     ax.set_yticks([])
 
 
-def _image_grid(images: np.ndarray, rows, classes: list[str], path: Path, with_confidence: bool) -> None:
-    """Up to GRID_SIDE x GRID_SIDE images titled true / pred; a red frame marks a mistake."""
+def _image_grid(images: np.ndarray, rows, classes: list[str], path: Path, with_confidence: bool,
+                given: str = "true", empty: str = "No misclassified test images: nothing to show.") -> None:
+    """Up to GRID_SIDE x GRID_SIDE images titled true (or ``given``) / pred; a red frame marks a mistake."""
     if len(images) == 0:  # a perfect model: still an image, so the page and files keep one shape
         fig = _figure(6, 1.5)
-        fig.text(0.5, 0.5, "No misclassified test images: nothing to show.",
-                 ha="center", va="center", fontsize=14, color=RIGHT)
+        fig.text(0.5, 0.5, empty, ha="center", va="center", fontsize=14, color=RIGHT)
         fig.savefig(path)
         return
     fig = _figure(2.0 * GRID_SIDE, 2.2 * GRID_SIDE)
@@ -232,7 +257,7 @@ def _image_grid(images: np.ndarray, rows, classes: list[str], path: Path, with_c
         ax.axis("on")
         _show_image(ax, image)
         ok = row.pred_index == row.label
-        title = f"true {_literal(classes[row.label])} / pred {_literal(row.pred_class)}"
+        title = f"{given} {_literal(classes[row.label])} / pred {_literal(row.pred_class)}"
         if with_confidence:
             title += f"\nconfidence {row.confidence:.0%}"
         ax.set_title(title, color=RIGHT if ok else WRONG, fontsize=10, fontweight="normal" if ok else "bold")
@@ -340,7 +365,8 @@ def _model_line(args: dict, config: dict) -> str:
     return line + (f", started from {start}" if start else "")
 
 
-def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, num_wrong: int, where: str) -> str:
+def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, num_wrong: int, where: str,
+          issues: dict | None = None) -> str:
     """The HTML page; ``where``: the run's location as its user names it (``write_report``)."""
     summary = _summary(result, ev, used, used_meta, num_wrong, where)
 
@@ -380,6 +406,7 @@ def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, nu
         "<h2>Confusion matrix</h2>", figures["confusion-matrix"],
         "<h2>Most confident errors</h2>", figures["confident-errors"],
         "<h2>Calibration</h2>", figures["reliability-diagram"],
+        *_issues_section(issues, ev.classes, figures["label-issues"]),
         "<h2>Per-class scores</h2>",
         _table("averages-table", ["average", "precision", "recall", "F1", "support"], averages),
         '<p class="muted">Macro: the unweighted mean over the classes present or predicted; weighted: the '
@@ -397,6 +424,21 @@ def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, nu
         f"<title>imgtrain report: {_e(result.name)}</title><style>{CSS}</style></head>\n<body>\n"
         + "\n".join(sections) + "\n</body></html>\n"
     )
+
+
+def _issues_section(issues: dict | None, classes: list[str], figure: str) -> list[str]:
+    if issues is None:
+        return []
+    rows = [[x["id"], classes[x["label"]], classes[x["predicted"]], _num(x["label_prob"]),
+             _num(x["predicted_prob"]), _num(x["score"], 3)] for x in issues["issues"]]
+    return [
+        "<h2>Labels worth a second look</h2>", figure,
+        f'<p class="muted">Scanned {issues["scanned"]:,} of the {issues["of"]:,} training images (the first, '
+        "in the files' seeded random order). Rule: " + _e(issues["rule"]) + ". The model learnt from these "
+        "labels, so it may have learnt a wrong one too: the list is where to start, not all there is.</p>",
+        _table("label-issues-table", ["id", "labelled", "model says", "p(label)", "p(model's class)", "score"],
+               rows, text_columns=(1, 2)),
+    ]
 
 
 def _summary(result: runs.RunResult, ev, used: Path, used_meta: dict, num_wrong: int, where: str) -> list[list]:
