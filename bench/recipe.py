@@ -12,8 +12,9 @@ Data sets (made once under data/recipe-bench/):
 
 Each run is ``imgtrain train --backend local`` (one process: the recipe's effect, not Ray's
 overhead) with the variant's options; a variant that does not apply to a data set (photo
-augmentation on digits) is skipped. Printed and written to bench/results/recipe-*.json: the final
-epoch's validation accuracy, mean and range over the seeds, its difference from the baseline's
+augmentation on digits) is skipped. Printed and written to bench/results/recipe-*.json: the
+validation accuracy of the model the run hands over (the last epoch's; the average checkpoint's
+with --average-last), mean and range over the seeds, its difference from the baseline's
 mean, and the wall time as a ratio to the baseline's (this machine's speed drifts: the variants
 of one seed run one after the other, interleaved).
 
@@ -112,8 +113,10 @@ def train(data: Path, storage: Path, name: str, seed: int, epochs: int, options:
     if proc.returncode:
         return {"error": (proc.stderr.strip().splitlines() or [str(proc.returncode)])[-1]}
     records = [json.loads(line) for line in (storage / name / "metrics.jsonl").read_text().splitlines()]
-    epochs_done = [r for r in records if r.get("kind") == "epoch"]
-    return {"val_accuracy": epochs_done[-1]["val_accuracy"], "wall_s": time.perf_counter() - started}
+    # the model the run hands over: the average checkpoint's with --average-last, else the last epoch's
+    final = [r for r in records if r.get("kind") == "average"] or [r for r in records if r.get("kind") == "epoch"]
+    return {"val_accuracy": final[-1]["val_accuracy"], "val_f1_macro": final[-1].get("val_f1_macro"),
+            "wall_s": time.perf_counter() - started}
 
 
 def table(results: dict) -> str:
