@@ -586,8 +586,9 @@ def export_cmd(
         console.print(f"int8: {result.verification.split} accuracy {int8['accuracy']:.2%} against "
                       f"{int8['fp32_accuracy']:.2%} in float32 (drop {int8['accuracy_drop']:.2%}, at most "
                       f"{int8['max_accuracy_drop']:.2%} allowed)", soft_wrap=True)
-    console.print(f"{result.verification.split} accuracy {result.test_metrics['accuracy']:.2%}; wrote "
-                  f"{result.model_file} with labels.json, preprocessing.json and MODEL_CARD.md", soft_wrap=True)
+    accuracy = "" if int8 else f"{result.verification.split} accuracy {result.test_metrics['accuracy']:.2%}; "
+    console.print(f"{accuracy}wrote {'the int8 model ' if int8 else ''}{result.model_file} with labels.json, "
+                  f"preprocessing.json and MODEL_CARD.md", soft_wrap=True)
 
 
 @app.command("report")
