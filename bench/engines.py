@@ -16,8 +16,6 @@ A model is trained first (the demo recipe on the embedded sample, ``--epochs``, 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SAMPLE_DATA, ensure_data, environment, write_result  # noqa: E402
-from serve_load import free_port, load, summarize_level, test_digits, wait_healthy  # noqa: E402
+from serve_load import free_port, load, stop_server, summarize_level, test_digits, wait_healthy  # noqa: E402
 
 LEVELS = ((1, 200), (64, 1500))
 
@@ -53,11 +51,7 @@ def serve_levels(target: str, engine: str, storage: str, pngs, labels, reference
         load(port, pngs, 4, 40)  # warm-up
         return {c: summarize_level(*load(port, pngs, c, n), labels, reference) for c, n in LEVELS}
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(proc)
 
 
 def main() -> None:

@@ -79,6 +79,15 @@ def wait_healthy(port: int, proc: subprocess.Popen) -> None:
     raise SystemExit(f"the server did not answer within {STARTUP_S} s")
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """Ctrl-C to the server's process group, as a user stops it; killed after a minute."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def client(port: int, pngs: list[bytes], order: list[int], claim, results: list) -> None:
     """POST images until the shared counter runs out; one keep-alive connection per client."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
@@ -187,11 +196,7 @@ def main() -> None:
                 result["levels"][concurrency] = found = summarize_level(results, wall, labels, reference)
                 print(concurrency, {k: v for k, v in found.items()}, flush=True)
         finally:
-            os.killpg(serve.pid, signal.SIGINT)
-            try:
-                serve.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(serve.pid, signal.SIGKILL)
+            stop_server(serve)
     print(f"results: {write_result('serve_load', result)}")
     print("\n| concurrent clients | requests | throughput | p50 latency | p99 latency | not answered | accuracy |")
     print("|---|---|---|---|---|---|---|")

@@ -421,6 +421,13 @@ def _cut(parts: list[dict], n: int) -> tuple[dict, list[dict], int]:
     return head, ([rest] if left else []), left
 
 
+def split_batches(data_dir, manifest: dict, split: str, preset: str, size: int, limit: int = 0) -> Iterator[dict]:
+    """A split's rows in file order (its first ``limit`` rows with a limit), as evaluation sees
+    them, decoded in this process: batches {id, image uint8 [k, H, W, C], label} of ``size``."""
+    reader = Reader.for_data(data_dir, manifest, preset=preset, train=False, augment=False)
+    return cut(local_parts(eval_tasks(blocks(data_dir, manifest, split), 1, 0, limit), reader), size)
+
+
 def fetch_images(data_dir, split: str, ids: set, preset: str | None = None) -> dict:
     """{id: uint8 [H, W, C]} of a few rows of a split, as evaluation sees them: the id column
     of each row group is read first, and only the wanted rows are decoded."""

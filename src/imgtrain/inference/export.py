@@ -235,10 +235,8 @@ def _verify(model, exported, data_dir: Path, manifest: dict, split: str,
 
     from imgtrain.data import stream
 
-    reader = stream.Reader.for_data(data_dir, manifest, preset=loaded.preprocess.preset, train=False, augment=False)
-    tasks = stream.eval_tasks(stream.blocks(data_dir, manifest, split), 1, 0)
     result, sums = Verification(split), EvalSums(len(loaded.preprocess.classes))
-    for batch in stream.cut(stream.local_parts(tasks, reader), VERIFY_BATCH):
+    for batch in stream.split_batches(data_dir, manifest, split, loaded.preprocess.preset, VERIFY_BATCH):
         x = np.ascontiguousarray(batch["image"].transpose(0, 3, 1, 2))  # NHWC -> NCHW
         with torch.no_grad():
             ours = model(torch.from_numpy(x)).numpy()

@@ -38,12 +38,10 @@ def find_label_issues(loaded, data_dir, split: str = "train", top: int = SHOWN, 
     manifest = load_manifest(data_dir)
     k = len(loaded.preprocess.classes)
     predictor = Predictor(loaded)
-    reader = stream.Reader.for_data(data_dir, manifest, preset=loaded.preprocess.preset, train=False, augment=False)
-    tasks = stream.eval_tasks(stream.blocks(data_dir, manifest, split), 1, 0, scan)
     sums, counts = np.zeros(k), np.zeros(k)
     wrong = []  # per batch: (id, given label, predicted, p_given, p_predicted) of the misclassified
     scanned = 0
-    for part in stream.cut(stream.local_parts(tasks, reader), batch):
+    for part in stream.split_batches(data_dir, manifest, split, loaded.preprocess.preset, batch, scan):
         probs = predictor.predict_proba(part["image"])
         labels = np.asarray(part["label"], np.int64)
         given = probs[np.arange(len(labels)), labels]

@@ -31,7 +31,7 @@ def check_engine(engine: str, target) -> None:
     """An unknown engine, or a model the engine cannot run, in one line."""
     if engine not in ENGINES:
         raise ImgtrainError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    exported = is_export(target) if Path(str(target)).is_dir() else False
+    exported = is_export(target)
     if engine == "torch" and exported:
         raise ImgtrainError(f"{target} is an exported model, not a run or checkpoint; pass --engine onnxruntime")
     if engine == "onnxruntime" and not (exported and (Path(target) / ONNX_FILE).is_file()):
@@ -69,11 +69,9 @@ class OnnxModel:
         return probs.astype(np.float32, copy=False)
 
 
-def load_export(folder, threads: int = 0):
-    """An ONNX export folder as a ``LoadedCheckpoint`` whose model is an ``OnnxModel``; the model
-    file must match the sha256 its export recorded."""
-    from imgtrain.inference.predictor import LoadedCheckpoint, preprocess_of
-
+def read_export(folder) -> dict:
+    """An ONNX export folder's record (``imgtrain.json``), once its model file is found to match
+    the sha256 the export recorded."""
     folder = Path(folder)
     check_engine("onnxruntime", folder)
     try:
@@ -84,4 +82,13 @@ def load_export(folder, threads: int = 0):
     if file_sha256(folder / ONNX_FILE) != recorded:
         raise ImgtrainError(f"{folder / ONNX_FILE} does not match the sha256 its export recorded (changed or "
                             f"damaged since); export the model again")
+    return meta
+
+
+def load_export(folder, threads: int = 0):
+    """An ONNX export folder as a ``LoadedCheckpoint`` whose model is an ``OnnxModel`` (``read_export``'s checks first)."""
+    from imgtrain.inference.predictor import LoadedCheckpoint, preprocess_of
+
+    folder = Path(folder)
+    meta = read_export(folder)
     return LoadedCheckpoint(OnnxModel(folder / ONNX_FILE, threads), preprocess_of(folder, meta), folder, meta)

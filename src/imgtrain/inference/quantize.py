@@ -64,9 +64,7 @@ def _batches(data_dir: Path, manifest: dict, split: str, loaded, limit: int = 0)
     """(uint8 NCHW images, labels) of the split's first ``limit`` rows (all with 0), in file order."""
     from imgtrain.data import stream
 
-    reader = stream.Reader.for_data(data_dir, manifest, preset=loaded.preprocess.preset, train=False, augment=False)
-    tasks = stream.eval_tasks(stream.blocks(data_dir, manifest, split), 1, 0, limit)
-    for batch in stream.cut(stream.local_parts(tasks, reader), BATCH):
+    for batch in stream.split_batches(data_dir, manifest, split, loaded.preprocess.preset, BATCH, limit):
         yield np.ascontiguousarray(batch["image"].transpose(0, 3, 1, 2)), batch["label"]
 
 

@@ -76,7 +76,8 @@ def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path
         raise ImgtrainError(
             f"run {result.name!r} has no complete checkpoint yet ({result.path}); train it first"
         )
-    ev = evaluate(str(result.path), checkpoint, storage, options=InferenceOptions(backend="local"))
+    ev = evaluate(str(result.path), checkpoint, storage, options=InferenceOptions(backend="local"),
+                  label_issues=GRID_SIDE**2)
     preds = ev.predictions.reset_index(drop=True)  # one row per image: id, label, pred_index, confidence
     n = GRID_SIDE**2
     wrong = preds[preds["pred_index"] != preds["label"]]
@@ -100,36 +101,27 @@ def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path
     _confusion_plot(ev.confusion, ev.classes, png["confusion-matrix"])
     _image_grid(_stack(pictures, worst), worst, ev.classes, png["confident-errors"], with_confidence=True)
     _reliability_diagram(ev.calibration, ev.ece, png["reliability-diagram"])
-    issues = _label_issues(ev, png["label-issues"])
-    shown = {"checkpoint": _located(used, result.path, where), "data": _data_location(ev, used_meta),
-             "label_issues": issues}
+    _label_issues(ev, png["label-issues"])
+    shown = {"checkpoint": _located(used, result.path, where), "data": _data_location(ev, used_meta)}
     atomic_write_text(out / EVAL_FILE, json.dumps({**ev.to_json(), **shown}, indent=2))
 
     page = out / PAGE_FILE
-    atomic_write_text(page, _page(result, ev, used, used_meta, out, num_wrong=len(wrong), where=where,
-                                  issues=issues))
+    atomic_write_text(page, _page(result, ev, used, used_meta, out, num_wrong=len(wrong), where=where))
     if in_store:
         mirror.push(remote.store(storage), run_dir.name, under=REPORT_DIR)
     return page
 
 
-def _label_issues(ev, path: Path) -> dict | None:
-    """Scan the training split for labels worth a second look and draw them; None when the data
-    set has no training split here (a run evaluated on another data set's copy)."""
+def _label_issues(ev, path: Path) -> None:
+    """Draw the training images evaluate found worth a second look, as the model saw them."""
     from imgtrain.data import stream
-    from imgtrain.data.format import load_manifest
-    from imgtrain.inference.label_issues import find_label_issues, issue_rows
-    from imgtrain.inference.predictor import load_checkpoint
+    from imgtrain.inference.label_issues import issue_rows
+    from imgtrain.inference.predictor import preprocess_preset
 
-    loaded = load_checkpoint(ev.checkpoint)
-    if "train" not in load_manifest(ev.data)["splits"]:
-        return None
-    found = find_label_issues(loaded, ev.data, "train", top=GRID_SIDE**2)
-    rows = issue_rows(found, ev.classes)
-    pictures = stream.fetch_images(ev.data, "train", set(rows["id"]), preset=loaded.preprocess.preset)
+    rows = issue_rows(ev.label_issues, ev.classes)
+    pictures = stream.fetch_images(ev.data, "train", set(rows["id"]), preset=preprocess_preset(Path(ev.checkpoint)))
     _image_grid(_stack(pictures, rows), rows, ev.classes, path, with_confidence=True, given="labelled",
                 empty="No training image contradicts its label confidently: nothing to show.")
-    return found
 
 
 def _located(path: Path, run_dir: Path, where: str) -> str:
@@ -365,8 +357,7 @@ def _model_line(args: dict, config: dict) -> str:
     return line + (f", started from {start}" if start else "")
 
 
-def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, num_wrong: int, where: str,
-          issues: dict | None = None) -> str:
+def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, num_wrong: int, where: str) -> str:
     """The HTML page; ``where``: the run's location as its user names it (``write_report``)."""
     summary = _summary(result, ev, used, used_meta, num_wrong, where)
 
@@ -406,7 +397,7 @@ def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, nu
         "<h2>Confusion matrix</h2>", figures["confusion-matrix"],
         "<h2>Most confident errors</h2>", figures["confident-errors"],
         "<h2>Calibration</h2>", figures["reliability-diagram"],
-        *_issues_section(issues, ev.classes, figures["label-issues"]),
+        *_issues_section(ev.label_issues, ev.classes, figures["label-issues"]),
         "<h2>Per-class scores</h2>",
         _table("averages-table", ["average", "precision", "recall", "F1", "support"], averages),
         '<p class="muted">Macro: the unweighted mean over the classes present or predicted; weighted: the '
@@ -426,9 +417,7 @@ def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, nu
     )
 
 
-def _issues_section(issues: dict | None, classes: list[str], figure: str) -> list[str]:
-    if issues is None:
-        return []
+def _issues_section(issues: dict, classes: list[str], figure: str) -> list[str]:
     rows = [[x["id"], classes[x["label"]], classes[x["predicted"]], _num(x["label_prob"]),
              _num(x["predicted_prob"]), _num(x["score"], 3)] for x in issues["issues"]]
     return [
