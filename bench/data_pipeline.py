@@ -14,6 +14,7 @@ one run of this script. Training figures: a real two-epoch run on the N photos.
 
     python bench/data_pipeline.py [--images 3000] [--size 96] [--repeats 3] [--workers-k 2]
     python bench/data_pipeline.py --gpu --images 12000   # a lent GPU: the training figures only, one GPU worker
+    python bench/data_pipeline.py --gpu --images 12000 --policies randaugment,trivialaugment,autoaugment
 """
 
 from __future__ import annotations
@@ -139,24 +140,33 @@ def memory(work: Path, images: int, size: int) -> dict:
     return rows
 
 
-def training(work: Path, images: int, gpu: bool = False) -> dict:
-    """A real run on the prepared photos (two epochs, ResNet-18 at the photos' size; 2 CPU
+def training(work: Path, images: int, gpu: bool = False, variants: dict[str, list[str]] | None = None) -> dict:
+    """Real runs on the prepared photos (two epochs each, ResNet-18 at the photos' size; 2 CPU
     workers, or one GPU worker in bf16 with every other CPU decoding): images/s and the share of
     step time spent waiting for data (the worse rank's) per epoch. The first epoch includes
-    starting the decoding processes; the second is the steady state."""
+    starting the decoding processes; the second is the steady state. ``variants``: more train
+    flags per named run (an augmentation policy, fewer decoding CPUs), on the same cluster."""
     data = work / f"data-{images}"
     device = ["--gpu", "--workers", "1", "--precision", "bf16"] if gpu else ["--workers", "2"]
-    with ray_head(os.cpu_count() if gpu else 4):
-        run_measured(["train", "--data", str(data), "--name", "speed", "--storage", str(work / "runs"), *device,
-                      "--epochs", "2", "--address", "auto", "--quiet"], work)
     from imgtrain import runs
 
-    epochs = [{"images_per_s": e["images_per_s"], "data_wait_fraction": e["data_wait_fraction"]}
-              for e in runs.epoch_history(work / "runs" / "speed")]
-    for k, e in enumerate(epochs):
-        print(f"training on {images} photos, epoch {k + 1}: {e['images_per_s']:.0f} images/s, data wait "
-              f"{e['data_wait_fraction']:.1%} of step time", flush=True)
-    return {"epochs": epochs}
+    results = {}
+    with ray_head(os.cpu_count() if gpu else 4):
+        for name, flags in (variants or {"speed": []}).items():
+            try:
+                run_measured(["train", "--data", str(data), "--name", name, "--storage", str(work / "runs"), *device,
+                              *flags, "--epochs", "2", "--address", "auto", "--quiet"], work)
+            except RuntimeError as e:  # one failed variant must not lose the others' figures
+                print(f"{name}: {e}", flush=True)
+                continue
+            epochs = [{"images_per_s": e["images_per_s"], "data_wait_fraction": e["data_wait_fraction"]}
+                      for e in runs.epoch_history(work / "runs" / name)]
+            for k, e in enumerate(epochs):
+                print(f"{name} ({' '.join(flags) or 'defaults'}) on {images} photos, epoch {k + 1}: "
+                      f"{e['images_per_s']:.0f} images/s, data wait {e['data_wait_fraction']:.1%} of step time",
+                      flush=True)
+            results[name] = {"flags": flags, "epochs": epochs}
+    return results if variants else results["speed"]
 
 
 # ---------------------------------------------------------------- throughput
@@ -231,6 +241,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--gpu", action="store_true", help="only the training figures, on one GPU worker")
+    parser.add_argument("--policies", default="", help="with --gpu: also train with each of these comma-separated "
+                        "--augment-policy values, and the last of them with --few-cpus decoding CPUs")
+    parser.add_argument("--few-cpus", type=int, default=4, help="with --policies: decoding CPUs of the last run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="imgtrain-bench-") as tmp:
         work = Path(tmp)
@@ -240,7 +253,13 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "imgtrain.cli", "data", "prepare", "folder",
                             str(work / f"data-{args.images}"), "--source", str(work / f"jpeg-{args.images}")],
                            check=True, capture_output=True, cwd=work)
-            result["training"] = training(work, args.images, gpu=True)
+            variants = {"speed": []}
+            for policy in filter(None, args.policies.split(",")):
+                variants[f"policy-{policy}"] = ["--augment-policy", policy]
+            if len(variants) > 1:  # the decoding rate per CPU, where the data (not the GPU) sets the pace
+                variants[f"{policy}-{args.few_cpus}-cpus"] = ["--augment-policy", policy,
+                                                              "--preprocess-cpus", str(args.few_cpus)]
+            result["training"] = training(work, args.images, gpu=True, variants=variants)
             print(f"results: {write_result('data-pipeline-gpu', result)}")
             return
         if not args.skip_memory:
