@@ -338,7 +338,8 @@ def wandb_services() -> list[str]:
     """W&B's service processes started by this process (wandb-core)."""
     children = []
     for task in os.listdir(f"/proc/{os.getpid()}/task"):
-        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+        # a thread may end between the listing and the reading (the suite's other threads do)
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{os.getpid()}/task/{task}/children") as f:
             children += f.read().split()
     found = []
     for pid in children:
