@@ -2,6 +2,7 @@
 
 Every CLI verb is one function here:
     imgtrain.prepare(source, out, path, PrepareOptions(...)) -> dataset manifest (imgtrain data prepare)
+    imgtrain.inspect_dataset(data, out) -> findings   (imgtrain data inspect)
     imgtrain.train(cfg)     -> RunResult              (imgtrain train)
     imgtrain.load_run(...)  -> RunResult              (imgtrain runs show)
     imgtrain.list_runs(...) -> list[RunResult]        (imgtrain runs list)
@@ -36,6 +37,15 @@ def prepare(source: str, out_dir, source_path=None, options: PrepareOptions | No
     return _prepare(source, out_dir, source_path, options, progress)
 
 
+def inspect_dataset(data_dir, out=None, workers: int = 0, threshold: int | None = None, seed: int = 0,
+                    progress=None) -> dict:
+    """A look at a prepared data set: the findings, and their page written to ``out``. See
+    ``imgtrain.data.inspection.inspect_dataset``."""
+    from imgtrain.data.inspection import inspect_dataset as _inspect
+
+    return _inspect(data_dir, out, workers, threshold, seed, progress)
+
+
 def write_report(run, checkpoint: str = "best", storage: str = "./runs"):
     """Plots and a self-contained HTML page in the run's report/ folder. See ``imgtrain.inference.report``."""
     from imgtrain.inference.report import write_report as _write_report
@@ -52,7 +62,8 @@ def export(run, format: str, out, checkpoint: str = "best", storage: str = "./ru
 
 
 __all__ = [
-    "TrainConfig", "ImgtrainError", "RunResult", "train", "prepare", "PrepareOptions", "load_run", "list_runs",
+    "TrainConfig", "ImgtrainError", "RunResult", "train", "prepare", "inspect_dataset", "PrepareOptions", "load_run",
+    "list_runs",
     "EvalResult", "InferenceOptions", "Predictor", "evaluate", "load_model", "predict", "write_report",
     "export",
 ]

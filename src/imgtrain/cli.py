@@ -23,7 +23,7 @@ from imgtrain.errors import ImgtrainError, ImgtrainWarning
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train image classifiers with data-parallel PyTorch on Ray.")
-data_app = typer.Typer(no_args_is_help=True, help="Prepare data sets.")
+data_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect data sets.")
 runs_app = typer.Typer(no_args_is_help=True, help="Inspect runs.")
 config_app = typer.Typer(no_args_is_help=True, help="Training settings: defaults and config files.")
 clean_app = typer.Typer(no_args_is_help=True, help="Delete runs or prepared data sets (only what imgtrain made).")
@@ -97,15 +97,12 @@ def data_prepare(
     workers: int = typer.Option(0, help="Processes checking and converting images; 0 = one per core."),
     seed: int = typer.Option(0, help="Seed of the splits."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing data set in OUT_DIR."),
+    dedupe: str = typer.Option("off", help="Drop duplicates (exact, or near as `data inspect` finds them): "
+                               "cross-split (a copy of a test or val image leaves the lower split), all (also "
+                               "within a split: the first in source order stays), off. Listed in OUT_DIR/dedupe.csv."),
+    near_threshold: Optional[int] = typer.Option(None, help="--dedupe: the near duplicates' pHash distance in bits "
+                                                 "(default 4; 0 for grayscale images of 32 px or less)."),
 ):
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
-
     from imgtrain.data.format import describe
     from imgtrain.data.options import PrepareOptions, parse_size
     from imgtrain.data.prepare import prepare
@@ -114,20 +111,67 @@ def data_prepare(
         download=download, image_column=image_column, label_column=label_column, path_column=path_column,
         channels=channels, size=parse_size(size) if size else None, test_fraction=test_fraction,
         val_fraction=val_fraction, seed=seed, overwrite=overwrite, on_error=on_error, workers=workers,
+        dedupe=dedupe, near_threshold=near_threshold,
     )
-    bar = Progress(TextColumn("prepare"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                   console=err_console, transient=True, disable=not err_console.is_terminal)
-    with bar:
-        task = bar.add_task("prepare", total=None)
-        manifest = prepare(source, out_dir, source_path, options,
-                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+    with _progress_bar("prepare") as progress:
+        manifest = prepare(source, out_dir, source_path, options, progress=progress)
     skipped = manifest.get("skipped") or {}
     for name, why in skipped.get("files", []):
         err_console.print(f"skipped {name}: {why}", soft_wrap=True)
     if skipped.get("count", 0) > len(skipped.get("files", [])):
         err_console.print(f"... and {skipped['count'] - len(skipped['files'])} more (not listed)")
+    if manifest.get("dedupe"):
+        d = manifest["dedupe"]
+        err_console.print(f"dedupe {d['mode']}: dropped {d['dropped']:,} image(s) ({d['exact']:,} exact, {d['near']:,} "
+                          f"near copies within {d['threshold']} bits), listed in {out_dir.resolve() / d['file']}",
+                          soft_wrap=True)
     console.print(describe(manifest), soft_wrap=True)
     console.print(f"prepared data set: {out_dir.resolve()}")
+
+
+@contextlib.contextmanager
+def _progress_bar(label: str):
+    """A progress bar on stderr (none when stderr is not a terminal); yields progress(done, total)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   console=err_console, transient=True, disable=not err_console.is_terminal)
+    with bar:
+        task = bar.add_task(label, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+@data_app.command("inspect")
+def data_inspect(
+    data: str = typer.Argument(..., help="A prepared data set: a folder, or s3://... (copied to this machine first)."),
+    out: Optional[Path] = typer.Option(None, help="Where to write the page; default: <data set name>-inspect.html "
+                                       "in the current folder."),
+    json_out: bool = typer.Option(False, "--json", help="Print the findings as JSON on stdout (the page is written too)."),
+    near_threshold: Optional[int] = typer.Option(None, help="Near duplicates: pHash distance in bits (default 4; 0 "
+                                                 "for grayscale images of 32 px or less)."),
+    workers: int = typer.Option(0, help="Processes reading and hashing images; 0 = one per core."),
+    seed: int = typer.Option(0, help="Seed of the sample images shown per class."),
+):
+    """A look at a prepared data set before training: classes and their balance, sizes, colour
+    modes, samples per class, skipped files, and exact and near duplicates, across splits first.
+    Writes a self-contained HTML page."""
+    from imgtrain.data.inspection import inspect_dataset
+    from imgtrain.storage import staging
+
+    with _json_alone_on_stdout(json_out), _progress_bar("inspect") as progress:
+        result = inspect_dataset(staging.local_data(data), out, workers, near_threshold, seed, progress)
+    if json_out:
+        print(json.dumps(result, indent=2))
+        return
+    d = result["duplicates"]
+    cross, within = d["counts"]["cross_split"], d["counts"]["within_split"]
+    imb = result["imbalance"]
+    ratio = "a class without training images" if imb["ratio"] is None else f"{imb['ratio']:.1f}x"
+    console.print(f"{result['images']:,} images in {len(result['classes'])} classes; largest / smallest training "
+                  f"class {ratio}{' (imbalanced)' if imb['flagged'] else ''}; duplicate pairs across splits "
+                  f"{cross['exact']:,} exact, {cross['near']:,} near; within a split {within['exact']:,} exact, "
+                  f"{within['near']:,} near", soft_wrap=True)
+    console.print(f"page: {result['page']}", soft_wrap=True)
 
 
 def _setting_option(s) -> inspect.Parameter:

@@ -35,6 +35,7 @@ from imgtrain.ops.files import sha256_file
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
+DEDUPE_FILE = "dedupe.csv"  # beside the manifest when prepared with --dedupe: what was dropped
 SPLITS = ("train", "test")  # every data set has these
 ALL_SPLITS = ("train", "val", "test")
 COLUMNS = ("id", "image", "label")
@@ -205,6 +206,12 @@ def eval_split(manifest: dict) -> str:
     """The split training validates on (and picks the best checkpoint by): val when the data
     set has one, else test."""
     return "val" if "val" in manifest["splits"] else "test"
+
+
+def side_files(manifest: dict) -> list[str]:
+    """The files a data set keeps beside its manifest and splits (its own, as much as they are:
+    ``--overwrite`` replaces them and ``clean`` deletes them). Fixed names, never a path from the manifest."""
+    return [DEDUPE_FILE] if manifest.get("dedupe") else []
 
 
 def split_files(data_dir: Path, manifest: dict, split: str) -> list[Path]:

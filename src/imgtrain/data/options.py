@@ -9,10 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from imgtrain.data.duplicates import check_threshold
 from imgtrain.data.format import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
 from imgtrain.errors import ImgtrainError
 
 ON_ERROR = ("skip", "fail")
+DEDUPE = ("off", "cross-split", "all")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,11 @@ class PrepareOptions:
     """Unreadable images: skip (and list them in the manifest) or fail."""
     workers: int = 0
     """Processes checking and converting images; 0: one per core."""
+    dedupe: str = "off"
+    """Drop duplicates before writing: cross-split (a copy of a higher split's image; test > val >
+    train), all (within a split too: the first in source order stays) or off."""
+    near_threshold: int | None = None
+    """--dedupe's near duplicates: pHash distance in bits; None: ``duplicates.default_threshold``."""
 
     def changed(self) -> set[str]:
         """The options set to something other than their default."""
@@ -55,6 +62,15 @@ class PrepareOptions:
                           "and [0, 1) with room left for training")
         if self.on_error not in ON_ERROR:
             issues.append(f"--on-error must be skip or fail, got {self.on_error!r}")
+        if self.dedupe not in DEDUPE:
+            issues.append(f"--dedupe must be one of {', '.join(DEDUPE)}, got {self.dedupe!r}")
+        if self.near_threshold is not None:
+            if self.dedupe == "off":
+                issues.append("--near-threshold applies to --dedupe cross-split or all")
+            try:
+                check_threshold(self.near_threshold)
+            except ImgtrainError as e:
+                issues.append(str(e))
         try:
             check_channels_size(self.channels, self.size)
         except ImgtrainError as e:

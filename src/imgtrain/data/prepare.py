@@ -7,23 +7,21 @@ decoded once), measured (size, colour, statistics for normalisation) and, with `
 resized, in a pool of processes, while the results are written split by split, row group by row
 group, in source order. Photos keep their encoded bytes (re-encoded once when resized); MNIST
 and tensor columns keep raw uint8 tensors. Unreadable files are skipped and listed, or stop
-the command before anything is written with ``on_error="fail"``.
+the command before anything is written with ``on_error="fail"``. With ``--dedupe``, a first
+pass fingerprints every image and chooses the duplicates to leave out (``dedupe.py``).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import multiprocessing
-import os
-from collections import deque
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from imgtrain.data import images
-from imgtrain.data.format import NORMALIZE_MEAN, NORMALIZE_STD, default_preset
+from imgtrain.data import dedupe, images, pool
+from imgtrain.data.format import DEDUPE_FILE, NORMALIZE_MEAN, NORMALIZE_STD, default_preset
 from imgtrain.data.listing import MAX_LISTED_BAD, Listing, PixelListing
 from imgtrain.data.named_splits import SPLIT_CODES
 from imgtrain.data.options import PrepareOptions
@@ -51,6 +49,9 @@ def prepare(source: str, out_dir, source_path=None, options: PrepareOptions | No
               "options": {"seed": opts.seed, "test_fraction": opts.test_fraction, "val_fraction": opts.val_fraction,
                           "channels": opts.channels, "size": list(opts.size) if opts.size else None}}
     listed = spec.lister(source_path, opts)
+    if opts.dedupe != "off" and not isinstance(listed, Listing):
+        raise ImgtrainError(f"--dedupe works on sources of PNG/JPEG images, and {source} gives pixel arrays; prepare "
+                            "without it and find the duplicates with `imgtrain data inspect OUT_DIR`")
     if isinstance(listed, RawDataset):
         return write_dataset(carve_val(listed, opts.val_fraction, opts.seed), out_dir, overwrite=opts.overwrite,
                              **fields)
@@ -143,11 +144,16 @@ def _prepare_encoded(listed: Listing, out_dir, fields: dict, opts: PrepareOption
     split = assign_splits(listed.labels, listed.fixed_test, opts.test_fraction, opts.val_fraction, opts.seed,
                           listed.fixed_val)
     names = [s for s, code in SPLIT_CODES.items() if (split == code).any()]
-    total, done = len(listed.labels), 0
+    total, done, passes = len(listed.labels), 0, 1 + (opts.dedupe != "off")
+    dropped = None
+    if opts.dedupe != "off":  # a first pass: fingerprints only, a few chunks at a time
+        dropped = dedupe.plan(listed, split, opts, progress and (lambda d, t: progress(d, passes * t)))
+        done = total
     with DatasetWriter(out_dir, listed.classes, "encoded", names, opts.overwrite) as out:
         for chunk, results in _run_chunks(listed.chunks, opts.size, opts.workers):
             positions = np.arange(chunk.first, chunk.first + len(results))
-            good = np.array([r.data is not None for r in results], bool)
+            kept = ~dropped.drop[positions] if dropped is not None else np.ones(len(results), bool)
+            good = np.array([r.data is not None for r in results], bool) & kept
             for name in names:
                 keep = np.flatnonzero(good & (split[positions] == SPLIT_CODES[name]))
                 if len(keep):
@@ -158,16 +164,18 @@ def _prepare_encoded(listed: Listing, out_dir, fields: dict, opts: PrepareOption
                     measured.bad_count += 1
                     if len(measured.bad) < MAX_LISTED_BAD:
                         measured.bad.append((chunk.names[k], r.reason))
-                else:
+                elif kept[k]:
                     measured.add(r)
             done += len(results)
             if progress:
-                progress(done, total)
+                progress(done, passes * total)
         if measured.bad and (opts.on_error == "fail" or not measured.count):
             raise _bad_files_error(measured, opts.on_error)
         fields = {**fields, **_shape_and_statistics(measured, opts.channels, opts.size)}
         fields["skipped"] = {"count": measured.bad_count, "files": [list(b) for b in measured.bad]}
-        return out.finish(fields)
+        if dropped is None:
+            return out.finish(fields)
+        return out.finish({**fields, "dedupe": dropped.summary}, {DEDUPE_FILE: dropped.listing_csv})
 
 
 def _shape_and_statistics(m: _Measured, channels: int | None, size) -> dict:
@@ -199,28 +207,8 @@ def _shown(m: _Measured) -> str:
 
 
 def _run_chunks(chunks: list, size, workers: int):
-    """(chunk, results) in order; a pool of processes for large sources, with only a few chunks
-    in flight (memory stays bounded), this process for small ones."""
-    if len(chunks) <= 2 or workers == 1:
-        for chunk in chunks:
-            yield chunk, images.check_chunk(chunk, size)
-        return
-    count = workers or os.cpu_count() or 1
-    # spawn, not fork: the caller may have threads (Ray, a notebook) that a fork would copy mid-step
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(count, mp_context=context) as pool:
-        pending: deque = deque()
-        queue = iter(chunks)
-        for chunk in queue:
-            pending.append((chunk, pool.submit(images.check_chunk, chunk, size)))
-            if len(pending) >= 2 * count:
-                break
-        while pending:
-            chunk, future = pending.popleft()
-            yield chunk, future.result()
-            nxt = next(queue, None)
-            if nxt is not None:
-                pending.append((nxt, pool.submit(images.check_chunk, nxt, size)))
+    """(chunk, results) in order, checked in the pool (``pool.ordered_map``)."""
+    return pool.ordered_map(functools.partial(images.check_chunk, size=size), chunks, workers)
 
 
 # ---------------------------------------------------------------- tensor columns (Parquet)

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from imgtrain.data.format import FORMAT_VERSION, MANIFEST, load_manifest, manifest_problems
+from imgtrain.data.format import FORMAT_VERSION, MANIFEST, load_manifest, manifest_problems, side_files
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops.files import sha256_file
 
@@ -153,9 +153,10 @@ class DatasetWriter:
         except OSError as e:  # a full disk, ...
             raise ImgtrainError(f"cannot write data set to {self.out_dir}: {one_line(e, 120)}") from None
 
-    def finish(self, fields: dict) -> dict:
+    def finish(self, fields: dict, beside: dict[str, str] | None = None) -> dict:
         """Close the files, write the manifest (``fields``: name, source, image_shape, channels,
-        preset, normalize, options, ...) and move the data set into place; returns the manifest."""
+        preset, normalize, options, ...) and ``beside`` ({name: text}, beside it: names of
+        ``format.side_files``) and move the data set into place; returns the manifest."""
         try:
             for split in self.splits.values():
                 split.close()
@@ -176,6 +177,8 @@ class DatasetWriter:
             if problems:
                 raise ImgtrainError(f"the data set would not be readable: {'; '.join(problems)}; for large images "
                                     "pass --size to train at a smaller resolution")
+            for name, text in (beside or {}).items():
+                (self.tmp / name).write_text(text)
             (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
             _move_into_place(self.tmp, self.out_dir)
         except OSError as e:  # permissions, full disk, ...
@@ -221,6 +224,7 @@ def _files_not_listed(data_dir: Path) -> list[Path]:
     try:
         manifest = load_manifest(data_dir)
         ours = {data_dir / rel for s in manifest["splits"].values() for rel in s["files"]}
+        ours |= {data_dir / name for name in side_files(manifest)}
     except ImgtrainError:  # a damaged manifest lists nothing we can trust
         ours = set()
     ours.add(data_dir / MANIFEST)
