@@ -30,7 +30,7 @@ world-th row group: each row once, none dropped.
 
 from __future__ import annotations
 
-import json
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -235,11 +235,6 @@ def read_task(task: dict, reader: Reader) -> dict:
     return out
 
 
-def read_task_batch(batch: dict, reader: Reader) -> dict:
-    """``read_task`` as a Ray Data ``map_batches`` function (batch_size=1, the task as JSON)."""
-    return read_task(json.loads(batch["task"][0]), reader)
-
-
 def _mine(positions: np.ndarray, reader: Reader) -> np.ndarray:
     """Which positions this rank trains on: inside the epoch's whole global batches, not before
     a resume point, and in this rank's share of their global batch."""
@@ -326,21 +321,42 @@ def _affine(pixels: np.ndarray, draws: np.ndarray, reader: Reader) -> np.ndarray
 
 
 def ray_parts(tasks: list[dict], reader: Reader, cpus: int) -> Iterator[dict]:
-    """The tasks' outputs in task order, decoded by Ray Data (``cpus`` tasks at a time, a bounded
-    amount decoded ahead, on any node)."""
-    import ray.data
-    from ray.data import ExecutionResources, TaskPoolStrategy
+    """The tasks' outputs in task order, decoded by Ray tasks on any node's CPUs: at most
+    ``cpus`` decoding at once, and what is decoded ahead of the consumer held to PREFETCH_BYTES
+    in Ray's object store (outputs cross it without a copy to numpy).
+
+    Ray tasks, not a Ray Data ``map_batches``: Ray Data 2.60's streaming executor ran these
+    tasks one at a time whatever the pool's size (their spans never overlapped, with 2 CPUs
+    here and with 15 on a GPU machine), half the rate of the same tasks two at a time
+    (docs/NOTES.md, "The Ray Data path's speed")."""
+    import ray
 
     if not tasks:
         return
-    ds = ray.data.from_items([{"task": json.dumps(t)} for t in tasks], override_num_blocks=len(tasks))
-    ds = ds.map_batches(read_task_batch, fn_kwargs={"reader": reader}, batch_size=1, num_cpus=1,
-                        compute=TaskPoolStrategy(size=max(1, cpus)))
-    options = ds.context.execution_options  # this dataset's own context
-    options.preserve_order = True  # windows are put in order one at a time: they must come in order
-    options.resource_limits = ExecutionResources(object_store_memory=PREFETCH_BYTES)
-    ds.context.enable_progress_bars = False
-    yield from ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)
+    decode = ray.remote(num_cpus=1)(read_task)
+    reader_ref = ray.put(reader)  # once, not with every task
+    h, w, c = reader.shape
+    ahead = max(cpus, PREFETCH_BYTES // max(1, TASK_ROWS * h * w * c))  # outputs decoded or decoding
+    pending: deque = deque()
+    queued = iter(tasks)
+    try:
+        for task in queued:
+            pending.append(decode.remote(task, reader_ref))
+            while len(pending) >= ahead or (len(pending) >= cpus and _decoding(pending) >= cpus):
+                yield ray.get(pending.popleft())
+        while pending:
+            yield ray.get(pending.popleft())
+    finally:  # the consumer stopped early (an error, a stop): no decoding left running for nothing
+        for ref in pending:
+            ray.cancel(ref)
+
+
+def _decoding(pending: deque) -> int:
+    """How many of ``pending`` are still running (or waiting for a CPU)."""
+    import ray
+
+    done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0, fetch_local=False)
+    return len(pending) - len(done)
 
 
 def warm_decoders(count: int) -> None:
@@ -357,7 +373,6 @@ def warm_decoders(count: int) -> None:
 def _import_decoding() -> None:
     import PIL.Image  # noqa: F401
     import pyarrow.parquet  # noqa: F401
-    import ray.data  # noqa: F401
 
 
 def local_parts(tasks: list[dict], reader: Reader, cpus: int = 1) -> Iterator[dict]:
