@@ -214,7 +214,7 @@ S3 = ["--storage", "s3://b/runs", "--name", "x"]
     (["--gpus-per-pod", "1"], ["train", *S3, "--gpu", "--workers", "4"], "hold 2 of the command's 4 training workers"),
     (["--pods", "1"], ["train", *S3, "--workers", "4"],
      "hold 4 CPUs; the command's 4 training workers and Ray Data's reads need 5"),
-    ([], ["data"], "'imgtrain data' needs one of its commands: prepare"),
+    ([], ["data"], "'imgtrain data' needs one of its commands: inspect, prepare"),
 ])
 def test_what_a_cluster_could_not_run_is_refused_in_one_line(capsys, options, command, says):
     after = ["--", *command] if command else []

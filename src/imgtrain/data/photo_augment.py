@@ -22,7 +22,7 @@ POLICIES = ("none", "randaugment", "trivialaugment", "autoaugment")
 
 @dataclass(frozen=True)
 class PhotoAugment:
-    """What to apply (plain fields: it travels to Ray Data's tasks inside the reader)."""
+    """What to apply (plain fields: it travels to the decoding tasks inside the reader)."""
 
     policy: str = "none"
     magnitude: int = 9  # RandAugment's, of 31 levels (0-30), as torchvision's and timm's "m9"

@@ -1,5 +1,5 @@
 """A prepared data set of any size, streamed: each rank's share of every global batch, decoded
-and augmented by Ray Data tasks on CPUs (on any node), never the whole split in one process.
+and augmented by Ray tasks on CPUs (on any node), never the whole split in one process.
 
 The order of an epoch is a pure function of (seed, epoch), whatever the world size:
 
@@ -47,7 +47,7 @@ IN_MEMORY_MAX_BYTES = 256 << 20  # decoded images of the training split; above t
 WINDOW_BLOCKS = 16  # row groups whose rows are shuffled together (about 16k rows)...
 WINDOW_BYTES = 256 << 20  # ...fewer for large images: at most this much decoded per window
 # Rows one decoding task decodes: a window's decoding spreads over the CPUs. 1,024 measured
-# 1.2x faster than 256 through Ray Data (fewer tasks to schedule), bench/data_pipeline.py.
+# 1.2x faster than 256 (fewer tasks to schedule; measured through Ray Data), bench/data_pipeline.py.
 TASK_ROWS = 1024
 # Decoded output a rank's pipeline may hold ahead of training (Ray's object store). 64 MB let
 # only about two tasks' outputs (28 MB each at 96x96) wait and throttled the decoding:
@@ -71,7 +71,7 @@ def in_memory(cfg, manifest: dict) -> bool:
 @dataclass(frozen=True)
 class Reader:
     """How one rank's tasks turn stored rows into model-sized uint8 images (plain fields:
-    it travels to Ray Data's tasks)."""
+    it travels to the decoding tasks)."""
 
     data_dir: str
     storage: str  # "tensor" or "encoded"
@@ -338,9 +338,8 @@ def ray_parts(tasks: list[dict], reader: Reader, cpus: int) -> Iterator[dict]:
     h, w, c = reader.shape
     ahead = max(cpus, PREFETCH_BYTES // max(1, TASK_ROWS * h * w * c))  # outputs decoded or decoding
     pending: deque = deque()
-    queued = iter(tasks)
     try:
-        for task in queued:
+        for task in tasks:
             pending.append(decode.remote(task, reader_ref))
             while len(pending) >= ahead or (len(pending) >= cpus and _decoding(pending) >= cpus):
                 yield ray.get(pending.popleft())
@@ -384,7 +383,7 @@ def local_parts(tasks: list[dict], reader: Reader, cpus: int = 1) -> Iterator[di
 def in_sequence(parts: Iterable[dict], windows: list[dict], reader: Reader) -> Iterator[dict]:
     """Training parts (in task order) put back in sequence order: each window's rows of this
     rank once all its parts are in, placed by position (one window's share held at a time).
-    A part may hold rows of two windows (should Ray Data merge blocks): they are split."""
+    A part may hold rows of two windows (should a pipeline merge parts): they are split."""
     def wanted_rows():
         for window in windows:
             position, mine = _window_positions(window, reader)

@@ -7,7 +7,7 @@ Two paths, the same global order and rank shares (``data/order.py``, ``data/stre
   ``--data-on-device``); augmentation runs on whole batches in the training step. Measured
   faster for such data than any pipeline (no decode, no tasks).
 * **streamed**: everything else, photos above all. Each rank receives its share of every
-  global batch from a Ray Data pipeline (``--ingest ray-data``) or a torch DataLoader
+  global batch from Ray tasks (``--ingest ray-data``, ``stream.ray_parts``) or a torch DataLoader
   (``--ingest torch``; without Ray: the same tasks in this process) that reads row groups,
   decodes and augments on CPUs and prefetches; memory is bounded whatever the data set's size.
 """
