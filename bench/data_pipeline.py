@@ -172,15 +172,18 @@ def training(work: Path, images: int, gpu: bool = False, variants: dict[str, lis
 # ---------------------------------------------------------------- throughput
 
 
-def ours(data: Path, batch: int, cpus: int, how: str) -> float:
-    """Images/s of the streamed pipeline (one rank of one) over one epoch, its start included."""
+def ours(data: Path, batch: int, cpus: int, how: str, policy: str = "none") -> float:
+    """Images/s of the streamed pipeline (one rank of one) over one epoch, its start included;
+    ``policy``: the photos' automatic augmentation after the crop and flip."""
     from imgtrain.data import format as fmt
     from imgtrain.data import stream
+    from imgtrain.data.photo_augment import PhotoAugment
     from imgtrain.training.ingest import _batches
 
     manifest = fmt.load_manifest(data)
     steps = manifest["splits"]["train"]["num_samples"] // batch
-    reader = stream.Reader.for_data(data, manifest, seed=0, epoch=0, global_batch=batch, positions_end=steps * batch)
+    reader = stream.Reader.for_data(data, manifest, seed=0, epoch=0, global_batch=batch, positions_end=steps * batch,
+                                    photo_augment=PhotoAugment(policy=policy))
     windows = stream.epoch_windows(stream.blocks(data, manifest, "train"), 0, 0, stream.window_blocks(manifest))
     start, seen = time.perf_counter(), 0
     for b in _batches(stream.train_tasks(windows, reader), reader, batch, "cpu", how, cpus, windows):

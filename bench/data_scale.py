@@ -28,12 +28,12 @@ import sys
 import tarfile
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from common import environment, ray_head, write_result
+from imgtrain.data import pool
 from data_pipeline import run_measured
 
 SHARD_SAMPLES = 10_000
@@ -72,11 +72,10 @@ def _photos() -> list[np.ndarray]:
 def generate(count: int, width: int, height: int):
     """(index, class, JPEG bytes) for ``count`` images, made in a process per core."""
     chunk = 2_000
-    with ProcessPoolExecutor() as pool:
-        jobs = [(a, min(chunk, count - a), width, height) for a in range(0, count, chunk)]
-        for (first, _, _, _), images in zip(jobs, pool.map(_jpegs, jobs)):
-            for k, data in enumerate(images):
-                yield first + k, (first + k) % 10, data
+    jobs = [(a, min(chunk, count - a), width, height) for a in range(0, count, chunk)]
+    for (first, _, _, _), images in pool.ordered_map(_jpegs, jobs, workers=0):  # a few chunks in memory at a time
+        for k, data in enumerate(images):
+            yield first + k, (first + k) % 10, data
 
 
 def write_sources(root: Path, count: int, width: int, height: int, sources: list[str]) -> dict[str, Path]:

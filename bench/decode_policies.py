@@ -13,30 +13,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from common import environment, write_result
-from data_pipeline import make_folder
+from data_pipeline import make_folder, ours
 
 POLICIES = ("none", "randaugment", "trivialaugment", "autoaugment")
-
-
-def rate(data: Path, policy: str, cpus: int, batch: int = 64) -> float:
-    from imgtrain.data import format as fmt
-    from imgtrain.data import stream
-    from imgtrain.data.photo_augment import PhotoAugment
-    from imgtrain.training.ingest import _batches
-
-    manifest = fmt.load_manifest(data)
-    steps = manifest["splits"]["train"]["num_samples"] // batch
-    reader = stream.Reader.for_data(data, manifest, seed=0, epoch=0, global_batch=batch, positions_end=steps * batch,
-                                    photo_augment=PhotoAugment(policy=policy))
-    windows = stream.epoch_windows(stream.blocks(data, manifest, "train"), 0, 0, stream.window_blocks(manifest))
-    start, seen = time.perf_counter(), 0
-    for b in _batches(stream.train_tasks(windows, reader), reader, batch, "cpu", "ray-data", cpus, windows):
-        seen += len(b["id"])
-    return seen / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -57,7 +39,7 @@ def main() -> None:
             rates = {p: [] for p in POLICIES}
             for k in range(args.repeats + 1):  # the first round starts Ray's processes: not counted
                 for policy in POLICIES:
-                    value = rate(data, policy, args.cpus)
+                    value = ours(data, 64, args.cpus, "ray-data", policy)
                     if k:
                         rates[policy].append(value)
         finally:

@@ -30,6 +30,7 @@ world-th row group: each row once, none dropped.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -333,7 +334,7 @@ def ray_parts(tasks: list[dict], reader: Reader, cpus: int) -> Iterator[dict]:
 
     if not tasks:
         return
-    decode = ray.remote(num_cpus=1)(read_task)
+    decode = _remote_read_task()
     reader_ref = ray.put(reader)  # once, not with every task
     h, w, c = reader.shape
     ahead = max(cpus, PREFETCH_BYTES // max(1, TASK_ROWS * h * w * c))  # outputs decoded or decoding
@@ -348,6 +349,14 @@ def ray_parts(tasks: list[dict], reader: Reader, cpus: int) -> Iterator[dict]:
     finally:  # the consumer stopped early (an error, a stop): no decoding left running for nothing
         for ref in pending:
             ray.cancel(ref)
+
+
+@functools.cache
+def _remote_read_task():
+    """``read_task`` as a Ray remote function, made once: each new one is exported to the cluster again."""
+    import ray
+
+    return ray.remote(num_cpus=1)(read_task)
 
 
 def _decoding(pending: deque) -> int:
