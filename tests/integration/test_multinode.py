@@ -3,7 +3,9 @@
 ``ray start --head`` and ``ray start --address=HEAD`` (its own node: its own raylet, 1 CPU and
 its own temp dir), token authentication on as Ray 2.60 sets it up by default. The second node
 runs in its own mount namespace where one folder is hidden behind an empty tmpfs: a node whose
-disk does not share that folder, the mistake imgtrain must catch before training starts.
+disk does not share that folder, the mistake imgtrain must catch before training starts. Both
+nodes are started with an S3 endpoint nothing listens on: a cluster whose nodes cannot reach the
+bucket this machine reaches.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ def two_nodes(tmp_path_factory):
     (home / ".ray" / "auth_token").write_text(uuid.uuid4().hex)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
     env.update(HOME=str(home), RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", RAY_USAGE_STATS_ENABLED="0")
+    # the nodes' way to the bucket (test_doctor_checks_the_bucket_from_every_node) leads nowhere
+    node_env = {**env, "IMGTRAIN_S3_ENDPOINT": "http://127.0.0.1:1", "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
     # Short temp dirs (Unix socket paths are limited to 107 bytes), one per node.
     temp_dirs = [tempfile.mkdtemp(prefix=f"imgtrain-node{i}-", dir="/tmp") for i in (0, 1)]
     port = free_port()
@@ -85,7 +90,7 @@ def two_nodes(tmp_path_factory):
         nodes.append(subprocess.Popen(
             [RAY, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
              "--include-dashboard=false", f"--temp-dir={temp_dirs[0]}", "--block"],
-            stdout=open(head_log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            stdout=open(head_log, "w"), stderr=subprocess.STDOUT, env=node_env, start_new_session=True))
         wait_for_line(head_log, "Ray runtime started", nodes[0])
         worker = [RAY, "start", f"--address={address}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
                   f"--temp-dir={temp_dirs[1]}", "--block"]
@@ -95,7 +100,7 @@ def two_nodes(tmp_path_factory):
         worker_log = root / "worker.log"
         nodes.append(subprocess.Popen(
             worker, stdout=open(worker_log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-            env={**env, "RAY_AUTH_MODE": "token"}))  # as the README says for the other nodes
+            env={**node_env, "RAY_AUTH_MODE": "token"}))  # as the README says for the other nodes
         wait_for_line(worker_log, "Ray runtime started", nodes[1])
         yield {"address": address, "shared": shared, "private": private, "masked": masked, "env": env}
     finally:
@@ -116,9 +121,11 @@ def two_nodes(tmp_path_factory):
         assert not left, f"processes of the test cluster outlived it: {left}"
 
 
-def imgtrain(cluster, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def imgtrain(cluster, *args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The CLI in a process of this machine (``env``: more of its environment)."""
     return subprocess.run([sys.executable, "-m", "imgtrain.cli", *args], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=timeout, env={**cluster["env"], "COLUMNS": "200"})
+                          stdin=subprocess.DEVNULL, timeout=timeout,
+                          env={**cluster["env"], "COLUMNS": "200", **(env or {})})
 
 
 def test_doctor_sees_both_nodes_and_that_storage_is_shared(two_nodes, tiny_data):
@@ -131,6 +138,15 @@ def test_doctor_sees_both_nodes_and_that_storage_is_shared(two_nodes, tiny_data)
     assert checks["cluster"]["detail"].startswith(f"{two_nodes['address']}: 2 node(s) alive, 2 CPUs")
     assert len(checks["cluster"]["lines"]) == 2 and sum("(head)" in line for line in checks["cluster"]["lines"]) == 1
     assert checks["shared storage"]["status"] == "ok" and "every node (2)" in checks["shared storage"]["detail"]
+
+
+def test_doctor_checks_the_bucket_from_every_node(two_nodes, s3_server):
+    # this machine reaches the bucket, the nodes do not: each node's own answer is shown
+    blind = imgtrain(two_nodes, "doctor", "--storage", "s3://imgtrain/runs", "--address", two_nodes["address"],
+                     env=s3_server)
+    assert blind.returncode == 1, blind.stdout + blind.stderr
+    assert "not every node can use s3://imgtrain/runs" in blind.stdout
+    assert blind.stdout.count("Could not connect") >= 2
 
 
 def test_training_runs_with_a_worker_on_each_node(two_nodes, tiny_data):

@@ -213,27 +213,10 @@ def test_a_bucket_that_does_not_exist_fails_in_seconds_with_one_line(s3_server, 
     assert_one_line_error(refused, "imgtrain clean runs x")
 
 
-def doctor_against_a_cluster(env: dict, cluster_env: dict) -> subprocess.CompletedProcess:
-    """``imgtrain doctor --storage s3://...`` (with ``env``) against a real 3-node cluster whose
-    processes were started with ``cluster_env``."""
-    helper = subprocess.Popen([sys.executable, "-m", "tests.integration.cluster_helper"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=cluster_env)
-    try:
-        address = json.loads(helper.stdout.readline())["address"]
-        return cli(env, "doctor", "--storage", RUNS, "--address", address, timeout=180)
-    finally:
-        helper.stdin.close()  # end of input: the helper stops its nodes
-        helper.wait(timeout=60)
-
-
-def test_doctor_checks_the_bucket_from_every_node(s3_server, ray_cluster, tmp_path):
+def test_doctor_checks_the_bucket_from_the_node(s3_server, ray_cluster, tmp_path):
+    # nodes that cannot reach the bucket: test_multinode's cluster
     env = machine(s3_server, tmp_path, "doctor")
     ready = cli(env, "doctor", "--storage", RUNS, "--address", ray_cluster, timeout=180)  # the session's node
     assert ready.returncode == 0, ready.stdout + ready.stderr
     assert "every node (1) writes, reads and deletes in s3://imgtrain/runs" in ready.stdout
 
-    # 3 nodes started without the way to the bucket: this machine reaches it, they do not
-    blind = doctor_against_a_cluster(env, {**env, "IMGTRAIN_S3_ENDPOINT": "http://127.0.0.1:1"})
-    assert blind.returncode == 1, blind.stdout + blind.stderr
-    assert "not every node can use s3://imgtrain/runs" in blind.stdout
-    assert blind.stdout.count("Could not connect") >= 3  # each node's own answer
