@@ -54,7 +54,7 @@ def step_rate(run_dir: Path) -> float:
 def upload_seconds(checkpoint: Path, tmp: str) -> tuple[float, float]:
     import pyarrow.fs as pafs
 
-    from imgtrain.storage import remote
+    from imgtrain.ops import remote
 
     started = time.monotonic()
     pafs.copy_files(str(checkpoint), f"bench/upload/{time.monotonic_ns()}", source_filesystem=pafs.LocalFileSystem(),

@@ -16,8 +16,8 @@ from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY, RAY_SNAPSHOT_FILE
 from imgtrain.data.format import verify_dataset
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import ownership
-from imgtrain.storage import lease, mirror, remote, staging
+from imgtrain.ops import ownership, remote
+from imgtrain.storage import lease, mirror, staging
 from tests.conftest import wait_for
 
 

@@ -15,8 +15,8 @@ import pytest
 from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY, PREFIX
 from imgtrain.errors import ImgtrainError, ImgtrainWarning
-from imgtrain.ops import ownership
-from imgtrain.storage import lease, mirror, remote, staging
+from imgtrain.ops import ownership, remote
+from imgtrain.storage import lease, mirror, staging
 from tests.conftest import quiet_display, tiny_config
 from tests.store_proxy import FlakyStore
 

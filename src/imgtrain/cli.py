@@ -17,7 +17,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from imgtrain.console import SafeConsole
+from imgtrain.console import SafeConsole, err_console
 from imgtrain.data.sources import registry as source_registry
 from imgtrain.errors import ImgtrainError, ImgtrainWarning
 
@@ -31,7 +31,6 @@ for group, group_name in ((data_app, "data"), (runs_app, "runs"), (config_app, "
     app.add_typer(group, name=group_name)
 # Messages hold paths and errors: never rich markup, never rich's colouring of numbers and paths.
 console = SafeConsole()
-err_console = SafeConsole(stderr=True)
 
 STORAGE_HELP = "Where runs live: a local or shared path, or an object store (s3://bucket/prefix)."
 
@@ -78,8 +77,9 @@ def _used_by(option: str) -> str:
 def data_prepare(
     source: str = typer.Argument(..., help=" | ".join(source_registry.SOURCES)),
     out_dir: Path = typer.Argument(..., help="Directory to write the prepared data set to."),
-    source_path: Optional[Path] = typer.Option(
-        None, "--source", help="What the source reads: a folder or a file (Sources, above)."),
+    source_path: Optional[str] = typer.Option(
+        None, "--source", help="What the source reads: a folder or a file (Sources, above); webdataset also "
+                               "s3://bucket/... (its shards are copied into IMGTRAIN_CACHE first)."),
     download: bool = typer.Option(False, "--download",
                                   help=_used_by("download") + "fetch the files into --source first (needs internet)."),
     image_column: str = typer.Option("image", help=_used_by("image_column") + "the image column (PNG/JPEG bytes or "
@@ -106,6 +106,7 @@ def data_prepare(
     from imgtrain.data.format import describe
     from imgtrain.data.options import PrepareOptions, parse_size
     from imgtrain.data.prepare import prepare
+    from imgtrain.ops.remote import is_remote
 
     options = PrepareOptions(
         download=download, image_column=image_column, label_column=label_column, path_column=path_column,
@@ -113,6 +114,8 @@ def data_prepare(
         val_fraction=val_fraction, seed=seed, overwrite=overwrite, on_error=on_error, workers=workers,
         dedupe=dedupe, near_threshold=near_threshold,
     )
+    if source_path is not None and not is_remote(source_path):
+        source_path = Path(source_path)  # s3://... stays text: a Path would make it s3:/...
     with _progress_bar("prepare") as progress:
         manifest = prepare(source, out_dir, source_path, options, progress=progress)
     skipped = manifest.get("skipped") or {}

@@ -230,7 +230,7 @@ def require_shared_paths(run_dir: Path, data_dir: str | None, storage: str | Non
     an object store (``storage``), every node must reach it instead."""
     import ray
 
-    from imgtrain.storage import remote
+    from imgtrain.ops import remote
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) == 1 and nodes[0]["NodeID"] == ray.get_runtime_context().get_node_id():
@@ -320,7 +320,7 @@ def _probe_store(storage: str, read_files: list[str]) -> list[str]:
     """Runs on one node: why it cannot use the object store or read the files."""
     import os
 
-    from imgtrain.storage import remote
+    from imgtrain.ops import remote
 
     problems = [f"cannot read {path}" for path in read_files if not os.path.isfile(path)]
     try:

@@ -34,3 +34,8 @@ class SafeConsole(Console):
 
     def render_str(self, text: str, **kwargs):
         return super().render_str(printable(text), **kwargs)
+
+
+# The one console on stderr: a line a module prints while the command's progress bar is live
+# (prepare's, while a source is copied) goes above the bar, not into it.
+err_console = SafeConsole(stderr=True)

@@ -23,7 +23,7 @@ import yaml
 from imgtrain.cluster import required_cpus
 from imgtrain.config import TrainConfig, parse_workers, resolve, validate
 from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
-from imgtrain.storage.remote import is_remote
+from imgtrain.ops.remote import is_remote
 
 KINDS = ("rayjob", "raycluster")
 AUTH_MODES = ("token", "none")

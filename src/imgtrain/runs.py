@@ -25,9 +25,9 @@ from pathlib import Path
 from imgtrain import checkpoint as ckpt
 from imgtrain.checkpoint_policy import POLICY, EarlyStop
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import ownership, process
+from imgtrain.ops import ownership, process, remote
 from imgtrain.ops.files import atomic_write_text
-from imgtrain.storage import lease, mirror, remote
+from imgtrain.storage import lease, mirror
 
 CONFIG_FILE = ownership.CONFIG_FILE
 METRICS_FILE = "metrics.jsonl"

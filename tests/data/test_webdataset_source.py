@@ -5,10 +5,8 @@ and a cut-short shard skipped and listed."""
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import pickle
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -20,23 +18,8 @@ from imgtrain.data.shard_patterns import expand_braces
 from imgtrain.data.tar_members import ShardScan
 from imgtrain.errors import ImgtrainError
 from tests.conftest import cli_here
-from tests.conftest_data_helpers import png_bytes, read_back
-
-
-def gray_png(value: int) -> bytes:
-    return png_bytes(np.full((8, 8), value, np.uint8))
-
-
-def write_shard(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path:
-    """A WebDataset shard: each sample's files ``key.ext`` written one after the other."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w") as tar:
-        for key, files in samples:
-            for ext, data in files.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return path
+from tests.conftest_data_helpers import png_bytes
+from tests.data.shard_files import all_rows, gray_png, write_shard
 
 
 class Planted:
@@ -46,12 +29,6 @@ class Planted:
 
     def __reduce__(self):
         return (Path.touch, (Path(self.target),))
-
-
-def all_rows(out: Path) -> dict[str, dict[int, int]]:
-    """{split: {pixel value: label}} of a prepared data set (every image is one gray value)."""
-    return {split: dict(zip(images[:, 0, 0, 0].tolist(), labels.tolist()))
-            for split, (ids, labels, images) in read_back(out).items()}
 
 
 def test_shards_keep_their_splits_and_bad_samples_and_a_cut_shard_are_listed(tmp_path):

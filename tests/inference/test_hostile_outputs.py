@@ -16,7 +16,7 @@ from PIL import Image
 import imgtrain
 from imgtrain.inference import report
 from imgtrain.inference.inputs import TableWriter
-from imgtrain.storage import remote
+from imgtrain.ops import remote
 from tests.conftest import quiet_display, tiny_config
 
 HOSTILE_CLASSES = [r"$\nope$", "=cmd|' /C calc'!A0", '=HYPERLINK("http://x","y")', "+1", "-1", "@SUM(A1)",

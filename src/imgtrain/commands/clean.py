@@ -24,8 +24,8 @@ from pathlib import Path
 
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import ownership
-from imgtrain.storage import mirror, remote
+from imgtrain.ops import ownership, remote
+from imgtrain.storage import mirror
 
 
 @dataclass

@@ -51,8 +51,8 @@ class Diagnosis:
 
 
 def diagnose(storage: str = "./runs", address: str | None = None, data: str | None = None) -> Diagnosis:
+    from imgtrain.ops.remote import is_remote
     from imgtrain.runs import storage_root
-    from imgtrain.storage.remote import is_remote
 
     checks = [_versions(), _extras(), _cuda()]
     if is_remote(storage):
@@ -79,7 +79,7 @@ def diagnose(storage: str = "./runs", address: str | None = None, data: str | No
 
 def _object_store(storage: str, address: str | None, data: str | None) -> list[Check]:
     """--storage s3://...: reachable and writable from here, and from every node of the cluster."""
-    from imgtrain.storage import remote
+    from imgtrain.ops import remote
 
     try:
         st = remote.store(storage)
@@ -164,8 +164,7 @@ def _storage(root: Path) -> Check:
 
 def _data(data: str) -> Check:
     from imgtrain.data.format import describe, verify_dataset
-
-    from imgtrain.storage.remote import is_remote
+    from imgtrain.ops.remote import is_remote
     from imgtrain.storage.staging import local_data
 
     try:  # a data set in an object store is copied to this machine's cache, as training does

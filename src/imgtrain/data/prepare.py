@@ -30,6 +30,7 @@ from imgtrain.data.sources import registry  # importing the package registers ev
 from imgtrain.data.splits import stratified_split
 from imgtrain.data.writer import DatasetWriter, write_dataset
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops.remote import is_remote
 
 
 def prepare(source: str, out_dir, source_path=None, options: PrepareOptions | None = None,
@@ -42,9 +43,11 @@ def prepare(source: str, out_dir, source_path=None, options: PrepareOptions | No
     issues = registry.problems(spec, source_path, opts) + opts.problems()
     if issues:
         raise ImgtrainError("; ".join(issues))
-    if source_path is not None:
+    remote_source = source_path is not None and is_remote(source_path)
+    if source_path is not None and not remote_source:
         _check_not_nested(spec, source_path, out_dir)
-    where = f"{source}:{Path(source_path).absolute()}" if source_path is not None else source
+    where = (source if source_path is None else f"{source}:{source_path}" if remote_source
+             else f"{source}:{Path(source_path).absolute()}")
     fields = {"name": Path(out_dir).absolute().name, "source": where,
               "options": {"seed": opts.seed, "test_fraction": opts.test_fraction, "val_fraction": opts.val_fraction,
                           "channels": opts.channels, "size": list(opts.size) if opts.size else None}}

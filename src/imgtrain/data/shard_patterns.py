@@ -1,7 +1,8 @@
 """Which tar shards a ``--source`` names: a folder (its ``.tar`` files, subfolders included), a
 glob (``shards/*.tar``) or a brace pattern as WebDataset writes them
 (``shards/train-{000000..000099}.tar``, ``{train,test}-{0..9}.tar``), expanded here and bounded.
-Local files only: the data sources read local paths (object stores hold prepared data sets)."""
+Local files here; a ``--source`` in an object store is listed there and its shards copied into
+this machine's cache by ``remote_shards.py``, which names and skips them by the same rules."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from imgtrain.errors import ImgtrainError
 MAX_SHARDS = 100_000  # a brace pattern naming more is refused before anything is expanded
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"(\d+)\.\.(\d+)")
-_COMPRESSED = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
+COMPRESSED = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
+MISSING = "missing: the pattern names it and there is no such file"  # why a named shard is skipped
+COMPRESSED_SKIPPED = "compressed shard, not read: decompress it to .tar"
 
 
 def expand_braces(pattern: str, limit: int = MAX_SHARDS) -> list[str]:
@@ -64,16 +67,22 @@ def find_shards(source) -> tuple[list[Path], Path, list[tuple[str, str]]]:
             missing.append(pattern)
     found = sorted(set(found))
     shards = [p for p in found if p.name.lower().endswith(".tar")]
-    compressed = [p for p in found if p.name.lower().endswith(_COMPRESSED)]
+    compressed = [p for p in found if p.name.lower().endswith(COMPRESSED)]
     if not shards:
-        why = (f"compressed shards ({compressed[0].name}) are not read; decompress them to .tar" if compressed
-               else "pass a folder of .tar files, a glob ('shards/*.tar') or a brace pattern "
-                    "('shards/train-{000000..000099}.tar')")
-        raise ImgtrainError(f"no .tar shards at {text}; {why}")
+        raise no_shards(text, compressed[0].name if compressed else None)
     root = Path(os.path.commonpath([p.parent for p in shards])) if not Path(text).is_dir() else Path(text)
-    skipped = [(relative_name(Path(m), root), "missing: the pattern names it and there is no such file") for m in missing]
-    skipped += [(relative_name(p, root), "compressed shard, not read: decompress it to .tar") for p in compressed]
+    skipped = [(relative_name(Path(m), root), MISSING) for m in missing]
+    skipped += [(relative_name(p, root), COMPRESSED_SKIPPED) for p in compressed]
     return shards, root, skipped
+
+
+def no_shards(source: str, compressed: str | None) -> ImgtrainError:
+    """The error for a ``--source`` that names no .tar shard (``compressed``: the name of a
+    compressed shard it names, if any)."""
+    why = (f"compressed shards ({compressed}) are not read; decompress them to .tar" if compressed
+           else "pass a folder of .tar files, a glob ('shards/*.tar') or a brace pattern "
+                "('shards/train-{000000..000099}.tar')")
+    return ImgtrainError(f"no .tar shards at {source}; {why}")
 
 
 def relative_name(path: Path, root: Path) -> str:
@@ -88,4 +97,4 @@ def _tar_files(folder: Path) -> list[Path]:
     """The shard-like files under ``folder``, hidden files and folders left out."""
     return [p for p in folder.rglob("*")
             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-            and p.name.lower().endswith((".tar", *_COMPRESSED))]
+            and p.name.lower().endswith((".tar", *COMPRESSED))]

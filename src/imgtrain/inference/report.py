@@ -27,8 +27,9 @@ import numpy as np
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops import remote
 from imgtrain.ops.files import atomic_write_text
-from imgtrain.storage import mirror, remote
+from imgtrain.storage import mirror
 
 REPORT_DIR = "report"
 PAGE_FILE = "report.html"

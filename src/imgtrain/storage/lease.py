@@ -21,7 +21,7 @@ import uuid
 
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership, process
-from imgtrain.storage.remote import Store, where
+from imgtrain.ops.remote import Store, where
 
 # A "running" status from another host whose heartbeat is older than HEARTBEAT_STALE_S is a
 # driver that is gone (runs.read_status). Generous: clocks of two machines differ a little, and a

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops.files import atomic_write_text, sha256_file
-from imgtrain.storage.remote import (
+from imgtrain.ops.remote import (
     Store,
     UnsafeKey,
     cache_dir,

@@ -86,7 +86,7 @@ def check(req: SweepRequest) -> SweepRequest:
         issues.append("a sweep's trials have a fixed number of workers: --workers N, not MIN-MAX")
     if not base.data:
         issues.append("--data is required")
-    from imgtrain.storage.remote import is_remote
+    from imgtrain.ops.remote import is_remote
 
     if is_remote(base.storage) or is_remote(base.data or ""):
         issues.append("a sweep keeps its trials on local or shared storage: --storage and --data must be folders "

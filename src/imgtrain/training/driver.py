@@ -22,9 +22,9 @@ from imgtrain import runs
 from imgtrain.config import TrainConfig, changed_fields, steps_per_epoch, validate
 from imgtrain.data import stream
 from imgtrain.errors import ImgtrainError, one_line
-from imgtrain.ops import ownership
+from imgtrain.ops import ownership, remote
 from imgtrain.ops.files import check_writable
-from imgtrain.storage import lease, mirror, remote, staging
+from imgtrain.storage import lease, mirror, staging
 from imgtrain.training import tracking
 from imgtrain.training.progress import TrainingDisplay
 

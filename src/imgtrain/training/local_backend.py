@@ -15,14 +15,13 @@ from pathlib import Path
 import torch
 
 from imgtrain import checkpoint as ckpt
+from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY, PREFIX
 from imgtrain.cluster import threads_for
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import process
+from imgtrain.ops import process, remote
 from imgtrain.ops.files import disk_full
-from imgtrain import runs
-from imgtrain.storage import remote
 from imgtrain.storage.staging import local_data
 from imgtrain.training import faults, tracking
 

@@ -20,9 +20,9 @@ from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY, RAY_SNAPSHOT_FILE, RAY_SNAPSHOT_PARKED
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError, one_line
-from imgtrain.ops import process
+from imgtrain.ops import process, remote
 from imgtrain.ops.files import disk_full, link_dir
-from imgtrain.storage import mirror, remote, staging
+from imgtrain.storage import mirror, staging
 from imgtrain.training import faults, tracking
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from imgtrain.cluster import threads_for
 from imgtrain.config import TrainConfig
 from imgtrain.data import stream
 from imgtrain.data.order import ordered_batches, sort_by_id
-from imgtrain.storage import remote
+from imgtrain.ops import remote
 from imgtrain.storage.staging import local_data
 from imgtrain.training import faults, health, ingest
 from imgtrain.training.backend import Backend, single_process_collectives

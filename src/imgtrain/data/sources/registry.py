@@ -21,6 +21,7 @@ from imgtrain.data.listing import Listing, PixelListing
 from imgtrain.data.options import PrepareOptions
 from imgtrain.data.raw import RawDataset
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops.remote import is_remote
 
 Listed = Union[RawDataset, Listing, PixelListing]
 
@@ -54,6 +55,8 @@ class SourceSpec:
     """It has its own train/test split: --test-fraction is refused."""
     walks_source: bool = False
     """Every file under --source is read: an output folder inside it would be read as data."""
+    remote_source: bool = False
+    """--source may be in an object store (s3://...): its lister copies what it reads."""
 
 
 SOURCES: dict[str, SourceSpec] = {}
@@ -89,6 +92,9 @@ def problems(spec: SourceSpec, source_path, opts: PrepareOptions) -> list[str]:
         issues.append(f"source {spec.name!r} needs --source PATH")
     if not spec.source and source_path is not None:
         issues.append(f"{spec.name} is built in and takes no --source")
+    elif source_path is not None and is_remote(source_path) and not spec.remote_source:
+        issues.append(f"{spec.name} reads a local --source; copy {source_path} to this machine first (only "
+                      f"{', '.join(s.name for s in SOURCES.values() if s.remote_source)} reads an object store)")
     issues += _not_taken(spec, given, "--download")
     if spec.fixed_images and given & {"channels", "size"}:
         issues.append(f"--channels/--size do not apply to {spec.name} ({spec.fixed_images})")

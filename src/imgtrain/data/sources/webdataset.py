@@ -6,7 +6,8 @@ class name). Shards whose names say train/val/test keep those splits.
 
 Listed without reading an image: the shards' headers are read in order and each sample is kept
 as (shard, offset, size, label); the pool's chunks later read the image bytes by offset. Any
-other member (``.pyd``/``.pickle`` included) is never read.
+other member (``.pyd``/``.pickle`` included) is never read. Shards in an object store
+(``s3://...``) are first copied whole into this machine's cache (``remote_shards.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import numpy as np
 from imgtrain.data.class_labels import ClassBook
 from imgtrain.data.listing import CHUNK_FILES, Chunk, Listing, Skipped
 from imgtrain.data.named_splits import SPLIT_CODES, fixed_splits, splits_of_files
+from imgtrain.data.remote_shards import find_remote_shards
 from imgtrain.data.shard_patterns import find_shards, relative_name
 from imgtrain.data.sources.registry import SourceSpec, register
 from imgtrain.data.tar_members import Member, ShardScan, read_members
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops.remote import is_remote
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png")
 LABEL_EXTENSIONS = ("cls", "json", "txt")  # the first a sample has is its label
@@ -100,7 +103,7 @@ def _json_field(data: bytes, field: str):
 
 def list_webdataset(source, opts) -> Listing:
     """The samples of every shard, in a seeded random order, cut into chunks read by offset."""
-    shards, root, not_read = find_shards(source)
+    shards, root, not_read = find_remote_shards(str(source)) if is_remote(source) else find_shards(source)
     names = [relative_name(p, root) for p in shards]
     named = splits_of_files(names, "shards")
     skipped = Skipped()
@@ -175,6 +178,7 @@ def _chunked(found: _Found, paths: list[str], labels: np.ndarray, classes: list[
 register(SourceSpec(
     name="webdataset", summary="WebDataset .tar shards: key.jpg|png with key.cls|json|txt labels "
                                "(train/val/test shard names kept as splits)",
-    lister=list_webdataset, source="a folder of .tar shards, a glob or a brace pattern (shards-{000..099}.tar)",
-    options=frozenset({"label_column"}),
+    lister=list_webdataset, source="a folder of .tar shards, a glob or a brace pattern (shards-{000..099}.tar), "
+                                   "local or s3://bucket/... (copied into the cache first)",
+    options=frozenset({"label_column"}), remote_source=True,
 ))

@@ -1,5 +1,5 @@
-"""A location in an object store (``--storage``, ``--data``): its filesystem, the path of its root
-there, and this machine's copy of it under ``IMGTRAIN_CACHE``.
+"""A location in an object store (``--storage``, ``--data``, a webdataset ``--source``): its
+filesystem, the path of its root there, and this machine's copy of it under ``IMGTRAIN_CACHE``.
 
 Every check that keeps a bucket's content inside this machine's copy is here, in one place
 (issue 33): a location is a bucket and a prefix of plain names (``cache_dir``, ``check_plain_s3``),
@@ -125,11 +125,12 @@ def split(uri: str):
     return _resolve(uri.rstrip("/"))
 
 
-def where(error: BaseException, st: Store) -> ImgtrainError:
-    """One line for an object store that cannot be reached or refuses us."""
+def where(error: BaseException, st: Store, what: str = "storage") -> ImgtrainError:
+    """One line for an object store that cannot be reached or refuses us (``what``: the
+    option that named it, as the message calls it)."""
     hint = ("check the bucket name, the credentials in the environment (AWS_ACCESS_KEY_ID, ...) and, for an "
             f"S3-compatible server, {ENDPOINT_VARS[0]}")
-    return ImgtrainError(f"storage {st.uri}: {one_line(error, 300)}; {hint}")
+    return ImgtrainError(f"{what} {st.uri}: {one_line(error, 300)}; {hint}")
 
 
 def probe(st: Store) -> None:
@@ -181,7 +182,7 @@ def local_file(folder: Path, rel: str) -> Path:
     return path
 
 
-def copy_down(fs, source: str, target: Path, st: Store) -> None:
+def copy_down(fs, source: str, target: Path, st: Store, what: str = "storage") -> None:
     """One object to a local file, complete or not at all: written under a name of its own
     (two processes fetching the same file never share one), then renamed into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -194,4 +195,4 @@ def copy_down(fs, source: str, target: Path, st: Store) -> None:
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
         with contextlib.suppress(OSError):
             os.unlink(partial)
-        raise where(e, st) from None
+        raise where(e, st, what) from None
