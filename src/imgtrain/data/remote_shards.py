@@ -1,7 +1,7 @@
 """The tar shards a webdataset ``--source`` in an object store names (``s3://bucket/shards/``,
 ``s3://bucket/shards/*.tar``, ``s3://bucket/shards/train-{000..099}.tar``), listed there and
 copied whole into this machine's cache: one sequential read per shard, as WebDataset readers do
-(a ranged read per image would be one request per image). The listing and the image reads then
+(a ranged read per image would be one request per image), several shards at once. The listing and the image reads then
 work on the local copies as on local shards; names stay relative to the store's root
 (``train-000.tar:key.jpg``), and missing, compressed and unsafe names are skipped with a reason.
 
@@ -13,12 +13,14 @@ A key is the store owner's input: one that is not a path of plain names never be
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import glob
 import os
 import posixpath
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -29,6 +31,7 @@ from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import remote
 
 SPARE_BYTES = 512 << 20  # kept free beyond the shards: the data set being prepared may share the disk
+COPY_STREAMS = 8  # shards copied at once: S3 scales with parallel requests, one stream gets a fraction
 _SPECIAL = "{*?["  # where a pattern starts; everything before it is a literal prefix
 _WHAT = "--source"  # how messages name the location
 
@@ -145,14 +148,37 @@ def _copy_missing(fs, st: remote.Store, copies: dict) -> None:
                             f"free on the disk of {st.local} ({_size(need)} of shards, {_size(SPARE_BYTES)} to spare) "
                             f"and it has {_size(free)}; set {remote.CACHE_VAR} to a folder on a larger disk")
     kept = len(copies) - len(todo)
-    err_console.print(  # one line, above prepare's bar (a bar of its own would clash with it)
+    err_console.print(  # one line, above prepare's bar
         f"copying {len(todo)} shard(s), {_size(need)}, from {st.uri} into {st.local}"
         + (f" ({kept} already there)" if kept else "") if todo
         else f"the {kept} shard(s) of {st.uri} are already in {st.local}", soft_wrap=True)
-    for key, target, info in todo:
+
+    def copy(key: str, target: Path, info) -> int:
         remote.copy_down(fs, key, target, st, _WHAT)
         if info.mtime_ns:  # the object's time: a later upload of the shard is newer, whatever this clock says
             os.utime(target, ns=(time.time_ns(), info.mtime_ns))
+        return info.size
+
+    with ThreadPoolExecutor(COPY_STREAMS) as pool, _bytes_bar(need) as advance:
+        copying = [pool.submit(copy, *shard) for shard in todo]
+        try:
+            for done in as_completed(copying):
+                advance(done.result())
+        finally:  # the first failure (or Ctrl-C) ends the copying: what is not started never starts
+            for future in copying:
+                future.cancel()
+
+
+@contextlib.contextmanager
+def _bytes_bar(total: int):
+    """A transient bar of bytes copied on stderr, under prepare's (none off a terminal)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    bar = Progress(TextColumn("copy shards"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
+                   TimeRemainingColumn(), console=err_console, transient=True, disable=not err_console.is_terminal)
+    with bar:
+        task = bar.add_task("copy", total=total)
+        yield lambda size: bar.advance(task, size)
 
 
 def _fresh(target: Path, info) -> bool:
