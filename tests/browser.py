@@ -35,6 +35,7 @@ class BrowserPage:
     def __init__(self, url: str, profile: Path, size=(1000, 800), timeout: float = 60):
         from websockets.sync.client import connect
 
+        self.url = url
         self.proc = subprocess.Popen(
             [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
              "--remote-debugging-port=0", f"--user-data-dir={profile}", f"--window-size={size[0]},{size[1]}", url],
@@ -74,6 +75,12 @@ class BrowserPage:
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out after {timeout} s waiting for {expression}")
             time.sleep(0.1)
+
+    def wait_loaded(self, timeout: float = 30) -> None:
+        """The page asked for is loaded, its images included. Right after Chromium starts, the tab
+        may still show about:blank, which is "complete" too: a page's queries would find nothing."""
+        self.wait_for(f"location.href === {json.dumps(self.url)} && document.readyState === 'complete' "
+                      "&& [...document.images].every(i => i.complete)", timeout)
 
     def drag(self, points: list[tuple[float, float]]) -> None:
         """A mouse stroke through ``points`` (page coordinates), button held down."""

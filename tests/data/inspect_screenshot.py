@@ -71,7 +71,7 @@ def main(out: Path) -> None:
         found = inspect_dataset(root / "photos-small", root / "page.html")
         page = BrowserPage(Path(found["page"]).as_uri(), root / "profile", size=(1100, 2300))
         try:
-            page.wait_for("document.readyState === 'complete'")
+            page.wait_loaded()
             page.screenshot(root / "shot.png")
         finally:
             page.close()

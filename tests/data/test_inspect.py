@@ -63,7 +63,7 @@ def test_the_page_shows_the_planted_problems_with_its_images_in_chromium(planted
     found = run_inspect(capsys, str(data), "--out", str(tmp_path / "page.html"))
     page = BrowserPage(Path(found["page"]).as_uri(), tmp_path / "profile", size=(1200, 1800))
     try:
-        page.wait_for("document.readyState === 'complete'")
+        page.wait_loaded()
         sizes = page.js("[...document.images].map(i => [i.complete, i.naturalWidth])")
         pairs = page.js("[...document.querySelectorAll('#pairs .pair')].map(p => ({...p.dataset, "
                         "text: p.innerText, cross: p.classList.contains('cross')}))")
