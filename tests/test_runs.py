@@ -94,3 +94,14 @@ def test_json_output_is_alone_on_stdout_whatever_else_prints_meanwhile(tmp_path,
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == []
     assert "(raylet) WARNING" in proc.stderr  # not lost: on stderr
+
+
+def test_a_printed_path_stays_one_line_however_long(tmp_path, capsys):
+    # Off a terminal rich cuts lines at 80 columns: a script reading `report: PATH` or a user
+    # copying a path got half of it (a CI run's longer temporary folders found it).
+    from tests.conftest import cli_here
+
+    deep = tmp_path.joinpath(*["a-rather-long-folder-name"] * 6)
+    proc = cli_here(capsys, "runs", "list", "--storage", str(deep))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"no runs in {deep}"]

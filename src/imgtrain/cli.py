@@ -30,7 +30,7 @@ clean_app = typer.Typer(no_args_is_help=True, help="Delete runs or prepared data
 for group, group_name in ((data_app, "data"), (runs_app, "runs"), (config_app, "config"), (clean_app, "clean")):
     app.add_typer(group, name=group_name)
 # Messages hold paths and errors: never rich markup, never rich's colouring of numbers and paths.
-console = SafeConsole()
+console = SafeConsole(soft_wrap=True)  # as err_console: one line per line printed
 
 STORAGE_HELP = "Where runs live: a local or shared path, or an object store (s3://bucket/prefix)."
 

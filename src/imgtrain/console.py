@@ -37,5 +37,7 @@ class SafeConsole(Console):
 
 
 # The one console on stderr: a line a module prints while the command's progress bar is live
-# (prepare's, while a source is copied) goes above the bar, not into it.
-err_console = SafeConsole(stderr=True)
+# (prepare's, while a source is copied) goes above the bar, not into it. Its lines, and those of
+# the CLI's console on stdout, are never cut at the console's width (80 columns off a terminal):
+# a path or a message stays one line that a script can read and a user can copy.
+err_console = SafeConsole(stderr=True, soft_wrap=True)

@@ -78,6 +78,7 @@ def test_mlflow_gets_params_metrics_the_model_and_the_outcome_and_a_resume_conti
     for r in records(0, 8):
         tracker.log(r)
     tracker.finish("failed", None)
+    tracker.close()  # as the driver's guard does: its log handler off MLflow's loggers
 
     run_id = json.loads((run_dir / MLFLOW_RUN_FILE).read_text())["run_id"]
     client = MlflowClient(uri)
@@ -96,6 +97,7 @@ def test_mlflow_gets_params_metrics_the_model_and_the_outcome_and_a_resume_conti
     for r in records(8, 12):
         resumed.log(r)
     resumed.finish("finished", best_checkpoint(run_dir))
+    resumed.close()
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["epochs"] == "1" and run.data.tags["imgtrain.resumed.epochs"] == "2"
@@ -247,6 +249,7 @@ def test_tensorboard_event_files_hold_the_metrics_and_a_restart_hides_the_steps_
     for r in records(4, 8, loss_at=lambda s: 10.0 + s):
         tracker.log(r)
     tracker.finish("finished", None)
+    tracker.close()
     assert scalars(run_dir / "tensorboard", "step/loss") == [(2, 0.5), (4, 0.25), (6, 16.0), (8, 18.0)]
     assert [v for _, v in scalars(run_dir / "tensorboard", "rank1/data_wait_s")] == pytest.approx([0.04] * 4)
     assert scalars(run_dir / "tensorboard", "epoch/val_accuracy") == [(8, pytest.approx(0.7))]
