@@ -46,9 +46,12 @@ browser:
 	    echo "note: no chromium; install it (e.g. sudo apt-get install chromium) or the browser tests skip" >&2; \
 	  fi
 
-# pytest exits 5 when it collected no test: that is a failure here, never a pass.
+# pytest exits 5 when it collected no test: that is a failure here, never a pass. Two pytest
+# processes (pytest-xdist), each test file whole in one of them (its module fixtures trained once):
+# much of a Ray test's time is waiting on Ray's timers and process starts, which the other fills
+# (688-689 s instead of 924-974 s on 2 cores, docs/NOTES.md "Two pytest processes").
 test: install-dev browser
-	$(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS); \
+	$(BIN)/python -m pytest -q -ra --durations=15 -n 2 --dist loadfile $(PYTEST_ARGS); \
 	  status=$$?; if [ $$status -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$status
 
 # Line coverage of src/imgtrain for the whole suite, the processes it starts included as far as
