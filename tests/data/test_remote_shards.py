@@ -75,14 +75,12 @@ def test_a_brace_pattern_over_s3_prepares_what_the_same_local_shards_give_and_is
     local = shards(tmp_path / "shards")
     upload(local, f"{bucket}/shards")
     pattern = "{train,test}-00{0,1}.tar"  # test-001.tar is not there
-    started = time.monotonic()
     proc = cli_here(capsys, "data", "prepare", "webdataset", str(tmp_path / "s3"), "--source",
                     f"{bucket}/shards/{pattern}", "--workers", "1")
     assert proc.returncode == 0, proc.stderr
     assert "copying 3 shard(s)" in proc.stderr and str(tmp_path / "cache") in proc.stderr
     assert "skipped test-001.tar: missing" in proc.stderr
     assert "skipped train-001.tar: cut short inside s0024.png" in proc.stderr
-    took = time.monotonic() - started
     manifest = prepare("webdataset", tmp_path / "here", f"{local}/{pattern}", PrepareOptions(workers=1))
     same_data_set(tmp_path / "s3", tmp_path / "here")
     assert manifest["classes"] == NAMES and manifest["class_counts"]["test"] == [2, 2, 2]
@@ -96,7 +94,6 @@ def test_a_brace_pattern_over_s3_prepares_what_the_same_local_shards_give_and_is
     assert (copy.stat().st_ino, copy.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     assert [name for name, _ in again["skipped"]["files"]] == ["train-001.tar"]
     assert again["source"] == f"webdataset:{bucket}/shards/"
-    assert took < 20
 
 
 def test_globs_skip_hidden_and_compressed_shards_and_out_of_reach_bad_buckets_and_small_disks_fail_in_one_line(
