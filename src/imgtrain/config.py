@@ -262,7 +262,8 @@ class TrainConfig:
                                           "exactly where it stopped.", range="[0, 1000000000]", resumable=True)
     stall_timeout_s: float = setting(300.0, "Seconds without progress (outside a collective the others wait in) "
                                      "after which a rank is named, its Python stacks and log files printed, and "
-                                     "killed, failing or retrying the run; 0 = wait forever.",
+                                     "killed, failing or retrying the run (before its first step, at least 120 s); "
+                                     "0 = wait forever.",
                                      flag="--stall-timeout", range="[0, 604800]", resumable=True)
     deterministic: bool = setting(False, "Deterministic kernels only (torch.use_deterministic_algorithms): a "
                                   "resumed run ends with the same weights as an uninterrupted one.", resumable=True)

@@ -54,6 +54,22 @@ def test_nobody_is_killed_before_the_timeout_or_when_the_timeout_is_off(tmp_path
     assert acted == {"dumped": [], "killed": []}
 
 
+def test_a_slow_start_is_not_a_hang_but_a_start_past_its_allowance_is(tmp_path, acted):
+    # Loading the data and building the model outlasted test_faults' 8 s stall timeout in a full
+    # test run beside another (a busy machine; a data set in a bucket would too): the start has
+    # its own, longer allowance.
+    (tmp_path / "logs").mkdir()
+    now = 1000.0
+    dog = Watchdog(tmp_path, timeout_s=10)
+    dog.observe([beat(0, "start", now - 60, now), beat(1, "start", now - 60, now)])
+    dog.check(now=now)
+    assert acted == {"dumped": [], "killed": []}
+    late = now + watchdog.START_ALLOWANCE_S
+    dog.observe([beat(0, "compute", late - 1, late), beat(1, "start", now - 60, late)])
+    dog.check(now=late)
+    assert acted["killed"] == [1001] and "rank 1 stuck" in dog.incident and "phase 'start'" in dog.incident
+
+
 def test_every_rank_waiting_in_a_collective_too_long_is_a_deadlock_and_all_are_named(tmp_path, acted):
     (tmp_path / "logs").mkdir()
     now = 1000.0

@@ -21,6 +21,10 @@ from imgtrain.training import stacks
 from imgtrain.training.health import COLLECTIVE_PHASES, HEARTBEAT_S
 
 WORKERS_FILE = "workers.json"
+# Before its first step a rank loads its data and builds its model, which take what they take (a
+# data set read from a bucket, a busy machine's imports): the stall timeout is for a rank that
+# trained, and its start gets at least this long. A start that hangs is still found, later.
+START_ALLOWANCE_S = 120.0
 
 
 class Watchdog:
@@ -57,7 +61,7 @@ class Watchdog:
             return
         now = now or time.time()
         stuck = [b for b in self.beats.values() if _stuck(b, now, self.timeout_s)]
-        if not stuck and all(now - b["phase_since"] > self.timeout_s for b in self.beats.values()):
+        if not stuck and all(now - b["phase_since"] > _allowance(b, self.timeout_s) for b in self.beats.values()):
             stuck = list(self.beats.values())  # every rank waits in a collective: a deadlock
         if not stuck:
             return
@@ -153,7 +157,12 @@ def _stuck(beat: dict, now: float, timeout_s: float) -> bool:
     if now - beat["time"] > timeout_s:  # no heartbeat at all: frozen (or gone)
         return True
     waits_for_others = beat["phase"] in COLLECTIVE_PHASES or beat["phase"] == "done"
-    return not waits_for_others and now - beat["phase_since"] > timeout_s
+    return not waits_for_others and now - beat["phase_since"] > _allowance(beat, timeout_s)
+
+
+def _allowance(beat: dict, timeout_s: float) -> float:
+    """How long ``beat``'s rank may stay in its phase."""
+    return max(timeout_s, START_ALLOWANCE_S) if beat["phase"] == "start" else timeout_s
 
 
 def _describe(beat: dict, now: float) -> str:
