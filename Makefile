@@ -49,7 +49,7 @@ browser:
 # pytest exits 5 when it collected no test: that is a failure here, never a pass. Two pytest
 # processes (pytest-xdist), each test file whole in one of them (its module fixtures trained once):
 # much of a Ray test's time is waiting on Ray's timers and process starts, which the other fills
-# (688-717 s instead of 924-974 s on 2 cores, docs/NOTES.md "Two pytest processes").
+# (688-737 s instead of 924-974 s on 2 cores, docs/NOTES.md "Two pytest processes").
 test: install-dev browser
 	$(BIN)/python -m pytest -q -ra --durations=15 -n 2 --dist loadfile $(PYTEST_ARGS); \
 	  status=$$?; if [ $$status -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$status
