@@ -214,7 +214,7 @@ def test_a_bucket_that_does_not_exist_fails_in_seconds_with_one_line(s3_server, 
 
 
 def test_doctor_checks_the_bucket_from_the_node(s3_server, ray_cluster, tmp_path):
-    # nodes that cannot reach the bucket: test_multinode's cluster
+    # from this node; nodes that cannot reach the bucket are test_multinode's
     env = machine(s3_server, tmp_path, "doctor")
     ready = cli(env, "doctor", "--storage", RUNS, "--address", ray_cluster, timeout=180)  # the session's node
     assert ready.returncode == 0, ready.stdout + ready.stderr
