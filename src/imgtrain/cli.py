@@ -120,15 +120,14 @@ def data_prepare(
         manifest = prepare(source, out_dir, source_path, options, progress=progress)
     skipped = manifest.get("skipped") or {}
     for name, why in skipped.get("files", []):
-        err_console.print(f"skipped {name}: {why}", soft_wrap=True)
+        err_console.print(f"skipped {name}: {why}")
     if skipped.get("count", 0) > len(skipped.get("files", [])):
         err_console.print(f"... and {skipped['count'] - len(skipped['files'])} more (not listed)")
     if manifest.get("dedupe"):
         d = manifest["dedupe"]
         err_console.print(f"dedupe {d['mode']}: dropped {d['dropped']:,} image(s) ({d['exact']:,} exact, {d['near']:,} "
-                          f"near copies within {d['threshold']} bits), listed in {out_dir.resolve() / d['file']}",
-                          soft_wrap=True)
-    console.print(describe(manifest), soft_wrap=True)
+                          f"near copies within {d['threshold']} bits), listed in {out_dir.resolve() / d['file']}")
+    console.print(describe(manifest))
     console.print(f"prepared data set: {out_dir.resolve()}")
 
 
@@ -173,8 +172,8 @@ def data_inspect(
     console.print(f"{result['images']:,} images in {len(result['classes'])} classes; largest / smallest training "
                   f"class {ratio}{' (imbalanced)' if imb['flagged'] else ''}; duplicate pairs across splits "
                   f"{cross['exact']:,} exact, {cross['near']:,} near; within a split {within['exact']:,} exact, "
-                  f"{within['near']:,} near", soft_wrap=True)
-    console.print(f"page: {result['page']}", soft_wrap=True)
+                  f"{within['near']:,} near")
+    console.print(f"page: {result['page']}")
 
 
 def _setting_option(s) -> inspect.Parameter:
@@ -228,7 +227,7 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
     )
     console.print(f"run directory: {result.location or result.path}")
     for line in _selection_lines(result):
-        console.print(line, soft_wrap=True)
+        console.print(line)
     if result.best_checkpoint:
         where = f"{result.location}/{result.best_checkpoint.name}" if result.location else result.best_checkpoint
         console.print(f"best checkpoint: {where}")
@@ -295,27 +294,26 @@ def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP
     if json_out:
         print(json.dumps(r.to_json(), indent=2))
         return
-    console.print(f"{r.name}  status: {r.status}  ({r.location or r.path})", soft_wrap=True)
+    console.print(f"{r.name}  status: {r.status}  ({r.location or r.path})")
     if r.error:
-        console.print(f"error: {r.error}", soft_wrap=True)
+        console.print(f"error: {r.error}")
     cfg = r.config
     console.print(
         f"data {cfg.get('data')}  backend {cfg.get('backend')}  ingest {cfg.get('ingest')}  "
-        f"workers {cfg.get('workers')}  batch {cfg.get('batch_size')}  lr {cfg.get('lr')}", soft_wrap=True,
-    )
+        f"workers {cfg.get('workers')}  batch {cfg.get('batch_size')}  lr {cfg.get('lr')}")
     for rec in r.history:
-        console.print(epoch_line(rec, cfg.get("epochs", 0)), soft_wrap=True)
+        console.print(epoch_line(rec, cfg.get("epochs", 0)))
     last = r.history[-1] if r.history else {}
     steps, waits = last.get("rank_step_time_s"), last.get("rank_data_wait_s")
     if isinstance(steps, list) and isinstance(waits, list) and all(map(is_number, steps + waits)) and steps:
         per_rank = "; ".join(  # is any rank starved by data?
             f"rank {rank}: {step:.3f} s/step, {wait * 1000:.1f} ms waiting for data ({wait / max(step, 1e-9):.0%})"
             for rank, (step, wait) in enumerate(zip(steps, waits)))
-        console.print(f"last epoch per rank: {per_rank}", soft_wrap=True)
+        console.print(f"last epoch per rank: {per_rank}")
     for line in _selection_lines(r):
-        console.print(line, soft_wrap=True)
-    console.print(f"best checkpoint:   {r.best_checkpoint}", soft_wrap=True)
-    console.print(f"latest checkpoint: {r.latest_checkpoint}", soft_wrap=True)
+        console.print(line)
+    console.print(f"best checkpoint:   {r.best_checkpoint}")
+    console.print(f"latest checkpoint: {r.latest_checkpoint}")
 
 
 def _selection_lines(r) -> list[str]:
@@ -363,7 +361,7 @@ def tune_cmd(ctx: typer.Context, config: Optional[Path] = None, search: Optional
             summary = tune(req, say=lambda line: None if json_out else terminal.print(line, soft_wrap=True))
     except KeyboardInterrupt:  # said here, with the sweep's own hint; sys.exit: main() would say it again
         err_console.print(f"interrupted; run the same command again to resume the sweep (`imgtrain tune show "
-                          f"{req.base.name}` lists its trials)", soft_wrap=True)
+                          f"{req.base.name}` lists its trials)")
         sys.exit(130)
     if json_out:
         print(json.dumps(summary, indent=2))
@@ -371,7 +369,7 @@ def tune_cmd(ctx: typer.Context, config: Optional[Path] = None, search: Optional
         _print_sweep(summary)
     if all(t["status"] == "failed" for t in summary["trials"]):
         err_console.print(f"error: every trial of sweep {req.base.name!r} failed (errors in `imgtrain tune show "
-                          f"{req.base.name}` and {summary['path']}/logs)", soft_wrap=True)
+                          f"{req.base.name}` and {summary['path']}/logs)")
         raise typer.Exit(1)
 
 
@@ -426,7 +424,7 @@ def tune_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP
 def _print_sweep(s: dict) -> None:
     from imgtrain.sweep.reporter import format_params
 
-    console.print(f"sweep {s['name']}  status: {s['status']}  ({s['path']})", soft_wrap=True)
+    console.print(f"sweep {s['name']}  status: {s['status']}  ({s['path']})")
     names = list(s["search"])
     table = Table("trial", *names, "status", "epochs", f"best {s['metric']}")
     for t in s["trials"]:
@@ -436,13 +434,13 @@ def _print_sweep(s: dict) -> None:
     console.print(table)
     for t in s["trials"]:
         if t["error"] and t["status"] == "failed":
-            console.print(f"{t['name']} failed: {t['error']}", soft_wrap=True)
+            console.print(f"{t['name']} failed: {t['error']}")
     best = s["best"]
     if best:
         console.print(f"best trial: {best['name']}  {s['metric']} {best['best_metric']:.4f} at epoch "
-                      f"{best['best_epoch']}  {format_params(best['params'])}", soft_wrap=True)
-        console.print(f"best checkpoint: {best['checkpoint']}", soft_wrap=True)
-        console.print(f"its run: imgtrain runs show {best['name']} --storage {s['trials_storage']}", soft_wrap=True)
+                      f"{best['best_epoch']}  {format_params(best['params'])}")
+        console.print(f"best checkpoint: {best['checkpoint']}")
+        console.print(f"its run: imgtrain runs show {best['name']} --storage {s['trials_storage']}")
 
 
 @config_app.command("show")
@@ -462,7 +460,7 @@ def config_show(
     rows = [("field", "value" if run else "default", "description"), *describe_fields(values)]
     width = max(len(value) for _, value, _ in rows)
     for field, value, description in rows:  # one line each: easy to grep, wrapped by the terminal
-        console.print(f"{field:<22} {value:<{width}}  {description}", soft_wrap=True)
+        console.print(f"{field:<22} {value:<{width}}  {description}")
 
 
 CHECKPOINT_HELP = ("best (by the run's --select-metric), latest, average (--average-last's), or a checkpoint "
@@ -591,7 +589,7 @@ def predict_cmd(
                      split=split, image_column=image_column, options=opts, overwrite=overwrite)
     err = err_console
     for name, why in result.skipped:
-        err.print(f"skipped {name}: {why}", soft_wrap=True)
+        err.print(f"skipped {name}: {why}")
     summary = f"wrote {result.num_predictions} predictions to {result.out}"
     if result.converted:
         summary += f" ({result.converted} image(s) converted to {result.image_shape_text})"
@@ -627,15 +625,15 @@ def export_cmd(
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
         return
-    console.print(result.verification.line(), soft_wrap=True)
+    console.print(result.verification.line())
     int8 = result.test_metrics.get("int8")
     if int8:
         console.print(f"int8: {result.verification.split} accuracy {int8['accuracy']:.2%} against "
                       f"{int8['fp32_accuracy']:.2%} in float32 (drop {int8['accuracy_drop']:.2%}, at most "
-                      f"{int8['max_accuracy_drop']:.2%} allowed)", soft_wrap=True)
+                      f"{int8['max_accuracy_drop']:.2%} allowed)")
     accuracy = "" if int8 else f"{result.verification.split} accuracy {result.test_metrics['accuracy']:.2%}; "
     console.print(f"{accuracy}wrote {'the int8 model ' if int8 else ''}{result.model_file} with labels.json, "
-                  f"preprocessing.json and MODEL_CARD.md", soft_wrap=True)
+                  f"preprocessing.json and MODEL_CARD.md")
 
 
 @app.command("report")
@@ -693,7 +691,7 @@ def serve_cmd(
                     batch_wait_ms=batch_wait_ms)
     run_server(run, checkpoint=checkpoint, storage=storage, host=host, port=port, limits=limits,
                replicas=replicas, address=address, openapi=openapi, ingress=ingress, tta=tta, engine=engine,
-               announce=lambda line: console.print(line, soft_wrap=True))
+               announce=lambda line: console.print(line))
 
 
 YES_OPTION = typer.Option(False, "--yes", "-y", help="Delete without asking.")
@@ -733,7 +731,7 @@ def _clean(plan, yes: bool, dry_run: bool) -> None:
         console.print("nothing to delete")
         return
     for removal in plan:
-        console.print(("would delete " if dry_run else "") + removal.describe(), soft_wrap=True)
+        console.print(("would delete " if dry_run else "") + removal.describe())
     if dry_run:
         return
     total = sum(r.size for r in plan) / 2**20
@@ -747,9 +745,9 @@ def _clean(plan, yes: bool, dry_run: bool) -> None:
             raise typer.Exit(1)
     for removal in plan:
         remove(removal)
-        console.print(f"deleted {removal.path}", soft_wrap=True)
+        console.print(f"deleted {removal.path}")
         for kept in removal.kept:
-            console.print(f"  kept {kept} (not written by imgtrain)", soft_wrap=True)
+            console.print(f"  kept {kept} (not written by imgtrain)")
 
 
 @app.command("doctor")
@@ -772,10 +770,10 @@ def doctor_cmd(
         print(json.dumps(found.to_json(), indent=2))
     else:
         for check in found.checks:
-            console.print(f"{check.status:<5} {check.name}: {check.detail}", soft_wrap=True)
+            console.print(f"{check.status:<5} {check.name}: {check.detail}")
             for line in check.lines:
-                console.print(f"        {line}", soft_wrap=True)
-        console.print(f"verdict: {found.verdict}", soft_wrap=True)
+                console.print(f"        {line}")
+        console.print(f"verdict: {found.verdict}")
     if not found.ready:
         raise typer.Exit(1)
 
@@ -847,13 +845,13 @@ def cluster_manifest(
     if out.is_dir() or not out.parent.is_dir():
         raise ImgtrainError(f"--out {out}: name a file in a folder that exists")
     atomic_write_text(out, text)
-    err_console.print(f"wrote {out}: kubectl apply -f {out}", soft_wrap=True)
+    err_console.print(f"wrote {out}: kubectl apply -f {out}")
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """imgtrain's own warnings as one line each; any other as Python shows it."""
     if issubclass(category, ImgtrainWarning):
-        err_console.print(f"warning: {message}", soft_wrap=True)
+        err_console.print(f"warning: {message}")
     else:
         _python_show_warning(message, category, filename, lineno, file, line)
 
@@ -871,7 +869,7 @@ def main() -> None:
         if isinstance(code, int) and code:
             sys.exit(code)
     except ImgtrainError as e:
-        err_console.print(f"error: {e}", soft_wrap=True)
+        err_console.print(f"error: {e}")
         sys.exit(2)
     except (KeyboardInterrupt, typer.Abort):
         err_console.print("interrupted; run the same command again to resume")
@@ -887,8 +885,7 @@ def main() -> None:
         first = (str(e).strip().splitlines() or [""])[0][:300]
         err_console.print(
             f"error: unexpected {type(e).__name__}: {first} "
-            "(run logs are in the run's logs/ folder; IMGTRAIN_DEBUG=1 shows the traceback)", soft_wrap=True,
-        )
+            "(run logs are in the run's logs/ folder; IMGTRAIN_DEBUG=1 shows the traceback)")
         sys.exit(1)
 
 

@@ -151,7 +151,7 @@ def _copy_missing(fs, st: remote.Store, copies: dict) -> None:
     err_console.print(  # one line, above prepare's bar
         f"copying {len(todo)} shard(s), {_size(need)}, from {st.uri} into {st.local}"
         + (f" ({kept} already there)" if kept else "") if todo
-        else f"the {kept} shard(s) of {st.uri} are already in {st.local}", soft_wrap=True)
+        else f"the {kept} shard(s) of {st.uri} are already in {st.local}")
 
     def copy(key: str, target: Path, info) -> int:
         remote.copy_down(fs, key, target, st, _WHAT)
