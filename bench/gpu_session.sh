@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What a session lent a GPU runs, in one call from the repository root (issues 19 and 36):
 # the CUDA synchronisation count of a training step, the training speed against the raw loop,
-# and photo training on one GPU worker with each augmentation policy (the data wait, and the
-# decoding rate with few CPUs, for the CPUs a GPU needs). Output under $OUT (or /tmp/gpu-out).
+# photo training on one GPU worker with each augmentation policy (the data wait, and the
+# decoding rate with few CPUs, for the CPUs a GPU needs), and nvJPEG's decoding rate (issue 51).
+# Output under $OUT (or /tmp/gpu-out).
 #
 # The lent machines' python3 has torch with CUDA and no package registry: Ray and the rest of
 # imgtrain's dependencies that it lacks travel as wheels in .whl/ (docs/NOTES.md, "The GPU path on
@@ -30,7 +31,8 @@ step() {  # a time limit per step, so that one slow step leaves the others their
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
   ray stop --force > /dev/null 2>&1  # what a step cut short left running
 }
-step "${SYNCS_S:-90}" step_syncs python3 -m pytest -q -p no:cacheprovider tests/training/test_step_syncs.py
+step "${PROBE_S:-40}" decode_probe python3 bench/gpu_decode_probe.py
+step "${SYNCS_S:-60}" step_syncs python3 -m pytest -q -p no:cacheprovider tests/training/test_step_syncs.py
 step "${THROUGHPUT_S:-300}" train_throughput python3 bench/train_throughput.py --gpu \
   --rows raw,local,ray-1,to-accuracy --time-to-accuracy 0.985 --repeats 3 --epochs 4
 step "${PIPELINE_S:-170}" data_pipeline python3 bench/data_pipeline.py --gpu --images 12000 \
