@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -387,9 +388,9 @@ def test_wandb_gets_params_metrics_the_model_and_the_outcome_and_a_resume_contin
     [model] = second["artifacts"]
     assert (model.type, model.name, set(model.aliases)) == ("model", f"model-{run_id}", {"best", "latest"})
     digests = {entry.path: entry.digest for entry in model.manifest.contents}
-    assert digests == {name: base64.b64encode(hashlib.md5((best / name).read_bytes()).digest()).decode()
-                       for name in ("model.pt", "meta.json")}
-    assert second["summary"]["best_checkpoint"] == str(best) and second["exit_code"] == 0
+    assert set(digests) == {"model.pt", "meta.json"}  # meta.json as trackers get it: no path of this machine
+    assert digests["model.pt"] == base64.b64encode(hashlib.md5((best / "model.pt").read_bytes()).digest()).decode()
+    assert second["summary"]["best_checkpoint"] == best.name and second["exit_code"] == 0
     assert wandb_services() == []
 
 
@@ -438,3 +439,69 @@ def test_wandb_names_w_and_b_would_refuse_are_refused_before_anything_starts():
         validate(TrainConfig(name="t", data="/d", wandb="team/p"))
     with pytest.raises(ImgtrainError, match="--wandb-entity is the entity of a --wandb project"):
         validate(TrainConfig(name="t", data="/d", wandb_entity="team"))
+
+
+# ---------------------------------------------------------------- all three at once, in a bucket
+
+
+def bucket_objects(env: dict, prefix: str) -> dict[str, bytes]:
+    """Every object under ``prefix`` of the test bucket, by key."""
+    import pyarrow.fs as pafs
+
+    store = pafs.S3FileSystem(endpoint_override=env["IMGTRAIN_S3_ENDPOINT"].removeprefix("http://"), scheme="http",
+                              region="us-east-1", access_key=env["AWS_ACCESS_KEY_ID"],
+                              secret_key=env["AWS_SECRET_ACCESS_KEY"])
+    infos = store.get_file_info(pafs.FileSelector(f"imgtrain/{prefix}", recursive=True))
+    found = {}
+    for info in infos:
+        if info.type == pafs.FileType.File:
+            with store.open_input_stream(info.path) as f:
+                found[info.path] = f.read()
+    return found
+
+
+def holding(files: dict[str, bytes], *secrets: str) -> list[str]:
+    return [name for name, data in files.items() if any(s.encode() in data for s in secrets)]
+
+
+@pytest.mark.integration  # trains (the local backend: no Ray)
+def test_no_credential_reaches_any_file_or_object_and_no_local_path_any_tracker(
+        mlflow_server, s3_server, tiny_data, wandb_offline, tmp_path, tmp_path_factory):
+    # The driver's command line holds the password: W&B used to record it in its run file, which
+    # the run's mirror uploaded to the bucket.
+    uri = mlflow_server.replace("http://", f"http://someuser:{PASSWORD}@")
+    env = {**os.environ, **s3_server, "NO_PROXY": "127.0.0.1", "COLUMNS": "200",
+           "IMGTRAIN_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(
+        [sys.executable, "-m", "imgtrain.cli", "train", "--data", str(tiny_data), "--storage", "s3://imgtrain/leaks",
+         "--name", "all3", "--backend", "local", "--epochs", "1", "--limit-train-batches", "2", "--batch-size", "32",
+         "--mlflow", uri, "--tensorboard", "--wandb", "imgtrain-tests"],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert PASSWORD not in done.stdout + done.stderr
+
+    local = {str(p): p.read_bytes() for p in (tmp_path / "cache").rglob("*") if p.is_file()}
+    in_bucket = bucket_objects(s3_server, "leaks/all3")
+    assert any("/wandb/" in k for k in in_bucket) and any("/tensorboard/" in k for k in in_bucket)
+    assert holding(local, PASSWORD) == [] and holding(in_bucket, PASSWORD) == []
+
+    # What each tracker keeps: the MLflow server's store and artifacts, what W&B's run file sends
+    # its server (config, metadata, summary, history, the artifacts' metadata and files; the
+    # file's own record of where W&B staged the files, for `wandb sync`, stays on this machine),
+    # TensorBoard's event files. No folder of this machine in any.
+    machine_paths = (str(tmp_path_factory.getbasetemp()), sys.prefix, os.getcwd())
+    server_root = next(p for p in tmp_path_factory.getbasetemp().glob("mlflow-server*"))
+    tracked = {str(p): p.read_bytes() for p in server_root.rglob("*") if p.is_file() and p.name != "server.log"}
+    tracked |= {k: v for k, v in in_bucket.items() if "/tensorboard/" in k}
+    run_dir = tmp_path / "cache" / "stores" / "s3" / "imgtrain" / "leaks" / "all3"
+    [session] = wandb_sessions(run_dir, json.loads((run_dir / WANDB_RUN_FILE).read_text())["run_id"])
+    [model] = session["artifacts"]
+    tracked["W&B run"] = json.dumps({k: session[k] for k in ("config", "summary", "rows")}).encode()
+    tracked["W&B model"] = (model.metadata + "".join(e.path for e in model.manifest.contents)).encode()
+    for entry in model.manifest.contents:
+        tracked[f"W&B model/{entry.path}"] = Path(entry.local_path).read_bytes()
+    assert holding(tracked, PASSWORD, *machine_paths) == []
+    assert session["summary"]["best_checkpoint"] == "checkpoint_epoch_0000"
+    metas = [json.loads(v) for k, v in tracked.items() if k.endswith("meta.json")]  # the model's, in both
+    assert len(metas) == 2 and all(m["config"]["data"] == tiny_data.name for m in metas)
+    assert all(m["config"]["storage"] == "s3://imgtrain/leaks" for m in metas)

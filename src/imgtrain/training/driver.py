@@ -76,10 +76,6 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool, ray_call
     with contextlib.ExitStack() as held:  # the run's lease and lock, held until training ends
         # another machine's driver of this run: refused before anything of the run is touched
         token = held.enter_context(lease.leased(store, cfg.name, hint=_busy_hint(cfg, runs.run_path(cfg.storage, cfg.name))))
-        # what killed saves and failed uploads left on this node (a Ray rank clears its own on other nodes)
-        staged = remote.checkpoint_staging(runs.location(cfg.storage, cfg.name), 0).parent
-        shutil.rmtree(staged, ignore_errors=True)
-        held.callback(shutil.rmtree, staged, ignore_errors=True)
         run_dir, locked = _working_copy(cfg, held)
         plan = _plan(cfg, run_dir, overwrite, display, held, locked)
         replaced = ownership.Replacement(run_dir) if plan.replace else None
@@ -91,6 +87,7 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool, ray_call
                 with _turn(cfg.storage, cfg.name):  # no pull here finds it made but not locked
                     ownership.claim(run_dir)
                     held.enter_context(ownership.locked(run_dir, "trained"))
+            _clear_staging(cfg, held)
             _probe_storage(run_dir, cfg.storage)
             # the driver's files go up every few seconds; the workers upload the checkpoints
             with mirror.mirrored(store, cfg.name, everything=cfg.backend == "local", token=token):
@@ -99,6 +96,16 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool, ray_call
             if replaced and not replaced.done:  # the new run failed before its first checkpoint
                 replaced.rollback()
                 display.note(f"the previous run {cfg.name!r} was restored ({run_dir})")
+
+
+def _clear_staging(cfg: TrainConfig, held: contextlib.ExitStack) -> None:
+    """Remove what killed saves and failed uploads left in this node's checkpoint staging (a Ray
+    rank clears its own on other nodes), now and when training ends. Only with the run's lock
+    held: a second start of a live run, refused at the lock, must not delete the folder the live
+    run is saving its next checkpoint into."""
+    staged = remote.checkpoint_staging(runs.location(cfg.storage, cfg.name), 0).parent
+    shutil.rmtree(staged, ignore_errors=True)
+    held.callback(shutil.rmtree, staged, ignore_errors=True)  # runs before the lock is let go
 
 
 def _working_copy(cfg: TrainConfig, held: contextlib.ExitStack) -> tuple[Path, bool]:

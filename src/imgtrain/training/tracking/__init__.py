@@ -33,6 +33,7 @@ from imgtrain.training.tracking.base import (
     public_config,
     public_uri,
     scrub,
+    tracked_config,
 )
 from imgtrain.training.tracking.mlflow_tracker import MLFLOW_RUN_FILE, MLflowTracker
 from imgtrain.training.tracking.tensorboard_tracker import TENSORBOARD_DIR, TensorBoardTracker
@@ -40,7 +41,7 @@ from imgtrain.training.tracking.wandb_tracker import WANDB_RUN_FILE, WandbTracke
 
 __all__ = ["EPOCH_KEYS", "MLFLOW_RUN_FILE", "MODEL_FILES", "RANK_KEYS", "STEP_KEYS", "TENSORBOARD_DIR", "TRACKERS",
            "WANDB_RUN_FILE", "MLflowTracker", "TensorBoardTracker", "Tracker", "WandbTracker", "metrics_of",
-           "open_trackers", "params_of", "public_config", "public_uri", "require", "scrub", "wanted"]
+           "open_trackers", "params_of", "public_config", "public_uri", "require", "scrub", "tracked_config", "wanted"]
 
 TRACKERS: tuple[type[Tracker], ...] = (MLflowTracker, TensorBoardTracker, WandbTracker)  # opened in this order
 

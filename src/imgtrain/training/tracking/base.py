@@ -1,14 +1,20 @@
 """What every tracker shares: the ``Tracker`` interface, the tracked metric names and params,
-and the config as it may leave the machine (tracking credentials removed)."""
+and the config as it may leave the machine (tracking credentials removed; for trackers, paths of
+this machine too)."""
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
+import json
 import re
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from imgtrain.config import TrainConfig
+from imgtrain.ops import remote
 
 STEP_KEYS = ("loss", "accuracy", "images_per_s", "data_wait_fraction", "lr", "grad_norm", "loss_scale")
 EPOCH_KEYS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_f1_macro", "images_per_s",
@@ -56,11 +62,44 @@ def public_config(cfg: TrainConfig) -> dict:
     return dict(cfg.to_dict(), mlflow=public_uri(cfg.mlflow))
 
 
+# The settings that name a place: on this machine, a folder of the user's that no tracker is told
+# (a tracking server is often shared, and W&B's is another company's).
+PLACE_SETTINGS = ("data", "storage", "init_from")
+
+
+def public_place(place: str | None) -> str | None:
+    """Where something is, as a tracker may be told it: an object store's URI as it is
+    (credentials removed), a folder or file of this machine by its last name alone."""
+    if not place or remote.is_remote(place):
+        return public_uri(place)
+    return Path(place).name or place
+
+
+def tracked_config(config: dict) -> dict:
+    """A config (``TrainConfig.to_dict()`` or a checkpoint's) as trackers get it: no credential,
+    no path of this machine."""
+    return {**config, "mlflow": public_uri(config.get("mlflow")),
+            **{k: public_place(config[k]) for k in PLACE_SETTINGS if k in config}}
+
+
 def params_of(cfg: TrainConfig, manifest: dict) -> dict:
-    """A run's params, the same in every tracker: each config field and the data set's name and sizes."""
-    return {**public_config(cfg), "data_name": manifest.get("name", ""),
+    """A run's params, the same in every tracker: each config field (``tracked_config``) and the
+    data set's name and sizes."""
+    return {**tracked_config(cfg.to_dict()), "data_name": manifest.get("name", ""),
             "data_train_samples": manifest["splits"]["train"]["num_samples"],
             "data_test_samples": manifest["splits"]["test"]["num_samples"]}
+
+
+@contextlib.contextmanager
+def model_files(checkpoint: Path) -> Iterator[dict[str, Path]]:
+    """The final model's files as trackers store them ({name: file}): ``model.pt`` as it is, and
+    ``meta.json`` with its config as ``tracked_config`` says (a temporary copy, for the block)."""
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["config"] = tracked_config(meta.get("config") or {})
+    with tempfile.TemporaryDirectory(prefix="imgtrain-tracked-") as folder:
+        tracked_meta = Path(folder) / "meta.json"
+        tracked_meta.write_text(json.dumps(meta, indent=2))
+        yield {"model.pt": checkpoint / "model.pt", "meta.json": tracked_meta}
 
 
 def first_line(error: BaseException) -> str:
@@ -119,7 +158,7 @@ class Tracker(abc.ABC):
         """A worker group restarted from a checkpoint at ``step``: the steps after it are trained again."""
 
     def log_model(self, checkpoint: Path) -> None:
-        """The final model: ``MODEL_FILES`` of ``checkpoint``."""
+        """The final model: ``model_files(checkpoint)``; the checkpoint named by its name alone."""
 
     def end(self, status: str) -> None:
         """The tracker's run ends with the imgtrain run's status."""

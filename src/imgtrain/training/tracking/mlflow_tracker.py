@@ -13,7 +13,7 @@ from pathlib import Path
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import process
-from imgtrain.training.tracking.base import MODEL_FILES, Tracker, first_line, params_of, public_uri, scrub
+from imgtrain.training.tracking.base import Tracker, first_line, model_files, params_of, public_place, public_uri, scrub
 
 MLFLOW_RUN_FILE = "mlflow.json"  # {"tracking_uri", "experiment_id", "run_id"}: a resumed run continues it
 
@@ -98,7 +98,8 @@ class MLflowTracker(Tracker):
         experiment = self.client.get_experiment_by_name(cfg.mlflow_experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.mlflow_experiment)
         run = self.client.create_run(experiment_id, run_name=cfg.name,
-                                     tags={"imgtrain.run_dir": str(run_dir), "imgtrain.data": cfg.data})
+                                     tags={"imgtrain.storage": public_place(cfg.storage),
+                                           "imgtrain.data": public_place(cfg.data)})
         run_id = run.info.run_id
         saved_path.write_text(json.dumps({"tracking_uri": public_uri(cfg.mlflow), "experiment_id": experiment_id,
                                           "run_id": run_id}, indent=2))
@@ -126,9 +127,10 @@ class MLflowTracker(Tracker):
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, stamp, step) for k, v in values.items()])
 
     def log_model(self, checkpoint: Path) -> None:
-        for name in MODEL_FILES:
-            self.client.log_artifact(self.run_id, str(checkpoint / name), artifact_path="model")
-        self.client.set_tag(self.run_id, "imgtrain.best_checkpoint", str(checkpoint))
+        with model_files(checkpoint) as files:
+            for file in files.values():
+                self.client.log_artifact(self.run_id, str(file), artifact_path="model")
+        self.client.set_tag(self.run_id, "imgtrain.best_checkpoint", checkpoint.name)
 
     def end(self, status: str) -> None:
         mlflow_status = {"finished": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from imgtrain.config import TrainConfig
-from imgtrain.training.tracking.base import Tracker, public_config
+from imgtrain.training.tracking.base import Tracker, tracked_config
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -24,7 +24,7 @@ class TensorBoardTracker(Tracker):
         self.directory = run_dir / TENSORBOARD_DIR
         self.writer_class = SummaryWriter
         self.writer = SummaryWriter(str(self.directory))
-        self.writer.add_text("config", "\n".join(f"    {k} = {v!r}" for k, v in public_config(cfg).items()))
+        self.writer.add_text("config", "\n".join(f"    {k} = {v!r}" for k, v in tracked_config(cfg.to_dict()).items()))
 
     def restarted(self, step: int) -> None:
         # Steps after the checkpoint are trained again, and TensorBoard hides what was logged

@@ -13,12 +13,18 @@ from pathlib import Path
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import process
-from imgtrain.training.tracking.base import MODEL_FILES, Tracker, first_line, params_of
+from imgtrain.training.tracking.base import Tracker, first_line, model_files, params_of
 
 WANDB_RUN_FILE = "wandb.json"  # {"project", "entity", "run_id"}: a resumed run continues it
 STEP_METRIC = "global_step"  # every metric's x axis: W&B's own _step only ever grows, ours restarts
 EXIT_CODES = {"finished": 0, "interrupted": 255}  # W&B marks a run failed on any other; 255: Ctrl-C, as W&B's own
 LOCAL_MODES = ("offline", "dryrun", "disabled")
+# What W&B would collect about this machine besides what imgtrain gives it, off whatever the user's
+# environment says: its metadata holds the driver's command line (an --mlflow password with it),
+# the program's and Python's paths, the host and user names and the git remote; and the code and
+# the git state. W&B's files go up to its server and, in the run folder, into the run's bucket.
+PRIVATE = {"x_disable_meta": True, "x_disable_machine_info": True, "disable_git": True, "disable_code": True,
+           "save_code": False}
 
 
 class WandbTracker(Tracker):
@@ -80,6 +86,7 @@ class WandbTracker(Tracker):
         # the run is), unless the user's WANDB_CONSOLE / WANDB_SILENT say otherwise.
         settings = {k: v for k, v, env in (("console", "off", "WANDB_CONSOLE"), ("silent", True, "WANDB_SILENT"))
                     if env not in os.environ}
+        settings.update(PRIVATE)
         run = wandb.init(project=cfg.wandb, entity=cfg.wandb_entity, name=cfg.name, job_type="train",
                          id=saved.get("run_id") if same else None, resume="allow",
                          dir=None if "WANDB_DIR" in os.environ else str(run_dir),
@@ -98,10 +105,11 @@ class WandbTracker(Tracker):
 
         model = wandb.Artifact(f"model-{self.run.id}", type="model",
                                metadata={"imgtrain_run": self.run.name, "checkpoint": checkpoint.name})
-        for name in MODEL_FILES:
-            model.add_file(str(checkpoint / name), name=name)
+        with model_files(checkpoint) as files:
+            for name, file in files.items():
+                model.add_file(str(file), name=name)  # copied into W&B's staging here
         self.run.log_artifact(model, aliases=["best", "latest"])
-        self.run.summary["best_checkpoint"] = str(checkpoint)
+        self.run.summary["best_checkpoint"] = checkpoint.name
 
     def end(self, status: str) -> None:
         self.run.finish(exit_code=EXIT_CODES.get(status, 1))
