@@ -9,7 +9,10 @@ from __future__ import annotations
 import copy
 import functools
 import gzip
+import json
 import shlex
+import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -228,6 +231,162 @@ def test_an_image_is_required(capsys):
     result = cli_here(capsys, "cluster", "manifest", "--", *JOB)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith(f"error: --image is required: a container image with imgtrain and Ray {version('ray')}")
+
+
+# ---------------------------------------------------------------- the command's way to the head, through two shells
+
+# What KubeRay v1.7.0's submitter pod runs (ray-operator/controllers/ray/common/job.go,
+# BuildJobSubmitCommand, K8sJobMode; its wait for the dashboard left out): one bash script, the
+# entrypoint in it as the RayJob gives it (trimmed), run as /bin/bash -ce -- SCRIPT.
+ADDRESS, JOB_ID = "http://imgtrain-big-head-svc.default.svc.cluster.local:8265", "imgtrain-big-x7k2p"
+
+
+def submitter_script(entrypoint: str) -> str:
+    return " ".join(["if", "!", "ray", "job", "status", "--address", ADDRESS, JOB_ID, ">/dev/null", "2>&1", ";",
+                     "then", "ray", "job", "submit", "--address", ADDRESS, "--no-wait", "--submission-id", JOB_ID,
+                     "--", entrypoint.strip(), ";", "fi", ";", "ray", "job", "logs", "--address", ADDRESS, "--follow",
+                     JOB_ID])
+
+
+# `ray` on the submitter: `job status` says no such job yet, `job logs` has nothing to follow, and
+# `job submit` joins the words after -- as the Ray of the image does, then runs the line as the
+# job's supervisor on the head does (job_supervisor.py: Popen(entrypoint, shell=True)). "installed"
+# is this machine's Ray's own `ray job submit` (2.56 and later join with shlex.join), only its
+# HTTP client to the job server replaced; "list2cmdline" is Ray 2.55's and before
+# (dashboard/modules/job/cli.py: `entrypoint=list2cmdline(entrypoint)`).
+RAY = """
+import os, subprocess, sys
+args = sys.argv[1:]
+if args[:2] == ["job", "status"]:
+    sys.exit(1)
+if args[:2] == ["job", "logs"]:
+    sys.exit(0)
+assert args[:2] == ["job", "submit"], args
+
+
+def supervise(entrypoint):
+    subprocess.run(entrypoint, shell=True, check=True)
+
+
+if os.environ["RAY_JOIN"] == "list2cmdline":
+    supervise(subprocess.list2cmdline(args[args.index("--") + 1:]))
+else:
+    from ray.dashboard.modules.job import cli
+
+    class JobServer:
+        def submit_job(self, *, entrypoint, submission_id=None, **_):
+            supervise(entrypoint)
+            return submission_id
+
+        def get_version(self):  # an old job server: the CLI follows no logs
+            return "0"
+
+    cli._get_sdk_client = lambda *args, **kwargs: JobServer()
+    cli.job_cli_group.main(args[1:], prog_name="ray job")
+"""
+IMGTRAIN = """
+import json, os, sys
+with open(os.environ["ARGV_OUT"], "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+"""
+
+
+def run_in_shells(tmp_path, script: str, join: str) -> list[list[str]]:
+    """``script`` run by bash with the stand-in `ray` and `imgtrain` first on PATH, in an empty
+    folder: the argv of each `imgtrain` it ran. Whatever else it ran it leaves in the folder."""
+    bin_dir, work, out = tmp_path / "bin", tmp_path / "work", tmp_path / "argv.jsonl"
+    bin_dir.mkdir()
+    work.mkdir()
+    for name, body in (("ray", RAY), ("imgtrain", IMGTRAIN)):
+        (bin_dir / name).write_text(f"#!{sys.executable} -I\n{body}")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8", "RAY_JOIN": join,
+           "ARGV_OUT": str(out)}
+    result = subprocess.run(["/bin/bash", "-ce", "--", script], cwd=work, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert list(work.iterdir()) == [], f"the shells ran more than the command: {result.stderr}"
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+# Values each shell would read as code or cut, were they not quoted for it: the review's `;` and
+# ${IFS} (a space) and `#`, expansions, both quotes, backslashes, spaces at the ends and in a
+# row, an empty value, an option-like one, globs, history and braces, unicode.
+HOSTILE = ["s3://b/x;touch${IFS}M;#", "$1", "${IFS}", "`touch B`", "$(touch C)", "it's 'quoted'", 'say "hi"', '\\"',
+           "back\\slash\\", "#not a comment", "  two  spaces  ", "", "-x", "é ü 中文 🙂", "*", "~", "{a,b}", "!!",
+           "&& touch D", "| touch E", "> F", "a'\"'b\"'", "\\ ", "%s", "a=b c"]
+HOSTILE_COMMAND = ["train", "--data", HOSTILE[0], "--storage", "s3://b/runs", "--name", "big",
+                   *[word for value in HOSTILE for word in ("--mlflow-experiment", value)]]
+
+
+@pytest.mark.parametrize("ray_version, join", [(version("ray"), "installed"), ("2.55.1", "list2cmdline")])
+def test_the_rayjob_runs_exactly_the_command_through_the_submitters_shell_and_the_heads(capsys, tmp_path, ray_version,
+                                                                                       join):
+    doc, _ = manifest(capsys, "--secret", "s3-keys", "--ray-version", ray_version, command=HOSTILE_COMMAND)
+    ran = run_in_shells(tmp_path, submitter_script(doc["spec"]["entrypoint"]), join)
+    assert ran == [[*HOSTILE_COMMAND, "--address", "auto"]]
+    assert crd_problems(doc) == [] and doc["spec"]["submissionMode"] == "K8sJobMode"  # the path quoted for, stated
+
+
+def test_the_rayclusters_submit_line_runs_exactly_the_command(capsys, tmp_path):
+    """The line its comments give, typed into bash here, submitted by this machine's Ray."""
+    _, result = manifest(capsys, "--kind", "raycluster", "--ray-version", "2.55.1", command=HOSTILE_COMMAND)
+    (line,) = [line.removeprefix("#   ") for line in result.stdout.splitlines() if "ray job submit" in line]
+    assert run_in_shells(tmp_path, line, "installed") == [[*HOSTILE_COMMAND, "--address", "auto"]]
+
+
+@pytest.mark.parametrize("join, ray_version", [("list2cmdline", "2.55.1"), ("list2cmdline", "2.40.0"),
+                                               ("installed", version("ray"))])
+def test_any_word_comes_through_the_shells_byte_for_byte(tmp_path, join, ray_version):
+    """The quoting alone, with what the CLI refuses before it (newlines), every printable ASCII
+    character on its own and beside a space, and words drawn from the shells' special characters."""
+    import random
+
+    from imgtrain.kuberay import entrypoint
+
+    draw, special = random.Random(45), " \"'\\$`;#&|<>(){}[]*?~!%=\nab"
+    words = ["imgtrain", *HOSTILE, "line\nbreak", "\n", *[chr(c) for c in range(33, 127)],
+             *[f" {chr(c)} " for c in range(33, 127)], "".join(map(chr, range(32, 127))),
+             *["".join(draw.choices(special, k=draw.randint(0, 12))) for _ in range(200)]]
+    assert run_in_shells(tmp_path, submitter_script(entrypoint(words, ray_version)), join) == [words[1:]]
+
+
+def test_a_tab_is_refused_for_a_ray_that_joins_with_list2cmdline():
+    from imgtrain.errors import ImgtrainError
+    from imgtrain.kuberay import entrypoint
+
+    with pytest.raises(ImgtrainError, match="holds a tab"):
+        entrypoint(["imgtrain", "a\tb"], "2.55.1")
+
+
+# ---------------------------------------------------------------- credentials stay out of the manifest
+
+
+@pytest.mark.parametrize("kind", ["rayjob", "raycluster"])
+@pytest.mark.parametrize("words, option, says", [
+    (["--mlflow", "http://alice:PW-s3cr3t@mlflow.example.com:5000"], "--mlflow", "a user name and password"),
+    (["--mlflow=https://PW-s3cr3t@mlflow.example.com"], "--mlflow", "a user name or token"),
+    (["--mlflow", "http://h/?next=http://alice:PW-s3cr3t@h"], "--mlflow", "a user name and password"),
+    (["--storage", "s3://AKIA:PW-s3cr3t@bucket/runs"], "--storage", "a user name and password in its s3:// URL"),
+    (["--data", "abfs://:PW-s3cr3t@account.dfs.core.windows.net/data"], "--data", "a user name and password"),
+    (["--data", "gs://bucket/data?access_key=AKIA&secret_key=PW-s3cr3t"], "--data", "the parameter access_key="),
+    (["--init-from", "s3://b/w.pt?X-Amz-Signature=PW-s3cr3t"], "--init-from", "the parameter X-Amz-Signature="),
+])
+def test_credentials_in_the_command_are_refused_without_showing_them(capsys, kind, words, option, says):
+    command = ["train", "--data", "s3://bucket/data", "--storage", "s3://bucket/runs", "--name", "big", *words]
+    result = cli_here(capsys, "cluster", "manifest", "--image", IMAGE, "--kind", kind, "--secret", "k", "--", *command)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"error: the command after -- has credentials in {option}: {says}")
+    assert result.stderr.count("\n") == 1 and "PW-s3cr3t" not in result.stderr
+    assert "--secret" in result.stderr and "MLFLOW_TRACKING_PASSWORD" in result.stderr
+
+
+def test_urls_without_credentials_pass(capsys):
+    command = ["train", "--data", "abfs://container@account.dfs.core.windows.net/data", "--storage", "s3://b/runs",
+               "--name", "big", "--mlflow", "http://mlflow.example.com:5000/?experiment=x", "--mlflow-experiment",
+               "team@example.com"]
+    doc, _ = manifest(capsys, "--secret", "k", command=command)
+    assert shlex.split(doc["spec"]["entrypoint"]) == ["imgtrain", *command, "--address", "auto"]
 
 
 # ---------------------------------------------------------------- the schema check itself bites

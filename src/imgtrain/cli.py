@@ -809,7 +809,9 @@ def cluster_manifest(
     head_memory: str = typer.Option("8Gi", help="Memory of the head pod."),
     secret: Optional[str] = typer.Option(None, help="A Kubernetes Secret whose keys become the environment of the "
                                          "head and worker containers: the bucket's AWS_ACCESS_KEY_ID, "
-                                         "AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL, AWS_REGION)."),
+                                         "AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL, AWS_REGION); MLflow's "
+                                         "MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD. Credentials in the "
+                                         "command are refused."),
     service_account: Optional[str] = typer.Option(None, help="The pods' service account (e.g. one bound to a "
                                                   "cloud role that reaches the bucket)."),
     pvc: Optional[str] = typer.Option(None, help="CLAIM:/mount/path: a ReadWriteMany PersistentVolumeClaim mounted "

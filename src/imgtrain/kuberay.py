@@ -4,7 +4,9 @@ RayCluster made for it, or a RayCluster alone to submit commands to.
 Everything a pod cannot get right by itself is refused here, before a cluster is asked for: the
 command must parse (it is imgtrain's own parser that reads it), runs must go where every pod
 and the next cluster see them (a pod's disk is its own, and goes with it), and the pods must
-hold the Ray Train workers the command asks for (Ray would wait for them forever).
+hold the Ray Train workers the command asks for (Ray would wait for them forever). Credentials in
+the command are refused (the manifest and Ray's job list would show them), and the command is
+quoted for the two shells it goes through on its way to the head (SHLEX_JOIN_SINCE).
 The manifests follow KubeRay's ray.io/v1 CRDs; tests/test_kuberay.py checks them against the
 CRDs' schemas (tests/data/kuberay/).
 """
@@ -15,7 +17,9 @@ import posixpath
 import re
 import shlex
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import PurePosixPath
 
 import yaml
@@ -37,6 +41,27 @@ RAY_VERSION = re.compile(r"^[0-9]+\.[0-9]+\.[0-9]+$")
 TOKEN_AUTH_SINCE = (2, 52, 0)  # KubeRay refuses authOptions.mode token for an older rayVersion
 HEAD_PORTS = (("gcs-server", 6379), ("dashboard", 8265), ("client", 10001))
 TTL_AFTER_JOB_S = 300  # the finished job's pods stay this long for `kubectl logs`, then go
+
+# How a RayJob's entrypoint reaches the head (KubeRay v1.3 to v1.7, ray-operator/controllers/ray/
+# common/job.go BuildJobSubmitCommand, in K8sJobMode): the submitter pod runs
+#   /bin/bash -ce -- "... ray job submit --address ... --submission-id ID -- ENTRYPOINT ; fi ; ..."
+# so bash reads ENTRYPOINT into words (KubeRay 1.2 split it with google/shlex, which reads the
+# same quoting, and ran `ray` without a shell). `ray job submit` joins those words into one line
+# again, and the job's supervisor on the head runs that line with /bin/sh -c (dashboard/modules/
+# job/job_supervisor.py, Popen(shell=True)): two shells, a join between them. Ray 2.56 and later
+# join with shlex.join, quoted for sh, so the words quoted once, for bash, reach the command as
+# they are. Ray 2.55 and before join with subprocess.list2cmdline, Windows' quoting, which quotes
+# only spaces, in double quotes, where sh still expands $ and `: the words would reach sh bare,
+# and `s3://b/x;touch${IFS}M` would run `touch M` on the head. For those Rays each word is first
+# written for sh in pieces list2cmdline passes on unchanged (_sh_for_list2cmdline), and the
+# pieces are quoted for bash.
+SHLEX_JOIN_SINCE = (2, 56, 0)  # ray/dashboard/modules/job/cli.py: 2.55.1 list2cmdline, 2.56.0 shlex.join
+# A URL's user name and password (http://alice:PW@host, s3://KEY:SECRET@bucket), and query
+# parameters that carry a secret: S3's ?secret_key=, an Azure SAS's sig=, a presigned URL's
+# X-Amz-Signature=. abfs:// names the container before the @ (abfs://container@account/...).
+SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+USERINFO_NAMES_NO_USER = ("abfs", "abfss")
+SECRET_PARAMETER = re.compile(r"secret|passw|pwd|token|key|signature|^sig$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -76,9 +101,67 @@ class Command:
     run_name: str | None
     train: TrainConfig | None  # a `train` command's flags over the defaults (not a --config file's)
 
-    @property
-    def entrypoint(self) -> str:
-        return shlex.join(["imgtrain", *self.words])
+    def line(self, ray_version: str) -> str:
+        """The command as `ray job submit -- LINE` of Ray ``ray_version`` takes it (see SHLEX_JOIN_SINCE)."""
+        return entrypoint(["imgtrain", *self.words], ray_version)
+
+
+def entrypoint(argv: Sequence[str], ray_version: str) -> str:
+    """A line that a shell reads into words, which `ray job submit` of Ray ``ray_version``
+    joins for the head's /bin/sh, which runs ``argv`` exactly (see SHLEX_JOIN_SINCE)."""
+    release = tuple(int(n) for n in re.findall(r"\d+", ray_version)[:3])  # 3.0.0.dev0, a local build: 3.0.0
+    if release >= SHLEX_JOIN_SINCE:
+        return shlex.join(argv)
+    return shlex.join(" ".join(map(_sh_for_list2cmdline, argv)).split(" "))
+
+
+def _sh_for_list2cmdline(word: str) -> str:
+    r"""``word`` quoted for sh so that, cut at its spaces, list2cmdline joins the pieces back as
+    they were: a space is written `\ ` (the cut comes after the backslash), no piece is empty
+    (`''` closes a word that ends with a space), and a " stands outside quotes, after no
+    backslash (list2cmdline writes it \", which sh reads as a "). A tab cannot be written so;
+    parse_command refuses it with the other control characters."""
+    if "\t" in word:
+        raise ImgtrainError("the command after -- holds a tab: pass plain arguments")
+    quoted = "".join({" ": "\\ ", "'": "\\'", '"': '"'}.get(run) or shlex.quote(run)
+                     for run in re.findall(r"[^ '\"]+|[ '\"]", word))
+    return quoted + "''" if not quoted or quoted.endswith(" ") else quoted
+
+
+def _credentials(word: str) -> str | None:
+    """What credentials a URL in ``word`` holds (see SCHEME), said without them; None if none.
+    Every scheme:// in the word is looked at: one URL may hold another (?next=http://...)."""
+    for url in SCHEME.finditer(word):
+        scheme, rest = url[1].lower(), word[url.end():]
+        authority = re.match(r"[^/?#]*", rest)[0]
+        user, at, _ = authority.rpartition("@")  # up to the last @, as requests reads it: a password may hold one
+        if at and ":" in user:
+            return f"a user name and password in its {scheme}:// URL"
+        if at and scheme not in USERINFO_NAMES_NO_USER:
+            return f"a user name or token in its {scheme}:// URL"
+        query = re.match(r"[^?#]*\??([^#]*)", rest)[1]
+        for name, _ in re.findall(r"([^=&]*)=([^&]*)", query):
+            if SECRET_PARAMETER.search(name):
+                return f"the parameter {one_line(name, 40)}= in its {scheme}:// URL"
+    return None
+
+
+def _refuse_credentials(words: list[str]) -> None:
+    """A password in the command would be in the manifest in clear, in the RayJob anyone who may
+    read it sees, and Ray shows a job's command in its dashboard and logs: the pods take
+    credentials from the environment, which --secret fills from a Kubernetes Secret. The
+    message names the option, never the value."""
+    for i, word in enumerate(words):
+        found = _credentials(word)
+        if found:
+            option = (word.partition("=")[0] if word.startswith("--") else
+                      words[i - 1] if i and words[i - 1].startswith("--") else f"argument {i + 1}")
+            raise ImgtrainError(
+                f"the command after -- has credentials in {one_line(option, 60)}: {found}. The manifest would show "
+                "them in clear, and Ray shows a job's command to everyone who can see the cluster's jobs: write the "
+                "URL without them and give them to the pods from a Kubernetes Secret with --secret: "
+                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD for MLflow, AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY for S3 (docs/clusters.md)")
 
 
 def parse_command(root, words: list[str]) -> Command:
@@ -86,6 +169,7 @@ def parse_command(root, words: list[str]) -> Command:
     a command that does not parse is refused now, not in a pod after the cluster came up."""
     from typer import TyperException  # typer's own copy of click raises its ClickException, a TyperException
 
+    _refuse_credentials(words)  # first: a message below may quote the word that holds them
     if any(w in ("--help", "-h") for w in words):
         raise ImgtrainError("the command after -- holds --help: give the command to run on the cluster")
     if any(ord(c) < 32 or ord(c) == 127 for w in words for c in w):  # the manifest's comments quote it, line by line
@@ -259,7 +343,8 @@ def manifest(spec: Spec, command: Command | None) -> dict:
     if spec.kind == "raycluster":
         return {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": spec.name}, "spec": cluster}
     return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": spec.name}, "spec": {
-        "entrypoint": command.entrypoint,
+        "entrypoint": command.line(spec.ray_version),  # `ray job submit` of the image's Ray joins it
+        "submissionMode": "K8sJobMode",  # KubeRay's default, stated: the path the entrypoint is quoted for
         # the pods cost while they stand; the runs are in the storage, which outlives them
         "shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": TTL_AFTER_JOB_S,
         "rayClusterSpec": cluster,
@@ -321,7 +406,8 @@ def header(spec: Spec, command: Command | None) -> list[str]:
     if spec.auth == "token":
         lines.append(f"  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$(kubectl get secret {spec.name} "
                      "-o jsonpath='{.data.auth_token}' | base64 -d)")
-    job = command.entrypoint if command else "imgtrain train --address auto --storage s3://... --name NAME ..."
+    example = "imgtrain train --address auto --storage s3://... --name NAME ..."
+    job = command.line(version("ray")) if command else example  # `ray job submit` here: the Ray beside imgtrain
     return lines + [f"  ray job submit --address http://127.0.0.1:8265 -- {job}"]
 
 
