@@ -258,6 +258,14 @@ def test_another_machines_driver_is_gone_once_its_heartbeat_is_old(tmp_path):
     assert runs.read_status(run)["status"] == "running"
 
 
+def test_another_machines_heartbeat_dated_in_the_future_is_no_driver(tmp_path):
+    run = tmp_path / "r"
+    status_from_elsewhere(run, beat_age=-3600)  # written "an hour from now": by no driver that runs now
+    assert runs.read_status(run)["status"] == "interrupted"
+    status_from_elsewhere(run, beat_age=-lease.CLOCK_SKEW_S / 2)  # a clock a little ahead: believed
+    assert runs.read_status(run)["status"] == "running"
+
+
 # ---------------------------------------------------------------- the mirror when things go wrong
 
 
@@ -324,6 +332,38 @@ def test_processes_pulling_one_run_at_once_each_get_it_whole(s3, tmp_path):
     assert not errors
     assert (there.local / "r" / POLICY.epoch_name(0) / "model.pt").read_bytes() == payload
     assert not [p for p in there.local.rglob("*.part")]
+
+
+def test_a_pull_takes_a_file_its_driver_replaced_after_the_listing_as_it_is_now(s3, tmp_path, monkeypatch):
+    run = s3.local / "r"
+    write(run / "metrics.jsonl", '{"epoch": 0}\n')
+    mirror.push(s3, "r")
+    listed = mirror.remote_files
+
+    def then_the_driver_uploads_again(st, name):  # its next record, between the listing and the copy
+        found = listed(st, name)
+        put_object(s3, "r/metrics.jsonl", b'{"epoch": 0}\n{"epoch": 1}\n')
+        return found
+
+    monkeypatch.setattr(mirror, "remote_files", then_the_driver_uploads_again)
+    got = mirror.pull(other_machine(s3, tmp_path), "r")
+    monkeypatch.setattr(mirror, "remote_files", listed)
+    assert (got / "metrics.jsonl").read_text() == '{"epoch": 0}\n{"epoch": 1}\n'  # whole, not cut at the listed size
+    size, mtime = mirror.remote_files(s3, "r")["metrics.jsonl"]
+    assert mirror._same(got / "metrics.jsonl", size, mtime)  # with the store's time: not fetched again
+
+
+def test_a_copy_ends_at_the_listed_size_where_the_store_does_not_say_the_size_when_it_opens(tmp_path):
+    """pyarrow's other filesystems give no HEAD reply: the copy itself stops at the listed size."""
+    source = tmp_path / "object"
+    source.write_bytes(b"x" * 100)
+    st = remote.Store(uri="file://x", root=str(tmp_path), local=tmp_path / "copy")
+    with open(source, "ab") as f:  # written to after it was listed
+        f.write(b"y" * 50)
+    for listed, how in ((100, "longer than listed"), (200, "cut short")):
+        with pytest.raises(remote.ObjectChanged, match=f"listed with {listed} bytes, {how}"):
+            remote.copy_down(pafs.LocalFileSystem(), str(source), st.local / "object", st, (listed, None))
+    assert not st.local.exists() or list(st.local.iterdir()) == []  # nothing kept, no partial file
 
 
 def test_a_data_set_file_damaged_on_this_node_is_fetched_again_and_a_checked_one_not_read_again(

@@ -6,6 +6,9 @@ never let two drivers train one run."""
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,7 +18,7 @@ import pytest
 from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY, PREFIX
 from imgtrain.errors import ImgtrainError, ImgtrainWarning
-from imgtrain.ops import ownership, remote
+from imgtrain.ops import ownership, process, remote
 from imgtrain.storage import lease, mirror, staging
 from tests.conftest import quiet_display, tiny_config
 from tests.store_proxy import FlakyStore
@@ -117,6 +120,31 @@ def test_a_pull_drops_only_checkpoints_that_were_in_the_store(env, s3_server):
     mirror.pull(st, "r")
     assert checkpoint_names(run) == [POLICY.epoch_name(1), POLICY.epoch_name(2)]
     assert any(k.endswith(f"r/{POLICY.epoch_name(2)}/meta.json") for k in keys(s3_server, env))
+
+
+def test_a_run_emptied_from_the_store_by_another_client_keeps_the_records_never_sent(env, s3_server):
+    st = remote.store(env)
+    run = st.local / "r"
+    run.mkdir(parents=True)
+    (run / ownership.MARKER_FILE).write_text("{}")
+    (run / runs.METRICS_FILE).write_text('{"epoch": 0}\n')
+    (run / POLICY.epoch_name(0)).mkdir()
+    (run / POLICY.epoch_name(0) / "meta.json").write_text(json.dumps({"step": 8}))
+    mirror.push(st, "r", everything=True)  # the driver's last upload
+    with open(run / runs.METRICS_FILE, "a") as f:  # its next record, then the store went away
+        f.write('{"epoch": 1}\n')
+    s3, prefix = boto(s3_server), env.removeprefix("s3://imgtrain/")
+    for key in keys(s3_server, f"{env}/r/"):  # another client empties the run's prefix
+        s3.delete_object(Bucket="imgtrain", Key=key)
+
+    runs.fetch(env, "r")  # `imgtrain runs show r` (as `runs list`, `evaluate`, ...) first pulls it
+    assert (run / runs.METRICS_FILE).read_text() == '{"epoch": 0}\n{"epoch": 1}\n'  # the unsent record
+    assert f"{prefix}/r/{runs.METRICS_FILE}" in keys(s3_server, env)  # ... and sent back, as a reader does
+
+    for key in keys(s3_server, f"{env}/r/"):  # emptied again: now everything here was in the store as it is
+        s3.delete_object(Bucket="imgtrain", Key=key)
+    runs.fetch(env, "r")
+    assert not run.exists()  # a run deleted elsewhere goes from this machine too
 
 
 # ---------------------------------------------------------------- 2. a bucket never writes outside the cache
@@ -247,6 +275,46 @@ def test_a_held_lease_refuses_a_later_driver_and_a_released_one_does_not(env):
     with pytest.raises(ImgtrainError, match="on another-machine"):
         with lease.leased(st, "r"):
             pass
+
+
+def put_beat(st: remote.Store, record: dict) -> None:
+    """The run's heartbeat as anyone who may write to the bucket writes it."""
+    with st.fs.open_output_stream(f"{st.root}/r/{lease.HEARTBEAT_FILE}") as f:
+        f.write(json.dumps(record).encode())
+
+
+def test_a_heartbeat_dated_in_the_future_or_of_no_driver_on_this_host_holds_no_lease(env, monkeypatch):
+    st = remote.store(env)
+    monkeypatch.setattr(lease, "LEASE_SETTLE_S", 0.1)  # one driver at a time here
+    put_beat(st, {"host": "another-machine", "pid": 4242, "time": time.time() + 3600, "token": "t"})
+    told = r"names process 4242 on another-machine at a time 3600 s after this machine's clock.*not honoured as a lease"
+    with pytest.warns(ImgtrainWarning, match=told), lease.leased(st, "r") as token:
+        assert lease.read_beat(st, "r")["token"] == token  # this driver took the run
+
+    here = socket.gethostname()
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    with subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE) as other:
+        try:
+            started = process.started(other.pid)
+            not_a_driver = [
+                {"host": here, "pid": 1, "time": time.time() - lease.HEARTBEAT_STALE_S - 30},  # pid 1 runs, no beat
+                {"host": here, "pid": gone.pid, "time": time.time()},  # a driver here that is gone
+                {"host": here, "pid": other.pid, "started": "another process", "time": time.time()},  # its pid, reused
+            ]
+            for record in not_a_driver:
+                put_beat(st, record)
+                with lease.leased(st, "r"):
+                    pass
+            # live drivers keep the run: one here, and another machine's whose clock runs a little ahead
+            for record in ({"host": here, "pid": other.pid, "started": started, "time": time.time()},
+                           {"host": "another-machine", "pid": 4242, "time": time.time() + lease.CLOCK_SKEW_S / 2}):
+                put_beat(st, record)
+                with pytest.raises(ImgtrainError, match=f"being trained right now by process {record['pid']} on "):
+                    with lease.leased(st, "r"):
+                        pass
+        finally:
+            other.stdin.close()
 
 
 # ---------------------------------------------------------------- 8. keys pyarrow cannot address

@@ -125,12 +125,13 @@ def read_status(run_dir: Path) -> dict:
 def _driver_gone(run_dir: Path, status: dict) -> bool:
     """On this host the recorded pid tells. The driver of a run in an object store writes a
     heartbeat there every few seconds (``mirror.mirrored``): one of that driver older than
-    ``HEARTBEAT_STALE_S`` means it is gone. Another host's driver without a heartbeat (a run on
-    a shared folder) cannot be checked: it is believed."""
+    ``HEARTBEAT_STALE_S`` means it is gone, and so does one dated in the future (``lease``).
+    Another host's driver without a heartbeat (a run on a shared folder) cannot be checked: it
+    is believed."""
     if status.get("host") == socket.gethostname():
         return not process.pid_alive(status.get("pid", -1))
     age = heartbeat_age(run_dir, status)
-    return age is not None and age > lease.HEARTBEAT_STALE_S
+    return age is not None and not -lease.CLOCK_SKEW_S <= age <= lease.HEARTBEAT_STALE_S
 
 
 def heartbeat_age(run_dir: Path, status: dict) -> float | None:

@@ -130,3 +130,36 @@ def test_globs_skip_hidden_and_compressed_shards_and_out_of_reach_bad_buckets_an
     assert f"--source {bucket}/shards:" in proc.stderr and "IMGTRAIN_S3_ENDPOINT" in proc.stderr
     assert time.monotonic() - started < 10
     assert not (tmp_path / "out").exists()
+
+
+def test_a_shard_replaced_between_its_listing_and_its_copy_is_refused_in_one_line_and_nothing_of_it_kept(
+        bucket, tmp_path, monkeypatch, capsys):
+    """The disk check counted the shards as listed: a shard that grew since is not copied to
+    its new end (nor one cut short since taken as whole)."""
+    upload(shards(tmp_path / "shards"), f"{bucket}/shards")
+    listed_size = (tmp_path / "shards" / "train-000.tar").stat().st_size
+    real_copy = remote_shards._copy_missing
+    replacement: list[Path] = []
+
+    def replaced_after_listing(fs, st, copies):  # another client uploads a new version meanwhile
+        upload(replacement[-1].parent, f"{bucket}/shards")
+        real_copy(fs, st, copies)
+
+    monkeypatch.setattr(remote_shards, "_copy_missing", replaced_after_listing)
+    replacement.append(write_shard(tmp_path / "bigger" / "train-000.tar",
+                                   [(f"s{v:04d}", {"png": gray_png(v), "txt": b"cat"}) for v in range(1, 40)]))
+    proc = cli_here(capsys, "data", "prepare", "webdataset", str(tmp_path / "out"), "--source",
+                    f"{bucket}/shards/train-000.tar")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]  # under the line that said what it copies
+    assert error.startswith(f"error: --source {bucket}/shards/train-000.tar: "), error
+    assert f"train-000.tar changed while it was being copied (listed with {listed_size} bytes, " \
+           f"{replacement[-1].stat().st_size} bytes now)" in error
+    assert not (tmp_path / "out").exists()
+
+    replacement.append(write_shard(tmp_path / "smaller" / "train-000.tar", [("s0001", {"png": gray_png(1)})]))
+    upload(tmp_path / "shards", f"{bucket}/shards")  # listed as the original again
+    with pytest.raises(ImgtrainError, match=f"listed with {listed_size} bytes, "
+                                            f"{replacement[-1].stat().st_size} bytes now"):
+        remote_shards.find_remote_shards(f"{bucket}/shards/train-000.tar")
+    assert [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()] == []  # no copy, no partial file

@@ -7,7 +7,8 @@ work on the local copies as on local shards; names stay relative to the store's 
 
 A shard already in the cache with the object's size and a time not older than the object's is
 not copied again, so a prepare that stopped half-way resumes. The disk must hold what is still
-to copy (checked before the first byte); each copy is complete or absent (``remote.copy_down``).
+to copy (checked before the first byte); each copy is complete or absent, and is the shard as
+listed, no longer (``remote.copy_down``): one that changed since is refused.
 A key is the store owner's input: one that is not a path of plain names never becomes a path.
 """
 
@@ -154,7 +155,8 @@ def _copy_missing(fs, st: remote.Store, copies: dict) -> None:
         else f"the {kept} shard(s) of {st.uri} are already in {st.local}")
 
     def copy(key: str, target: Path, info) -> int:
-        remote.copy_down(fs, key, target, st, _WHAT)
+        # no more than the disk check counted; a shard replaced since its listing is refused
+        remote.copy_down(fs, key, target, st, (info.size, info.mtime.timestamp() if info.mtime else None), _WHAT)
         if info.mtime_ns:  # the object's time: a later upload of the shard is newer, whatever this clock says
             os.utime(target, ns=(time.time_ns(), info.mtime_ns))
         return info.size

@@ -159,3 +159,21 @@ def pid_alive(pid) -> bool:
     except PermissionError:  # another user's
         return True
     return True
+
+
+def started(pid) -> str | None:
+    """When process ``pid`` of this machine started, as its kernel says (the boot, and the clock
+    tick since it), hashed: a pid is reused, a pid with its start names one process. None where
+    that is not told (no /proc) or there is no such process."""
+    import hashlib
+
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
+        return None
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    if len(fields) < 20:
+        return None
+    return hashlib.sha256(f"{boot}:{fields[19]}".encode()).hexdigest()[:16]  # field 22, starttime: 20th after the name

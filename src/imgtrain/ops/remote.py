@@ -182,17 +182,67 @@ def local_file(folder: Path, rel: str) -> Path:
     return path
 
 
-def copy_down(fs, source: str, target: Path, st: Store, what: str = "storage") -> None:
+class ObjectChanged(ImgtrainError):
+    """An object that is not as it was listed any more: replaced, grown or cut short since."""
+
+
+def copy_down(fs, source: str, target: Path, st: Store, listed: tuple[int, float | None],
+              what: str = "storage") -> None:
     """One object to a local file, complete or not at all: written under a name of its own
-    (two processes fetching the same file never share one), then renamed into place."""
+    (two processes fetching the same file never share one), then renamed into place.
+    ``listed``: the object's (size, mtime in seconds or None) as its listing gave them, which a
+    disk check counted: no more than that is copied, and an object that is not so any more
+    (replaced, grown or cut short since) is refused with ObjectChanged, nothing of it kept."""
+    size = listed[0]
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
     try:
-        with fs.open_input_stream(source) as src, os.fdopen(fd, "wb") as dst:
-            while chunk := src.read(8 << 20):
+        with os.fdopen(fd, "wb") as dst, fs.open_input_stream(source) as src:
+            _check_unchanged(_opened_as(src), listed, source, st, what)  # before the first byte
+            left, reads = size, 0
+            while left and (chunk := src.read(min(left, 8 << 20))):
                 dst.write(chunk)
+                left, reads = left - len(chunk), reads + 1
+            if left or src.read(1):
+                raise _changed(source, st, what, listed, "cut short" if left else "longer than listed")
+        if reads > 1:  # several ranged reads: the object may have been replaced between two of them
+            info = fs.get_file_info(source)
+            _check_unchanged((info.size, info.mtime.timestamp() if info.mtime else None), listed, source, st, what)
         os.replace(partial, target)
-    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+    except BaseException as e:  # Ctrl-C included: no partial file stays behind
         with contextlib.suppress(OSError):
             os.unlink(partial)
-        raise where(e, st, what) from None
+        if isinstance(e, (OSError, ValueError)):  # pyarrow's ArrowInvalid is a ValueError
+            raise where(e, st, what) from None
+        raise
+
+
+def _opened_as(stream) -> tuple[int | None, float | None]:
+    """(size, mtime in seconds) of the object a stream was opened on, where its store says
+    (S3's reply to the HEAD request that opened it); None for what it does not say."""
+    from datetime import datetime
+
+    try:
+        meta = stream.metadata() or {}
+        size = int(meta["Content-Length"]) if "Content-Length" in meta else None
+        mtime = datetime.fromisoformat(meta["Last-Modified"].decode()).timestamp() if "Last-Modified" in meta else None
+    except (ValueError, TypeError, AttributeError, OSError):
+        return None, None
+    return size, mtime
+
+
+def _check_unchanged(found: tuple[int | None, float | None], listed: tuple[int, float | None], source: str,
+                     st: Store, what: str) -> None:
+    (size, mtime), (listed_size, listed_mtime) = found, listed
+    if size is not None and size != listed_size:
+        raise _changed(source, st, what, listed, f"{size} bytes now")
+    # listings and HEAD replies give whole seconds (S3) or finer: within a second is the same time
+    if None not in (mtime, listed_mtime) and abs(mtime - listed_mtime) >= 1:
+        raise _changed(source, st, what, listed, "replaced since")
+
+
+def _changed(source: str, st: Store, what: str, listed: tuple[int, float | None], how: str) -> ObjectChanged:
+    scheme = st.uri.partition("://")[0]
+    return ObjectChanged(f"{what} {st.uri}: {one_line(f'{scheme}://{source}', 200)} changed while it was being copied "
+                         f"(listed with {listed[0]} bytes, {how}); nothing of it was kept: run the command again "
+                         "once it is no longer being written")

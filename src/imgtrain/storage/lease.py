@@ -1,9 +1,11 @@
 """The run's heartbeat in the store, which is its driver's lease on the run.
 
-The driver of a run writes {"host", "pid", "time", "token"} to HEARTBEAT_FILE every few seconds
-(``mirror.mirrored``), and {"released": true} with them when it ends. That object is the run's
-lease: while it is held (not released, and fresh: a driver on this host that still runs, another
-host's beat younger than HEARTBEAT_STALE_S) no other driver starts the run. pyarrow's
+The driver of a run writes {"host", "pid", "started", "time", "token"} to HEARTBEAT_FILE every
+few seconds (``mirror.mirrored``), and {"released": true} with them when it ends. That object is
+the run's lease: while it is held no other driver starts the run. It is held while it is not
+released and fresh: its time no older than HEARTBEAT_STALE_S and no later than this machine's
+clock allows (a heartbeat dated in the future was written by no driver now); on this host, its
+process must also still run and be the one that wrote it (a pid is reused). pyarrow's
 filesystems offer no conditional put, so two drivers that start at the same moment settle it
 as leader elections on eventually quiet registers do: each writes its token, waits, and reads
 the lease back; the last writer's token is there for both, and only its driver goes on. This
@@ -18,8 +20,9 @@ import os
 import socket
 import time
 import uuid
+import warnings
 
-from imgtrain.errors import ImgtrainError
+from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
 from imgtrain.ops import ownership, process
 from imgtrain.ops.remote import Store, where
 
@@ -28,23 +31,46 @@ from imgtrain.ops.remote import Store, where
 # busy store answers late.
 HEARTBEAT_FILE = "heartbeat.json"
 HEARTBEAT_STALE_S = 60.0
+# How far another machine's clock may run ahead of this one's: a heartbeat dated later than that
+# (a clock far wrong, or a record no driver wrote) holds nothing, or it would hold the run forever.
+CLOCK_SKEW_S = 30.0
 LEASE_SETTLE_S = 3.0
 _held: set[str] = set()  # the tokens of the leases this process holds
 
 
 def lease_holder(record) -> str | None:
     """'process PID on HOST (its heartbeat N s ago)' while the heartbeat ``record`` holds the
-    run; None when it is released, stale, or no heartbeat at all."""
+    run; None when it is released, stale, dated in the future, of a process of this host that
+    is gone, or no heartbeat at all."""
     if not isinstance(record, dict) or record.get("released") or not isinstance(record.get("time"), (int, float)):
+        return None
+    age = time.time() - record["time"]
+    if not -CLOCK_SKEW_S <= age <= HEARTBEAT_STALE_S:
         return None
     host, pid = record.get("host"), record.get("pid")
     if host == socket.gethostname():
-        # this process (a notebook, a test) holds a lease only inside ``leased``
-        if not process.pid_alive(pid) or pid == os.getpid() and record.get("token") not in _held:
+        if not process.pid_alive(pid):
             return None
-    elif time.time() - record["time"] > HEARTBEAT_STALE_S:
+        # this process (a notebook, a test) holds a lease only inside ``leased``
+        if pid == os.getpid() and record.get("token") not in _held:
+            return None
+        started = process.started(pid)  # another process with the pid of a driver that is gone
+        if started and record.get("started") and record["started"] != started:
+            return None
+    return f"process {pid} on {host} (its heartbeat {max(0.0, age):.0f} s ago)"
+
+
+def dated_in_the_future(record) -> str | None:
+    """What a heartbeat ``record`` that claims a time later than this machine's clock allows
+    says (it is no lease); None for any other."""
+    if not isinstance(record, dict) or record.get("released") or not isinstance(record.get("time"), (int, float)):
         return None
-    return f"process {pid} on {host} (its heartbeat {max(0.0, time.time() - record['time']):.0f} s ago)"
+    ahead = record["time"] - time.time()
+    if ahead <= CLOCK_SKEW_S:
+        return None
+    return (f"its heartbeat names process {one_line(str(record.get('pid')), 40)} on "
+            f"{one_line(str(record.get('host')), 100)} at a time {ahead:.0f} s after this machine's clock, more "
+            f"than the {CLOCK_SKEW_S:.0f} s two clocks may differ: a clock far wrong, or a record no driver wrote")
 
 
 def read_beat(st: Store, name: str):
@@ -68,7 +94,8 @@ def read_beat(st: Store, name: str):
 
 def beat(st: Store, name: str, token: str | None = None, released: bool = False) -> None:
     """Write the run's heartbeat to the store: its driver (this process) is alive (or is done)."""
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "token": token}
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "started": process.started(os.getpid()),
+              "time": time.time(), "token": token}
     if released:
         record["released"] = True
     try:
@@ -86,9 +113,13 @@ def leased(st: Store | None, name: str, hint: str = "wait for it or stop it"):
     if st is None:
         yield None
         return
-    holder = lease_holder(read_beat(st, name))
+    found = read_beat(st, name)
+    holder = lease_holder(found)
     if holder:
         raise ImgtrainError(f"run {name!r} is being trained right now by {holder}; {hint}")
+    future = dated_in_the_future(found)
+    if future:  # a live driver with a clock that far ahead still keeps the run: it beats within the settling below
+        warnings.warn(f"run {name!r} in {st.uri}: {future}; not honoured as a lease", ImgtrainWarning, stacklevel=3)
     token = uuid.uuid4().hex
     started = time.monotonic()
     beat(st, name, token)

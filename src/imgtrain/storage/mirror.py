@@ -2,9 +2,10 @@
 driver's background mirror, which pushes its files and writes its heartbeat every few seconds.
 
 A pull fetches only the files whose size or time changed, keeps what the store lacks (and, as a
-reader, sends it back), and drops a checkpoint only when the ledger says the store had it. This
-machine's processes take turns on a run's working copy (``turn``), and a run that another process
-here trains or deletes is never pulled over (``in_use_here``).
+reader, sends it back), and drops a checkpoint, or the working copy of a run the store no longer
+has, only when the ledger says the store had it as it is here. This machine's processes take
+turns on a run's working copy (``turn``), and a run that another process here trains or deletes
+is never pulled over (``in_use_here``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from imgtrain.checkpoint_policy import POLICY, PREFIX, RAY_SNAPSHOT_FILE
 from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
 from imgtrain.ops import ownership
 from imgtrain.ops.ownership import LOCK_FILE, MARKER_FILE
-from imgtrain.ops.remote import Store, UnsafeKey, check_key, copy_down, local_file, where
+from imgtrain.ops.remote import ObjectChanged, Store, UnsafeKey, check_key, copy_down, local_file, where
 from imgtrain.storage import ledger
 from imgtrain.storage.lease import HEARTBEAT_FILE, beat, lease_holder
 from imgtrain.storage.ledger import META_FILE, SYNCED_FILE
@@ -117,8 +118,10 @@ def pull(st: Store, name: str, checkpoints: bool = True, only_checkpoints: bool 
     (a driver that lost the store before its last upload). A local checkpoint the store no
     longer lists goes only when it had been there (Ray Train's retention deleted it); one that
     never got there is kept and, by a reader, uploaded with the files changed here
-    (``_send_back``). ``checkpoints`` False: only each checkpoint's meta.json;
-    ``only_checkpoints``: the checkpoints only (the driver of a run has the newer other files).
+    (``_send_back``); so is the whole working copy of a run the store no longer has (deleted
+    elsewhere, or by anyone who may write to the bucket) when anything in it never got there.
+    ``checkpoints`` False: only each checkpoint's meta.json; ``only_checkpoints``: the
+    checkpoints only (the driver of a run has the newer other files).
     A run that another process on this machine trains or deletes is left as that process has
     it; ``owner``: the caller is that process (it holds the run's lock or turn, and its mirror
     uploads)."""
@@ -142,7 +145,8 @@ def _pull(st: Store, name: str, local: Path, checkpoints: bool, only_checkpoints
     if set(listed) <= {HEARTBEAT_FILE}:  # not a run yet: a driver has just taken its lease
         listed = {}
     known = ledger.synced(local)
-    if not listed and not only_checkpoints and known is not None and not ledger.never_sent(local, set(), known):
+    if not listed and not only_checkpoints and known is not None and not ledger.never_sent(local, set(), known) \
+            and not _never_sent_files(local):
         if local.is_dir() and not local.is_symlink():  # deleted from the store (`clean` elsewhere): here too
             shutil.rmtree(local, ignore_errors=True)
         return False
@@ -151,20 +155,19 @@ def _pull(st: Store, name: str, local: Path, checkpoints: bool, only_checkpoints
         wanted = {p: v for p, v in wanted.items() if not _in_checkpoint(p) or p.endswith("/" + META_FILE)}
     if only_checkpoints:
         wanted = {p: v for p, v in wanted.items() if _in_checkpoint(p)}
-    changed_here = False
+    as_in_store = {}  # the files (not checkpoints') that are here as the store has them
     for rel, (size, mtime) in wanted.items():
         try:
             target = local_file(local, rel)
         except UnsafeKey as e:
             warnings.warn(f"run {name!r} in {st.uri}: {e}", ImgtrainWarning, stacklevel=3)
             continue
-        if _same(target, size, mtime):
-            continue
-        if _changed_here(target, mtime):
-            changed_here = True
-            continue
-        copy_down(st.fs, f"{st.root}/{name}/{rel}", target, st)
-        os.utime(target, (mtime, mtime))
+        if not _same(target, size, mtime):
+            if _changed_here(target, mtime) or not _fetch(st, name, rel, target, size, mtime):
+                continue  # written here since its upload (kept, and sent back), or deleted there since
+        with contextlib.suppress(OSError):
+            stat = target.stat()
+            as_in_store[rel] = (stat.st_size, stat.st_mtime_ns)
     if not local.is_dir():
         return False
     in_store = {rel.split("/", 1)[0] for rel in listed if _in_checkpoint(rel)}
@@ -172,8 +175,39 @@ def _pull(st: Store, name: str, local: Path, checkpoints: bool, only_checkpoints
     gone = ledger.gone_from_store(local, in_store, known)
     for folder in gone:
         shutil.rmtree(local / folder, ignore_errors=True)
-    ledger.record_synced(local, add=whole_there, drop=gone)
-    return changed_here or bool(ledger.never_sent(local, whole_there, ledger.synced(local) or set()))
+    ledger.record_synced(local, add=whole_there, drop=gone,
+                         files={rel: stamp for rel, stamp in as_in_store.items() if not _in_checkpoint(rel)})
+    return bool(_never_sent_files(local) or ledger.never_sent(local, whole_there, ledger.synced(local) or set()))
+
+
+def _fetch(st: Store, name: str, rel: str, target: Path, size: int, mtime: float) -> bool:
+    """One file of the run from the store, with the object's time; False: deleted there since
+    the listing. A driver elsewhere replaces its records every few seconds: one replaced since
+    the listing is fetched as it is now."""
+    import pyarrow.fs as pafs
+
+    path = f"{st.root}/{name}/{rel}"
+    for attempt in range(3):
+        try:
+            copy_down(st.fs, path, target, st, (size, mtime))
+            break
+        except ObjectChanged:
+            if attempt == 2:
+                raise
+        try:
+            info = st.fs.get_file_info(path)
+        except (OSError, ValueError) as e:
+            raise where(e, st) from None
+        if info.type != pafs.FileType.File:
+            return False
+        size, mtime = info.size, info.mtime.timestamp() if info.mtime else 0.0
+    os.utime(target, (mtime, mtime))
+    return True
+
+
+def _never_sent_files(local: Path) -> list[str]:
+    """The working copy's files, not checkpoints', that the store has never had as they are."""
+    return ledger.never_sent_files(local, [rel for rel in _mirrored_files(local) if not _in_checkpoint(rel)])
 
 
 def _send_back(st: Store, name: str, local: Path) -> None:
@@ -183,7 +217,7 @@ def _send_back(st: Store, name: str, local: Path) -> None:
     stays here, with a warning."""
     holder = lease_holder(_read_json_file(local / HEARTBEAT_FILE))
     if holder:
-        unsent = ledger.never_sent(local, set(), ledger.synced(local) or set())
+        unsent = ledger.never_sent(local, set(), ledger.synced(local) or set()) + _never_sent_files(local)
         warnings.warn(f"run {name!r}: this machine has files of it that {st.uri} lacks ("
                       f"{', '.join(unsent) or 'newer records'}); "
                       f"they stay in {local} while {holder} trains the run", ImgtrainWarning, stacklevel=3)
@@ -229,16 +263,18 @@ def push(st: Store, name: str, sent: dict[str, tuple[int, int]] | None = None, e
     sent = {} if sent is None else sent
     local = st.local / ownership.check_name(name)
     fs = st.fs
-    uploaded = set()
+    uploaded, files = set(), {}
     for rel in sorted(_mirrored_files(local), key=lambda r: (r.rsplit("/", 1)[-1] == META_FILE, r)):
         if _in_checkpoint(rel) and not everything or under and not rel.startswith(under + "/"):
             continue
         stamp = _upload(fs, local / rel, f"{st.root}/{name}/{rel}", sent.get(rel), st)
         if stamp:
             sent[rel] = stamp
-            if _in_checkpoint(rel) and rel.endswith("/" + META_FILE):
+            if not _in_checkpoint(rel):
+                files[rel] = stamp
+            elif rel.endswith("/" + META_FILE):
                 uploaded.add(rel.split("/", 1)[0])
-    ledger.record_synced(local, add=uploaded)
+    ledger.record_synced(local, add=uploaded, files=files)
     if uploaded and prune:  # the local backend's retention may have deleted older ones
         gone = {rel.split("/", 1)[0] for rel in remote_files(st, name) if _in_checkpoint(rel)}
         gone -= {p.name for p in local.glob(PREFIX + "*") if POLICY.is_checkpoint(p.name)}

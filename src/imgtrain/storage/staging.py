@@ -108,4 +108,4 @@ def _download(fs, source: str, target: Path, st: Store, missing: str) -> None:
         raise where(e, st) from None
     if info.type != pafs.FileType.File:
         raise ImgtrainError(missing)
-    copy_down(fs, source, target, st)
+    copy_down(fs, source, target, st, (info.size, info.mtime.timestamp() if info.mtime else None))
