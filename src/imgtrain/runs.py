@@ -123,13 +123,15 @@ def read_status(run_dir: Path) -> dict:
 
 
 def _driver_gone(run_dir: Path, status: dict) -> bool:
-    """On this host the recorded pid tells. The driver of a run in an object store writes a
+    """On this host the run's lock tells (a driver holds it from start to end; the kernel lets
+    it go when the driver dies), and the recorded pid where the lock table cannot be read: a
+    status.json naming a live process that is no driver (pid 1, a reused pid) holds nothing. The driver of a run in an object store writes a
     heartbeat there every few seconds (``mirror.mirrored``): one of that driver older than
     ``HEARTBEAT_STALE_S`` means it is gone, and so does one dated in the future (``lease``).
     Another host's driver without a heartbeat (a run on a shared folder) cannot be checked: it
     is believed."""
     if status.get("host") == socket.gethostname():
-        return not process.pid_alive(status.get("pid", -1))
+        return ownership.lock_held(run_dir) is False or not process.pid_alive(status.get("pid", -1))
     age = heartbeat_age(run_dir, status)
     return age is not None and not -lease.CLOCK_SKEW_S <= age <= lease.HEARTBEAT_STALE_S
 

@@ -60,8 +60,9 @@ def test_all_takes_only_run_directories_not_links_or_other_folders(tmp_path, out
 def test_runs_that_cannot_be_deleted_are_refused_before_anything_is(tmp_path):
     storage = tmp_path / "runs"
     make_run(storage, "done")
-    make_run(storage, "live", status="running", pid=os.getpid())  # this process is alive
-    with pytest.raises(ImgtrainError, match="'live' is being trained right now"):
+    live = make_run(storage, "live", status="running", pid=os.getpid())  # this process is alive...
+    with ownership.locked(live, "trained"), \
+            pytest.raises(ImgtrainError, match="'live' is being trained right now"):  # ...and trains it
         plan_runs(str(storage), ["done", "live"])
     with pytest.raises(ImgtrainError, match=r"no run named 'nope' .*runs there: done, live"):
         plan_runs(str(storage), ["done", "nope"])
@@ -69,6 +70,16 @@ def test_runs_that_cannot_be_deleted_are_refused_before_anything_is(tmp_path):
         with pytest.raises(ImgtrainError, match="is not a run name"):
             plan_runs(str(storage), [bad])
     assert (storage / "done").is_dir()
+
+
+def test_a_status_naming_a_live_process_that_holds_no_lock_blocks_nothing(tmp_path):
+    # A status.json from a bucket or a copied folder that names this host and pid 1 (or a pid
+    # reused since): alive, but not training the run, whose lock nobody holds.
+    storage = tmp_path / "runs"
+    make_run(storage, "planted", status="running", pid=1)
+    assert runs.read_status(storage / "planted")["status"] == "interrupted"
+    remove(plan_runs(str(storage), ["planted"])[0])
+    assert not (storage / "planted").exists()
 
 
 def test_a_data_set_loses_only_the_files_its_manifest_lists(tmp_path, tiny_data_copy):

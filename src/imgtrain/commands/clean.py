@@ -76,11 +76,12 @@ def plan_runs(storage: str, names: list[str], everything: bool = False, force: b
     return [Removal("run", d, size=_tree_size(d), force=force) for d in found]
 
 
-def _refuse_if_running(run_dir: Path, force: bool) -> None:
+def _refuse_if_running(run_dir: Path, force: bool, locked: bool = False) -> None:
+    """``locked``: this process holds the run's lock, so no driver of this host trains it."""
     hint = "stop it first" if not force else "stop it first (--force is for a driver on another host that is gone)"
     if runs.read_status(run_dir).get("host") != socket.gethostname():
         hint = "if that driver is gone, pass --force"
-    runs.refuse_if_trained(run_dir, hint=hint + "; nothing deleted", other_hosts=not force)
+    runs.refuse_if_trained(run_dir, hint=hint + "; nothing deleted", this_host=not locked, other_hosts=not force)
 
 
 def plan_dataset(data_dir: str | Path) -> Removal:
@@ -111,7 +112,7 @@ def remove(removal: Removal) -> None:
         # a run in an object store: locked in its turn, as a driver locks it (mirror.turn)
         with mirror.turn(store, removal.path.name) if store else contextlib.nullcontext(), \
                 ownership.locked(removal.path, "deleted"):  # a driver that started since: refused
-            _refuse_if_running(removal.path, removal.force)
+            _refuse_if_running(removal.path, removal.force, locked=True)
             if store:  # the store first: a working copy left behind is only a cache
                 mirror.delete(store, removal.path.name)
             shutil.rmtree(removal.path)  # removes links inside as links, never what they point to

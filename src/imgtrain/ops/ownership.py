@@ -135,6 +135,26 @@ def locked(run_dir: Path, doing: str):
         os.close(fd)  # releases the lock
 
 
+def lock_held(run_dir: Path) -> bool | None:
+    """Whether a process of this machine holds the run's lock now, as the kernel's lock table
+    (/proc/locks) says, without taking it (taking it, even shared, would refuse a driver starting
+    that moment); None where that table cannot be read."""
+    try:
+        stat = os.stat(run_dir / LOCK_FILE, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    # "1: FLOCK  ADVISORY  WRITE 4242 08:01:1573 0 EOF": the holder's pid, then MAJOR:MINOR:INODE (hex, hex, decimal)
+    ours = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    return any(fields[1] == "FLOCK" and ours in fields for fields in map(str.split, table.splitlines())
+               if len(fields) > 5)
+
+
 def _read_holder(fd: int) -> dict:
     try:
         return json.loads(os.pread(fd, 4096, 0) or b"{}")
