@@ -35,7 +35,7 @@ from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
 from imgtrain.ops.files import atomic_write_text
 from imgtrain.training import tracking
-from tests.conftest import cli_here, copy_run, quiet_display
+from tests.conftest import assert_one_line_error, cli_here, copy_run, quiet_display
 from tests.conftest_data_helpers import (
     read_back,
     read_inputs_whole,
@@ -426,3 +426,9 @@ def test_text_from_a_runs_files_reaches_the_terminal_as_text(tmp_path, capsys):
     assert "\\x1b[2J" in shown and "epoch   1/1" in shown  # shown, escaped; the well-formed epoch only
     refused = cli_here(capsys, "runs", "show", "no\x1b[2Jsuch", "--storage", str(tmp_path))
     assert refused.returncode == 2 and "\x1b" not in refused.stderr
+
+
+def test_an_s3_location_with_a_key_and_secret_is_refused_without_showing_them(tmp_path, capsys):
+    proc = cli_here(capsys, "runs", "list", "--storage", "s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/runs?region=x")
+    err = assert_one_line_error(proc, "s3://bucket/runs: write an S3 location as s3://bucket/prefix")
+    assert "AKIAEXAMPLE" not in err and "wJalrXUtnFEMI" not in err

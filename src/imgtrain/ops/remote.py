@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,8 @@ def check_plain_s3(uri: str) -> None:
     """A user's s3:// location names a bucket and a prefix; pyarrow would read options (?region=)
     or credentials (key:secret@) from more, imgtrain's client takes them from the environment."""
     if uri.startswith("s3://") and ("?" in uri or "@" in uri):
-        raise ImgtrainError(f"{uri}: write an S3 location as s3://bucket/prefix, nothing more; the region, "
+        shown = re.sub(r"^s3://[^/?#]*@", "s3://", uri).partition("?")[0]  # never the key and secret it may hold
+        raise ImgtrainError(f"{one_line(shown, 200)}: write an S3 location as s3://bucket/prefix, nothing more; the region, "
                             f"endpoint and credentials come from the environment (AWS_REGION, "
                             f"{ENDPOINT_VARS[0]}, AWS_ACCESS_KEY_ID ...)")
 
