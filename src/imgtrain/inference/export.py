@@ -8,9 +8,10 @@ says how). The batch dimension is dynamic.
 
 The folder written: the model file, ``labels.json`` (class names by output index),
 ``preprocessing.json``, ``verification.json``, ``MODEL_CARD.md`` (``model_card.py``) and
-``imgtrain.json`` (what ``predict``/``serve --engine onnxruntime`` need, and the model file's sha256). It is
-assembled in a hidden folder beside ``--out`` and renamed into place once verified, so a failed
-export leaves no half-written model where a deployment could pick it up.
+``imgtrain.json`` (what ``predict``/``serve --engine onnxruntime`` need, and the sha256 of the
+model file and of its external data). It is assembled in a hidden folder beside ``--out`` and
+renamed into place once verified, so a failed export leaves no half-written model where a
+deployment could pick it up.
 
 Verification runs the test split (or ``--split``) through both the PyTorch model and the
 exported one, loaded back by its own runtime: the top-1 classes must agree on at least
@@ -281,8 +282,13 @@ def _write_sidecars(folder: Path, fmt: str, loaded: LoadedCheckpoint, manifest: 
                                                   "torch_version")}
     config = loaded.meta.get("config") or {}
     meta["config"] = {k: config.get(k) for k in ("name", "data", "preset", "model")}
+    hashes = {FORMATS[fmt]: file_sha256(folder / FORMATS[fmt])}
+    if fmt == "onnx":  # the weights beside model.onnx of a model over ONNX_ONE_FILE_MAX, checked at load as it is
+        from imgtrain.inference.export_files import external_data
+
+        hashes.update({name: file_sha256(folder / name) for name in external_data(folder / FORMATS[fmt])})
     meta.update(format=fmt, checkpoint=str(loaded.path), quantized=test_metrics.get("int8") is not None,
-                sha256={FORMATS[fmt]: file_sha256(folder / FORMATS[fmt])})
+                sha256=hashes)
     (folder / EXPORT_META).write_text(json.dumps(meta, indent=1) + "\n")
     (folder / "MODEL_CARD.md").write_text(model_card(fmt, FORMATS[fmt], RUNTIMES[fmt], loaded, manifest,
                                                      verification.line(), test_metrics))

@@ -1,10 +1,18 @@
 """The ``MODEL_CARD.md`` an export writes beside its model: what the model is, what it was trained
 on and how, how well it does on its test split (measured during the export's verification, not
-copied from training), and what it is and is not meant for."""
+copied from training), and what it is and is not meant for.
+
+Every value from the data set, the run's configuration or its checkpoint (class names, the data
+set's name and source, the run's name, its settings) goes in as text (``_md``): a class named
+``<img src=x onerror=...>`` or ``a\n\n## Fake section`` shows as those characters, on its line,
+where a Markdown viewer would otherwise render the tag or the section."""
 
 from __future__ import annotations
 
+import html
 import platform
+import re
+import unicodedata
 from datetime import datetime, timezone
 
 from imgtrain.inference.predictor import LoadedCheckpoint
@@ -13,6 +21,10 @@ RECIPE_KEYS = ("model", "pretrained", "epochs", "batch_size", "lr", "optimizer",
                "label_smoothing", "preset", "augment_policy", "mixup", "cutmix", "ema_decay", "average_last",
                "precision", "workers", "seed")
 PER_CLASS_ROWS = 50  # a card with 1,000 classes lists the 50 weakest; labels.json has them all
+# What marks up inline Markdown text (CommonMark, and GitHub's tables, strikethrough and math):
+# escaped, no link, image, emphasis, code span or cell end can start. The characters that start a
+# block (#, -, >, 1.) only do so at the start of a line, and no value starts one.
+MARKDOWN_INLINE = re.compile(r"[\\`*_\[\]|~$]")
 
 
 def model_card(fmt: str, model_file: str, runtime: str, loaded: LoadedCheckpoint, manifest: dict,
@@ -22,11 +34,11 @@ def model_card(fmt: str, model_file: str, runtime: str, loaded: LoadedCheckpoint
     h, w, c = p.image_shape
     arch = (meta.get("model_args") or {}).get("architecture", config.get("model", "?"))
     lines = [
-        f"# {config.get('name') or loaded.path.parent.name}: {arch}, {len(p.classes)} classes",
+        f"# {_md(config.get('name') or loaded.path.parent.name)}: {_md(arch)}, {len(p.classes)} classes",
         "",
-        f"Exported by imgtrain {meta.get('imgtrain_version', '?')} on "
+        f"Exported by imgtrain {_md(meta.get('imgtrain_version', '?'))} on "
         f"{datetime.now(timezone.utc):%Y-%m-%d} as **{fmt}** (`{model_file}`, loaded with {runtime}) from "
-        f"checkpoint `{loaded.path.name}` (epoch {meta.get('epoch', '?')}).",
+        f"checkpoint {_md(loaded.path.name)} (epoch {_md(meta.get('epoch', '?'))}).",
         "",
         "## Input and output",
         "",
@@ -43,9 +55,9 @@ def model_card(fmt: str, model_file: str, runtime: str, loaded: LoadedCheckpoint
         "",
         "| setting | value |",
         "|---|---|",
-        *[f"| {k} | {config[k]} |" for k in RECIPE_KEYS if k in config],
+        *[f"| {k} | {_md(config[k])} |" for k in RECIPE_KEYS if k in config],
         "",
-        f"Versions: torch {meta.get('torch_version', '?')}, Ray {meta.get('ray_version', '?')}, "
+        f"Versions: torch {_md(meta.get('torch_version', '?'))}, Ray {_md(meta.get('ray_version', '?'))}, "
         f"Python {platform.python_version()}. The whole configuration is in the run's `config.json`.",
         "",
         f"## Test metrics ({test['images']:,} images of the test split, measured at export)",
@@ -54,7 +66,7 @@ def model_card(fmt: str, model_file: str, runtime: str, loaded: LoadedCheckpoint
         "",
         "## Export check",
         "",
-        verification + ".",
+        _md(verification) + ".",  # it names the split
         "",
         "## Intended use and known limits",
         "",
@@ -72,9 +84,9 @@ def model_card(fmt: str, model_file: str, runtime: str, loaded: LoadedCheckpoint
 def _data_lines(manifest: dict) -> list[str]:
     splits = manifest.get("splits") or {}
     counts = manifest.get("class_counts") or {}
-    sizes = ", ".join(f"{name} {s.get('num_samples', 0):,}" for name, s in splits.items())
-    lines = [f"Data set `{manifest.get('name', '?')}` (source {manifest.get('source', '?')}, prepared "
-             f"{manifest.get('created', '?')}): {sizes} images."]
+    sizes = ", ".join(f"{_md(name)} {s.get('num_samples', 0):,}" for name, s in splits.items())
+    lines = [f"Data set {_md(manifest.get('name', '?'))} (source {_md(manifest.get('source', '?'))}, prepared "
+             f"{_md(manifest.get('created', '?'))}): {sizes} images."]
     train = counts.get("train")
     if train:
         low, high = min(train), max(train)
@@ -94,16 +106,19 @@ def _metric_lines(test: dict) -> list[str]:
     rows = sorted(test["per_class"].items(), key=lambda kv: kv[1]["f1"])[:PER_CLASS_ROWS]
     if len(test["per_class"]) <= PER_CLASS_ROWS:
         rows = list(test["per_class"].items())
-    lines += [f"| {_cell(name)} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} | {s['support']:,} |"
+    lines += [f"| {_md(name)} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} | {s['support']:,} |"
               for name, s in rows]
     if len(test["per_class"]) > PER_CLASS_ROWS:
         lines.append(f"\n(the {PER_CLASS_ROWS} classes with the lowest F1 of {len(test['per_class']):,})")
     return lines
 
 
-def _cell(text: str) -> str:
-    """A class name as a Markdown table cell (a "|" would end it)."""
-    return text.replace("|", "\\|")
+def _md(value) -> str:
+    """``value`` as plain text inside a line of Markdown: every run of whitespace (line breaks
+    included) one space, so it opens no block, heading or table row; control characters dropped;
+    HTML's ``<``, ``>`` and ``&`` as entities, so it opens no tag; Markdown's inline marks escaped."""
+    text = "".join(ch for ch in " ".join(str(value).split()) if unicodedata.category(ch) != "Cc")
+    return MARKDOWN_INLINE.sub(r"\\\g<0>", html.escape(text, quote=False))
 
 
 def _int8_lines(int8: dict | None) -> list[str]:

@@ -2,10 +2,15 @@
 --format onnx``, int8 or not) with ONNX Runtime instead of PyTorch.
 
 An export folder is recognised by its ``imgtrain.json`` (what imgtrain needs of the training
-checkpoint's meta.json: the classes, image shape, normalisation and preset, and the model file's
-sha256, checked at every load as a checkpoint's are). The images are converted exactly as for
-the PyTorch engine (``Preprocess``'s shape and preset); the model takes them as uint8 NCHW and
-returns probabilities, so only the layout changes here.
+checkpoint's meta.json: the classes, image shape, normalisation and preset, and the sha256 of the
+model file and of its external data, checked at every load as a checkpoint's are). The images are
+converted exactly as for the PyTorch engine (``Preprocess``'s shape and preset); the model takes
+them as uint8 NCHW and returns probabilities, so only the layout changes here.
+
+``imgtrain.json`` is untrusted, as a checkpoint's meta.json is (a shared export folder is anyone's
+to edit, and the sha256 table it holds is its own word): it is held to meta.json's size cap and
+bounds before anything is sized by it, and every file the model reads to its folder
+(``export_files.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
+from imgtrain.checkpoint import MAX_META_BYTES
+from imgtrain.data.format import short_repr
 from imgtrain.errors import ImgtrainError
+from imgtrain.inference.export_files import external_data, inside, read_at_most
 
 ENGINES = ("torch", "onnxruntime")
 EXPORT_META = "imgtrain.json"
@@ -69,19 +77,47 @@ class OnnxModel:
         return probs.astype(np.float32, copy=False)
 
 
+def read_record(folder) -> dict:
+    """An export folder's ``imgtrain.json``, held to a checkpoint's meta.json cap and bounds
+    (``predictor.preprocess_of``) before anything is sized by it; no file is hashed here."""
+    from imgtrain.inference.predictor import preprocess_of
+
+    folder = Path(folder)
+    path = inside(folder, EXPORT_META)
+    try:
+        data = read_at_most(path, MAX_META_BYTES)
+    except OSError as e:
+        raise ImgtrainError(f"cannot read {path}: {e.strerror or e}") from None
+    if data is None:
+        raise ImgtrainError(f"{path} is {path.stat().st_size:,} bytes, over the {MAX_META_BYTES:,} an {EXPORT_META} "
+                            f"can be; export the model again")
+    try:
+        meta = json.loads(data)
+    except (ValueError, RecursionError):  # UnicodeDecodeError too; arrays nested 100,000 deep
+        meta = None
+    if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), dict):
+        raise ImgtrainError(f"{path} is not an export's record; export the model again")
+    preprocess_of(folder, meta, export=True)  # raises, in one line, for what is out of bounds
+    return meta
+
+
 def read_export(folder) -> dict:
-    """An ONNX export folder's record (``imgtrain.json``), once its model file is found to match
-    the sha256 the export recorded."""
+    """An ONNX export folder's record (``read_record``), once the files its model reads are found
+    inside the folder and to match the sha256 the export recorded."""
     folder = Path(folder)
     check_engine("onnxruntime", folder)
-    try:
-        meta = json.loads((folder / EXPORT_META).read_text())
-        recorded = meta["sha256"][ONNX_FILE]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ImgtrainError(f"{folder / EXPORT_META} is not an export's record; export the model again") from None
-    if file_sha256(folder / ONNX_FILE) != recorded:
-        raise ImgtrainError(f"{folder / ONNX_FILE} does not match the sha256 its export recorded (changed or "
+    meta = read_record(folder)
+    recorded = meta["sha256"]
+    model_file = inside(folder, ONNX_FILE)
+    if file_sha256(model_file) != recorded.get(ONNX_FILE):
+        raise ImgtrainError(f"{model_file} does not match the sha256 its export recorded (changed or "
                             f"damaged since); export the model again")
+    for name, tensor in external_data(model_file).items():
+        path = inside(folder, name, f"{ONNX_FILE}'s tensor {short_repr(tensor)}")
+        # exports made before the table held external data: their locations are checked all the same
+        if name in recorded and file_sha256(path) != recorded[name]:
+            raise ImgtrainError(f"{path} does not match the sha256 its export recorded (changed or damaged "
+                                f"since); export the model again")
     return meta
 
 
@@ -91,4 +127,5 @@ def load_export(folder, threads: int = 0):
 
     folder = Path(folder)
     meta = read_export(folder)
-    return LoadedCheckpoint(OnnxModel(folder / ONNX_FILE, threads), preprocess_of(folder, meta), folder, meta)
+    preprocess = preprocess_of(folder, meta, export=True)
+    return LoadedCheckpoint(OnnxModel(folder / ONNX_FILE, threads), preprocess, folder, meta)

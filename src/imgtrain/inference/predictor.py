@@ -14,7 +14,6 @@ format used in training), so no glue code is needed:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import numpy as np
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
-from imgtrain.data.format import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, default_preset, short_repr
+from imgtrain.data.format import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, PRESETS, default_preset, short_repr
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import process
 
@@ -79,7 +78,9 @@ class LoadedCheckpoint:
 
     @property
     def recorded_val_accuracy(self) -> float | None:
-        return (self.meta.get("metrics") or {}).get("val_accuracy")
+        metrics = self.meta.get("metrics")  # untrusted: shown as a percentage, so a number or nothing
+        value = metrics.get("val_accuracy") if isinstance(metrics, dict) else None
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def load_checkpoint(
@@ -122,24 +123,39 @@ def load_checkpoint(
     return LoadedCheckpoint(model, preprocess, path, meta)
 
 
-def preprocess_of(path: Path, meta: dict) -> Preprocess:
-    """How the model of ``meta`` (a checkpoint's meta.json, or an export's imgtrain.json) takes
-    its images, its untrusted fields checked first."""
-    args, data = meta.get("model_args") or {}, meta.get("data") or {}
-    channels, k = args["in_channels"], args["num_classes"]
+def preprocess_of(path: Path, meta: dict, export: bool = False) -> Preprocess:
+    """How the model of ``meta`` (a checkpoint's meta.json, or with ``export`` an export's
+    imgtrain.json) takes its images, its untrusted fields checked first: nothing is sized by
+    them (one class name per output) before they are found within bounds."""
+    from imgtrain.inference.onnx_engine import EXPORT_META
+    from imgtrain.models.zoo import args_problems  # imports no torch
+
+    what, record, remedy = (("export", EXPORT_META, "export the model again") if export else
+                            ("checkpoint", ckpt.META_FILE, "use another checkpoint"))
+    args, data, config = meta.get("model_args"), meta.get("data") or {}, meta.get("config") or {}
+    problems = [f"model_args: {problem}" for problem in args_problems(args)]
     if not isinstance(data, dict):
-        raise ImgtrainError(f"checkpoint {path}: {ckpt.META_FILE} data is not an object; use another checkpoint")
-    classes = data.get("classes") or [str(i) for i in range(k)]
-    norm = data.get("normalize") or {"mean": [0.5] * channels, "std": [0.5] * channels}
-    image_shape = data.get("image_shape") or [28, 28, channels]
-    problems = _data_problems(classes, norm, image_shape, channels, k)
+        problems.append("data is not an object")
+    if not isinstance(config, dict):
+        problems.append("config is not an object")
+    elif not isinstance(config.get("data") or "", str):  # evaluate's and export's data set without --data
+        problems.append(f"config.data {short_repr(config['data'])} is not a path")
+    if not problems:
+        channels, k = args["in_channels"], args["num_classes"]
+        classes = data.get("classes") or [str(i) for i in range(k)]
+        norm = data.get("normalize") or {"mean": [0.5] * channels, "std": [0.5] * channels}
+        image_shape = data.get("image_shape") or [28, 28, channels]
+        problems = _data_problems(classes, norm, image_shape, channels, k)
+        preset = None if problems else preset_of(meta)  # by the image shape where none is named
+        if preset not in (None, *PRESETS):
+            problems.append(f"preset {short_repr(preset)} is not one of {', '.join(PRESETS)}")
     if problems:
-        raise ImgtrainError(f"checkpoint {path}: {ckpt.META_FILE} {'; '.join(problems)}; use another checkpoint")
+        raise ImgtrainError(f"{what} {path}: {record} {'; '.join(problems)}; {remedy}")
     return Preprocess(
         image_shape=tuple(image_shape),
         mean=tuple(norm["mean"]), std=tuple(norm["std"]), classes=tuple(str(c) for c in classes),
-        channels_last=bool((meta.get("config") or {}).get("channels_last", False)),
-        preset=preset_of(meta),
+        channels_last=bool(config.get("channels_last", False)),
+        preset=preset,
     )
 
 
@@ -170,10 +186,10 @@ def _unit_number(value) -> bool:
 
 def preprocess_preset(checkpoint_dir: Path) -> str:
     """The evaluation transform a checkpoint's (or an export's) model was validated with."""
-    from imgtrain.inference.onnx_engine import EXPORT_META, is_export
+    from imgtrain.inference.onnx_engine import is_export, read_record
 
     if is_export(checkpoint_dir):
-        return preset_of(json.loads((Path(checkpoint_dir) / EXPORT_META).read_text()))
+        return preset_of(read_record(checkpoint_dir))  # held to its bounds first, as a checkpoint's is
     return preset_of(ckpt.read_meta(checkpoint_dir))
 
 
