@@ -173,6 +173,30 @@ def test_bad_export_requests_get_one_line(local_run, tmp_path, monkeypatch, caps
     assert (tmp_path / "taken" / "model.onnx").read_text() == "a user's file" and not Path(out).exists()
 
 
+@pytest.mark.integration  # two real export processes
+def test_two_exports_to_one_folder_at_once_leave_one_whole_export(local_run, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "imgtrain.cli", "export", str(local_run.path), "--format", "torchscript",
+            "--out", str(out), "--overwrite"]
+    assert cli_here(capsys, *args[3:]).returncode == 0  # an earlier export, replaced by both
+    both = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    done = [(p.wait(timeout=240), p.stderr.read()) for p in both]
+    for code, err in done:  # each replaced it, or says in one line that the other did meanwhile
+        assert code == 0 or (code == 2 and err.startswith("error: another export wrote")), (code, err)
+    record = json.loads((out / export_mod.EXPORT_META).read_text())
+    for name, digest in record["sha256"].items():  # every file of one export, whole
+        assert export_mod.file_sha256(out / name) == digest, name
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging or old folder left beside it
+
+
+def test_an_export_to_a_linked_folder_is_refused(local_run, tmp_path, capsys):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    proc = cli_here(capsys, "export", str(local_run.path), "--out", str(tmp_path / "link"), "--overwrite")
+    assert_one_line_error(proc, "is a symbolic link")
+    assert list((tmp_path / "real").iterdir()) == []
+
+
 # ---------------------------------------------------------------- int8, and ONNX Runtime as the engine
 
 

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from imgtrain.data.format import FORMAT_VERSION, MANIFEST, load_manifest, manifest_problems, side_files
 from imgtrain.errors import ImgtrainError, one_line
-from imgtrain.ops.files import sha256_file
+from imgtrain.ops.files import sha256_file, swap_in_folder
 
 ROW_GROUP_ROWS = 1024  # rows per Parquet row group: the unit the streamed reader shuffles
 ROW_GROUP_BYTES = 8 << 20  # ...or fewer, for large encoded images
@@ -180,20 +180,10 @@ class DatasetWriter:
             for name, text in (beside or {}).items():
                 (self.tmp / name).write_text(text)
             (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-            _move_into_place(self.tmp, self.out_dir)
+            swap_in_folder(self.tmp, self.out_dir)
         except OSError as e:  # permissions, full disk, ...
             raise ImgtrainError(f"cannot write data set to {self.out_dir}: {one_line(e, 120)}") from None
         return manifest
-
-
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    if out_dir.exists():  # empty, or an earlier data set holding only its own files (prepare_target)
-        old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out_dir)
 
 
 def prepare_target(out_dir: Path, overwrite: bool) -> None:

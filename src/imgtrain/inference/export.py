@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ import numpy as np
 
 from imgtrain.data.images import EVAL_CROP
 from imgtrain.errors import ImgtrainError, one_line
+from imgtrain.ops.files import swap_in_folder
 from imgtrain.inference.metrics import TOP_K, EvalSums
 from imgtrain.inference.onnx_engine import EXPORT_META, file_sha256, is_export
 from imgtrain.inference.predictor import LoadedCheckpoint, load_checkpoint
@@ -116,6 +118,8 @@ def export(run, fmt: str, out, checkpoint: str = "best", storage: str = "./runs"
         raise ImgtrainError(f"--max-accuracy-drop is a fraction of the images in [0, 1], got {max_accuracy_drop}")
     _check_runtime(fmt)
     out = Path(out)
+    if out.is_symlink():  # --overwrite would replace the link, or what it points to
+        raise ImgtrainError(f"--out {out} is a symbolic link; give the folder itself")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
             raise ImgtrainError(f"{out} exists and is not an empty folder; pass --overwrite or another --out")
@@ -125,9 +129,9 @@ def export(run, fmt: str, out, checkpoint: str = "best", storage: str = "./runs"
     loaded = load_checkpoint(run, checkpoint, storage)
     data_dir, manifest = _test_data(loaded, data, split)
     model = exportable(loaded)
-    staging = out.parent / f".{out.name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a folder of its own: two exports to one --out at once never write into each other's
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         model_file = staging / FORMATS[fmt]
         _write(model, fmt, model_file, loaded.preprocess.image_shape)
@@ -142,9 +146,11 @@ def export(run, fmt: str, out, checkpoint: str = "best", storage: str = "./runs"
             test_metrics["int8"] = quantize_int8(model_file, data_dir, manifest, split, loaded, test_metrics,
                                                  max_accuracy_drop, out)
         _write_sidecars(staging, fmt, loaded, manifest, verification, test_metrics)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        staging.rename(out)
+        try:
+            swap_in_folder(staging, out)  # readers (serve) find the old export or the new one, whole
+        except FileExistsError:
+            raise ImgtrainError(f"another export wrote {out} at the same time; it is there, whole: run this again "
+                                "to replace it with this one") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return ExportResult(out, fmt, out / FORMATS[fmt], str(loaded.path), verification, test_metrics)

@@ -6,7 +6,9 @@ import contextlib
 import errno
 import hashlib
 import os
+import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 from imgtrain.errors import ImgtrainError
@@ -37,6 +39,26 @@ def atomic_write_text(path: Path, text: str) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def swap_in_folder(new: Path, target: Path) -> None:
+    """Put the folder ``new`` at ``target``, replacing what is there, so that ``target`` is
+    always one whole folder: the old one is renamed aside first, deleted last. Raises
+    FileExistsError when another process put a folder at ``target`` in between (two writers of
+    one folder at once): ``new`` is left where it was, for the caller to remove."""
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(target, old)
+    try:
+        os.rename(new, target)  # onto nothing, or onto an empty folder
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise FileExistsError(errno.EEXIST, "written by another process at the same time", str(target)) from None
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def fsync_dir(folder: Path) -> None:
