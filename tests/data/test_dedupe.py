@@ -7,6 +7,7 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from imgtrain.data.format import DEDUPE_FILE, verify_dataset
@@ -91,3 +92,27 @@ def test_bad_input_is_one_line(photos, capsys, tmp_path, args, fragment):
     filled = [a.format(out=tmp_path / "out", src=photos[0]) for a in args]
     assert_one_line_error(cli_here(capsys, "data", "prepare", *filled), fragment)
     assert not (tmp_path / "out").exists()
+
+
+def test_dedupe_csv_quotes_names_a_spreadsheet_would_run_as_formulas(capsys, tmp_path):
+    """Class folders and files named =..., +..., -..., @...: each a copy of another image."""
+    from tests.data.planted import photo
+
+    rng = np.random.default_rng(0)
+    copies = {"=eq": "=1+2.png", "+plus": "+sum.png", "-minus": "-x.png", "@at": "@home.png"}
+    for name, copy in copies.items():
+        (tmp_path / "src" / name).mkdir(parents=True)
+        for i in range(4):
+            photo(rng).save(tmp_path / "src" / name / f"{i}.png")
+        (tmp_path / "src" / name / copy).write_bytes((tmp_path / "src" / name / "0.png").read_bytes())
+    result = cli_here(capsys, "data", "prepare", "folder", str(tmp_path / "d"), "--source", str(tmp_path / "src"),
+                      "--dedupe", "all")
+    assert result.returncode == 0, result.stderr
+    rows = dropped_rows(tmp_path / "d")
+    assert len(rows) == 4
+    for row in rows:
+        for column in ("dropped_name", "dropped_class", "kept_name", "kept_class"):
+            assert row[column][0] == "'" and row[column][1] in "=+-@", (column, row)  # text, not a formula
+        assert row["dropped_class"][1:] in copies and row["dropped_name"][1:].startswith(row["dropped_class"][1:] + "/")
+    assert {row["dropped_name"][1:].split("/")[1] for row in rows} | {row["kept_name"][1:].split("/")[1]
+                                                                       for row in rows} >= set(copies.values())

@@ -49,6 +49,11 @@ def test_inspect_finds_the_leaked_test_image_the_turned_copy_and_the_imbalance(p
     assert list(pairs.values())[0] == leak  # across splits first
     counts = found["duplicates"]["counts"]
     assert counts == {"cross_split": {"exact": 1, "near": 0}, "within_split": {"exact": 0, "near": 1}}
+    groups = found["duplicates"]["groups"]  # the two pairs are two groups, the one across splits first
+    assert found["duplicates"]["groups_total"] == 2 and found["duplicates"]["largest_group"] == 2
+    assert groups[0]["cross_split"] and groups[0]["splits"] == {"train": 1, "test": 1}
+    assert [(i["split"], i["id"]) for i in groups[0]["first"]] == [("test", ids["leaked"]), ("train", ids["leak"])]
+    assert not groups[1]["cross_split"] and groups[1]["images"] == 2 and groups[1]["classes"] == 1
     imbalance = found["imbalance"]
     assert imbalance["flagged"] and imbalance["ratio"] == 10.5
     assert imbalance["largest"] == {"class": "big", "images": 42} and imbalance["smallest"]["class"] == "small"
@@ -120,3 +125,38 @@ def test_the_page_goes_to_the_current_folder_by_default_and_the_terminal_gets_a_
 def test_bad_input_is_one_line(planted, capsys, tmp_path, args, fragment):
     filled = [a.format(tmp=tmp_path, data=planted[0]) for a in args]
     assert_one_line_error(cli_here(capsys, "data", "inspect", *filled), fragment)
+
+
+def test_many_images_with_one_phash_are_counted_grouped_and_shown_by_a_few(capsys, tmp_path):
+    """40 photos that differ in one pixel's blue by 1 (other bytes, the same gray copy, so one
+    pHash): 780 pairs, one group."""
+    from imgtrain.data.writer import write_dataset
+    from tests.conftest_data_helpers import tiny_raw
+    from tests.data.planted import photo
+
+    raw = tiny_raw(n_train=30, n_test=10, shape=(48, 48, 3), k=2)
+    from PIL import Image
+
+    base = np.minimum(np.asarray(photo(np.random.default_rng(0))), 254)
+    bluer = base.copy()
+    bluer[..., 2] += 1
+    gray = [np.asarray(Image.fromarray(im).convert("L")) for im in (base, bluer)]
+    spots = np.flatnonzero(gray[0] == gray[1])  # pixels whose gray value a bluer blue leaves alone
+    for k, images in enumerate([raw.train.images, raw.test.images]):
+        images[:] = base
+        at = spots[np.arange(len(images)) + 30 * k]
+        images[np.arange(len(images)), at // 48, at % 48, 2] += 1  # each its own bytes
+    write_dataset(raw, tmp_path / "same", name="same", source="test")
+    found = run_inspect(capsys, str(tmp_path / "same"), "--out", str(tmp_path / "same.html"))
+    d = found["duplicates"]
+    assert d["counts"] == {"cross_split": {"exact": 0, "near": 300}, "within_split": {"exact": 0, "near": 435 + 45}}
+    assert d["pairs_total"] == 780 and d["different_labels"] == 780 - (15 * 14 + 5 * 4) - 15 * 5 * 2
+    assert d["groups_total"] == 1 and d["largest_group"] == d["images_involved"] == 40
+    assert d["groups"][0]["splits"] == {"train": 30, "test": 10} and d["groups"][0]["classes"] == 2
+    assert [i["split"] for i in d["groups"][0]["first"]] == ["test"] * 10  # test first, then by id
+    assert d["pairs_listed"] == 16 * 15 // 2  # the pairs of 16 of them: both splits, both labels
+    shown = {(p[side]["split"], p[side]["label"]) for p in d["pairs"] for side in "ab"}
+    assert shown == {("train", 0), ("train", 1), ("test", 0), ("test", 1)} and d["pairs"][0]["cross_split"]
+    page = (tmp_path / "same.html").read_text()
+    assert "40 image(s) in 1 group(s) of duplicates (the largest: 40 images)" in page
+    assert "720 more pair(s) not shown; --json lists 120 of them and the groups" in page

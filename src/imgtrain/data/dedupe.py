@@ -3,11 +3,13 @@ data set is written.
 
 A first pass over the listing's chunks (in the preparation pool, a few chunks at a time) checks
 each image as the writing pass will (``images.check_image``: the bytes that would be stored)
-and fingerprints them (``fingerprint.py``: about 90 bytes an image); ``duplicates.py`` finds the
-exact and near pairs, and an image goes when it duplicates one that stays earlier in the order
-test > val > train, then source order (ids). cross-split looks only at pairs across splits (the
-test copy stays, the train copy goes), all at every pair. What went is listed in
-``dedupe.csv`` beside the manifest, and counted in the manifest's ``dedupe``.
+and fingerprints them (``fingerprint.py``: about 90 bytes an image); ``duplicate_drops.py``
+chooses, from ``duplicates.py``'s exact groups and near classes (no list of pairs is held), and
+an image goes when it duplicates one that stays earlier in the order test > val > train, then
+source order (ids). cross-split looks only at pairs across splits (the test copy stays, the train
+copy goes), all at every pair. What went is listed in ``dedupe.csv`` beside the manifest (its
+text cells quoted as ``ops.spreadsheet`` says: names come from users' folders), and counted in
+the manifest's ``dedupe``.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from imgtrain.data import duplicates, images, pool
+from imgtrain.data import duplicate_drops, duplicates, images, pool
 from imgtrain.data.fingerprint import MODES, TRANSFORM_WORDS, UNREADABLE, Prints, fingerprint_encoded
 from imgtrain.data.format import DEDUPE_FILE
 from imgtrain.data.listing import Listing
 from imgtrain.data.named_splits import SPLIT_CODES
 from imgtrain.data.options import PrepareOptions
+from imgtrain.ops import spreadsheet
 
 GRAY = {MODES.index(m) for m in ("1", "L", "LA", "I;16", "I", "F")}
 SPLIT_NAMES = {code: name for name, code in SPLIT_CODES.items()}
@@ -51,20 +54,26 @@ def plan(listed: Listing, split: np.ndarray, opts: PrepareOptions, progress=None
         done += len(prints.content)
         if progress:
             progress(done, n)
-    prints = Prints.join(parts)
+    return choose(listed, split, Prints.join(parts), opts)
+
+
+def choose(listed: Listing, split: np.ndarray, prints: Prints, opts: PrepareOptions) -> Dropped:
+    """What goes, from the fingerprints of every image of ``listed``."""
     default = _default_threshold(prints, opts)
     threshold = default if opts.near_threshold is None else opts.near_threshold
-    rank = duplicates.rank_of(split, listed.ids)
-    pairs = duplicates.find_pairs(prints, rank, threshold)
-    if opts.dedupe == "cross-split":
-        pairs = pairs.take(split[pairs.a] != split[pairs.b])
-    because = duplicates.drops(pairs, rank, n)
+    copies = duplicates.Copies.of(prints, duplicates.rank_of(split, listed.ids))
+    because = duplicate_drops.dropped_for(copies, split, threshold, opts.dedupe)
     gone = np.flatnonzero(because >= 0)
-    exact = int(pairs.exact[because[gone]].sum())
-    summary = {"mode": opts.dedupe, "threshold": threshold, "dropped": len(gone), "exact": exact,
-               "near": len(gone) - exact, "file": DEDUPE_FILE,
+    gone = gone[np.argsort(copies.rank[gone])]
+    kept = because[gone]
+    exact = copies.group[kept] == copies.group[gone]
+    distance, transform, _ = duplicates.closest(copies.hashes, copies.cls[kept], copies.cls[gone])
+    summary = {"mode": opts.dedupe, "threshold": threshold, "dropped": len(gone), "exact": int(exact.sum()),
+               "near": int((~exact).sum()), "file": DEDUPE_FILE,
                "by_split": {s: int((split[gone] == code).sum()) for s, code in SPLIT_CODES.items()}}
-    return Dropped(because >= 0, summary, _csv(listed, split, pairs, because, gone[np.argsort(rank[gone])]))
+    rows = zip(gone.tolist(), kept.tolist(), exact.tolist(), np.where(exact, 0, distance).tolist(),
+               np.where(exact, 0, transform).tolist())
+    return Dropped(because >= 0, summary, _csv(listed, split, rows))
 
 
 def fingerprint_chunk(chunk, size) -> Prints:
@@ -87,7 +96,8 @@ def _default_threshold(prints: Prints, opts: PrepareOptions) -> int:
     return duplicates.default_threshold(gray, side)
 
 
-def _csv(listed: Listing, split, pairs, because, gone) -> str:
+def _csv(listed: Listing, split, rows) -> str:
+    """``rows``: (dropped, kept, exact, distance, transform) by listing position, in rank order."""
     firsts = [c.first for c in listed.chunks]
 
     def name(position: int) -> str:
@@ -97,11 +107,9 @@ def _csv(listed: Listing, split, pairs, because, gone) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(COLUMNS)
-    for b in gone.tolist():
-        p = because[b]
-        a = int(pairs.a[p])
-        kind = "exact" if pairs.exact[p] else "near"
-        writer.writerow([int(listed.ids[b]), name(b), SPLIT_NAMES[int(split[b])], listed.classes[listed.labels[b]],
-                         int(listed.ids[a]), name(a), SPLIT_NAMES[int(split[a])], listed.classes[listed.labels[a]],
-                         kind, int(pairs.distance[p]), TRANSFORM_WORDS[pairs.transform[p]]])
+    for b, a, exact, distance, transform in rows:
+        writer.writerow(spreadsheet.safe_row([
+            int(listed.ids[b]), name(b), SPLIT_NAMES[int(split[b])], listed.classes[listed.labels[b]],
+            int(listed.ids[a]), name(a), SPLIT_NAMES[int(split[a])], listed.classes[listed.labels[a]],
+            "exact" if exact else "near", distance, TRANSFORM_WORDS[transform]]))
     return out.getvalue()

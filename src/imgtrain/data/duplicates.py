@@ -1,26 +1,31 @@
 """Exact and near duplicates among n fingerprinted images (``fingerprint.py``), found without
-comparing all pairs; one implementation for ``data inspect`` and ``data prepare --dedupe``.
+comparing all pairs and without holding them: one search for ``data inspect``
+(``duplicate_report.py``) and ``data prepare --dedupe`` (``duplicate_drops.py``).
 
-* **Exact**: images sorted by content hash; each run of equal hashes is one group, reported as
-  pairs of its keeper (the member first in ``rank``) with each other member.
+* **Exact**: images with the same content hash are one *group*; its keeper is its first in
+  ``rank`` (the image a dedupe keeps: the higher split, then the first in source order).
 * **Near**: pHash within ``threshold`` bits (Hamming distance), under any rotation or mirror.
-  Only each exact group's keeper takes part (its copies have the same pixels), and a near pair of
-  keepers stands for every pair of their groups' members. The 64 bits are cut into threshold + 1
-  disjoint bands (``band_key``): two hashes within ``threshold`` bits agree exactly on one band at
-  least (pigeonhole), so the candidates of an image are the images that share a band with one of
-  its 8 turned hashes, found by binary search in the band's sorted values; only they get the full
-  distance. With random hashes that is about 8 (t + 1) n^2 / 2^(64 / (t + 1)) candidates
-  (t = 4: 0.5 % of n^2); real pHashes are less even (8,000 small photos: 0.8 % of n^2).
+  Only each group's keeper takes part (its copies have the same pixels), and keepers with the
+  same 8 turned pHashes are one *class*: n images that share a pHash (blank frames, one
+  placeholder saved many ways) are one row of the search, not n^2 / 2 pairs. A near pair of
+  classes stands for every pair of their images; images of one class in different groups are
+  near pairs at distance 0.
+* The search (``Search``): the 64 bits are cut into threshold + 1 disjoint bands (``band_key``):
+  two hashes within ``threshold`` bits agree exactly on one band at least (pigeonhole), so the
+  candidates of a class are the classes that share a band with one of its 8 turned hashes,
+  found by binary search in the band's sorted values; only they get the full distance. With
+  random hashes that is about 8 (t + 1) m^2 / 2^(64 / (t + 1)) candidates for m classes
+  (t = 4: 0.5 % of m^2); real pHashes are less even (8,000 small photos: 0.8 % of m^2).
 
-A pair is (a, b) with a first in ``rank`` (the image a dedupe keeps: the higher split, then the
-first in source order), ``transform`` what turns a into b (``fingerprint.TRANSFORMS``). Memory:
-the pairs found, and while searching the sorted band (16 bytes an image) and a bounded batch of
-candidates.
+Nothing is kept per pair: ``Search.pairs`` hands each near pair of classes over once, in chunks
+of at most CANDIDATE_BATCH candidates, to whoever counts, groups or drops. Memory: ``Copies``
+(24 bytes an image, 88 a class), the sorted bands (8 bytes a class per band) and one chunk.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 
@@ -32,48 +37,64 @@ SMALL_GRAY_SIDE = 32  # grayscale images this small (digits) get threshold 0 by 
 # Beyond it bands of 7 bits or fewer make the search nearly all-pairs (8,000 small photos: 0.8 %
 # of n^2 candidates at 4, 13 % at 6, 63 % at 8) and unrelated images start to match.
 MAX_THRESHOLD = 8
-QUERY_ROWS = 1 << 14  # images whose candidates are gathered together
-CANDIDATE_BATCH = 1 << 18  # candidates checked at once (about 20 MB of temporaries)
+QUERY_ROWS = 1 << 14  # classes whose candidates are gathered together
+CANDIDATE_BATCH = 1 << 18  # candidates checked at once (a few tens of MB of temporaries)
+PAIRS_HELD = 1 << 20  # near pairs of classes kept for a second walk (``Search.pairs``): 26 MB
 
 
 @dataclass
-class Pairs:
-    """Duplicate pairs, by image position; a before b in rank."""
+class Copies:
+    """The readable images in exact groups and hash classes. Groups and classes are numbered in
+    the rank order of their first image, so a lower class number is a class that comes first."""
 
-    a: np.ndarray  # int64 [p]
-    b: np.ndarray  # int64 [p]
-    distance: np.ndarray  # int8 [p]: Hamming distance of the pHashes (0 for exact copies)
-    exact: np.ndarray  # bool [p]: same content hash
-    transform: np.ndarray  # int8 [p]: TRANSFORMS index that turns a into b
-    candidates: int = 0  # (turned hash, image) candidates the near search checked
+    rank: np.ndarray  # int64 [n]: ``rank_of``, lower is kept first
+    group: np.ndarray  # int64 [n]: each image's exact group, -1 for an unreadable one
+    keeper: np.ndarray  # int64 [g]: each group's first image in rank
+    cls: np.ndarray  # int64 [n]: each image's hash class, -1 for an unreadable one
+    head: np.ndarray  # int64 [m]: each class's first image in rank
+    hashes: np.ndarray  # uint64 [m, 8]: each class's 8 pHashes (column 0 as is, then turned)
 
-    def __len__(self) -> int:
-        return len(self.a)
+    @staticmethod
+    def of(prints: Prints, rank: np.ndarray) -> "Copies":
+        n = len(rank)
+        readable = np.flatnonzero(prints.mode != UNREADABLE)
+        keepers_first = readable[np.lexsort((rank[readable], prints.content[readable]))]
+        content = prints.content[keepers_first]
+        starts = np.r_[True, content[1:] != content[:-1]][:len(content)]
+        keeper = keepers_first[starts]
+        by_rank = np.argsort(rank[keeper], kind="stable")
+        number = np.empty_like(by_rank)
+        number[by_rank] = np.arange(len(by_rank))
+        group = np.full(n, -1, np.int64)
+        group[keepers_first] = number[np.cumsum(starts) - 1]
+        keeper = keeper[by_rank]
+        # classes: runs of equal rows of the keepers' pHashes, sorted (np.unique(axis=0) holds
+        # a few sorted copies of the rows at once; this, one column at a time)
+        rows = prints.phash[keeper]
+        order = np.lexsort(rows.T[::-1])  # stable: the first keeper of each run is its first in rank
+        new, value = np.ones(len(order), bool), None
+        for column in rows.T:
+            value = column[order]
+            new[1:] &= value[1:] == value[:-1]
+        new = ~new
+        new[:1] = True
+        first = order[new]  # each class's first keeper; classes numbered in the order they appear
+        in_order = np.argsort(first)
+        renumber = np.empty_like(in_order)
+        renumber[in_order] = np.arange(len(in_order))
+        class_of_group = np.empty(len(order), np.int64)
+        class_of_group[order] = renumber[np.cumsum(new) - 1]
+        cls = np.full(n, -1, np.int64)
+        cls[readable] = class_of_group[group[readable]]
+        head = keeper[first[in_order]]
+        del rows, value, order  # before the classes' own copy of their rows
+        return Copies(rank, group, keeper, cls, head, prints.phash[head])
 
-    def take(self, index) -> "Pairs":
-        return Pairs(self.a[index], self.b[index], self.distance[index], self.exact[index], self.transform[index],
-                     self.candidates)
 
-
-def find_pairs(prints: Prints, rank: np.ndarray, threshold: int = DEFAULT_THRESHOLD) -> Pairs:
-    """Every exact and near duplicate pair among ``prints`` (unreadable images left out);
-    ``rank`` int64 [n]: lower is kept first (``rank_of``)."""
-    readable = np.flatnonzero(prints.mode != UNREADABLE)
-    order = readable[np.lexsort((rank[readable], prints.content[readable]))]
-    content = prints.content[order]
-    starts = np.flatnonzero(np.r_[True, content[1:] != content[:-1]])
-    sizes = np.diff(np.r_[starts, len(order)])
-    keeper = np.repeat(order[starts], sizes)  # each image's group keeper, by position in ``order``
-    copy = order != keeper
-    exact = _oriented(keeper[copy], order[copy], np.zeros(copy.sum(), np.int8), np.zeros(copy.sum(), np.int8), rank)
-    exact.exact[:] = True
-    keepers = order[starts]
-    i, j, dist, turn, checked = near_pairs(prints.phash[keepers], threshold)
-    near = _expand(keepers[i], keepers[j], dist, turn, order, keeper)
-    near = _oriented(near[0], near[1], near[2], near[3], rank)
-    both = Pairs(*(np.concatenate([getattr(exact, f), getattr(near, f)]) for f in
-                   ("a", "b", "distance", "exact", "transform")), candidates=checked)
-    return both.take(np.lexsort((both.b, both.a)))
+def rank_of(split_codes: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """int64 [n]: the order a dedupe keeps images in: the test split, then val, then train
+    (split codes 2, 1, 0), and within a split by id (the source's order)."""
+    return np.lexsort((ids, -split_codes.astype(np.int64))).argsort().astype(np.int64)
 
 
 def default_threshold(gray: bool, side: int) -> int:
@@ -99,37 +120,124 @@ def check_threshold(threshold: int) -> None:
                             f"{threshold!r}; above {MAX_THRESHOLD} unrelated images start to match")
 
 
-def rank_of(split_codes: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """int64 [n]: the order a dedupe keeps images in: the test split, then val, then train
-    (split codes 2, 1, 0), and within a split by id (the source's order)."""
-    return np.lexsort((ids, -split_codes.astype(np.int64))).argsort().astype(np.int64)
+@dataclass
+class Hits:
+    """One chunk of the search: class ``q`` turned by ``k`` is ``distance`` bits from class ``c``
+    as is (c != q), and they agree on ``band``."""
+
+    q: np.ndarray
+    c: np.ndarray
+    k: np.ndarray
+    band: int
+    distance: np.ndarray
 
 
-def _oriented(x, y, dist, turn, rank) -> Pairs:
-    """Pairs with a the one first in rank (the transform inverted where x and y swap)."""
-    swap = rank[x] > rank[y]
-    a, b = np.where(swap, y, x), np.where(swap, x, y)
-    turn = np.where(swap, np.asarray(INVERSE, np.int8)[turn], turn).astype(np.int8)
-    return Pairs(a.astype(np.int64), b.astype(np.int64), dist.astype(np.int8), np.zeros(len(a), bool), turn)
+@dataclass
+class NearPairs:
+    """One chunk of near pairs of classes, each pair once: a < b."""
+
+    a: np.ndarray  # int64 [p]
+    b: np.ndarray  # int64 [p]
+    distance: np.ndarray  # int64 [p]: the fewest bits between one turned and the other as is
+    turned: np.ndarray  # bool [p]: closer turned or mirrored than as is
 
 
-def _expand(i, j, dist, turn, order, keeper):
-    """A near pair of keepers -> a pair for every member of one group with every member of the other."""
-    if not len(i):
-        return i, j, dist, turn
-    members = np.argsort(keeper, kind="stable")  # positions in ``order``, grouped by keeper
-    sorted_keepers = keeper[members]
-    lo_i, hi_i = np.searchsorted(sorted_keepers, i), np.searchsorted(sorted_keepers, i, "right")
-    lo_j, hi_j = np.searchsorted(sorted_keepers, j), np.searchsorted(sorted_keepers, j, "right")
-    out = [[], [], [], []]
-    for p in np.flatnonzero((hi_i - lo_i > 1) | (hi_j - lo_j > 1)):  # groups of copies: rare
-        xs, ys = order[members[lo_i[p]:hi_i[p]]], order[members[lo_j[p]:hi_j[p]]]
-        xx, yy = np.meshgrid(xs, ys, indexing="ij")
-        for column, values in zip(out, (xx.ravel(), yy.ravel(), np.full(xx.size, dist[p]), np.full(xx.size, turn[p]))):
-            column.append(values)
-    single = (hi_i - lo_i == 1) & (hi_j - lo_j == 1)
-    parts = [i[single], j[single], dist[single], turn[single]]
-    return tuple(np.concatenate([part, *extra]) for part, extra in zip(parts, out))
+class Search:
+    """The near search among the classes' pHashes (``hashes``: uint64 [m, 8])."""
+
+    def __init__(self, hashes: np.ndarray, threshold: int):
+        self.hashes, self.threshold, self.count = hashes, threshold, threshold + 1
+        self.candidates = 0  # (turned hash, class) candidates checked so far
+        self.replay: list[NearPairs] | None = None  # the pairs of a first walk, when they were few
+        width = -(-64 // self.count)  # bits of a band
+        self.key_type = np.uint64 if width > 32 else np.uint32
+        index_type = np.int32 if len(hashes) < 2**31 else np.int64
+        self.keys, self.orders = [], []
+        for band in range(self.count):
+            key = band_key(hashes[:, 0], band, self.count).astype(self.key_type)
+            order = np.argsort(key, kind="stable")
+            self.keys.append(key[order])
+            self.orders.append(order.astype(index_type))
+        self.masks = np.array([sum(1 << bit for bit in range(band, 64, self.count)) for band in range(self.count)],
+                              np.uint64)
+
+    def hits(self, rows: np.ndarray) -> Iterator[Hits]:
+        """The classes within the threshold of each of ``rows`` (int64, any classes), one chunk
+        of candidates at a time, band after band."""
+        own, turned = self.hashes[:, 0], self.hashes[rows]  # turned: [r, 8]
+        flat = turned.ravel()
+        for band in range(self.count):
+            wanted = band_key(turned, band, self.count).ravel().astype(self.key_type)
+            lo = np.searchsorted(self.keys[band], wanted, "left")
+            count = np.searchsorted(self.keys[band], wanted, "right") - lo
+            self.candidates += int(count.sum())
+            for row, c in _candidates(lo, count, self.orders[band]):
+                distance = popcount(flat[row] ^ own[c])
+                near = np.flatnonzero(distance <= self.threshold)  # few: the rest is done on them
+                row, c, distance = row[near], c[near], distance[near].astype(np.int64)
+                q = rows[row // 8]
+                other = q != c
+                yield Hits(q[other], c[other], (row % 8)[other], band, distance[other])
+
+    def pairs(self) -> Iterator[NearPairs]:
+        """Every near pair of classes, once, in chunks. A second walk replays the first when it
+        held at most PAIRS_HELD pairs, and searches again otherwise."""
+        if self.replay is not None:
+            yield from self.replay
+            return
+        held: list | None = []
+        count = 0
+        for chunk in self._pairs():
+            count += len(chunk.a)
+            if held is not None and count <= PAIRS_HELD:
+                held.append(chunk)
+            else:
+                held = None
+            yield chunk
+        self.replay = held
+
+    def _pairs(self) -> Iterator[NearPairs]:
+        """A pair is found in each band its hashes agree on, and from both sides; only the first
+        band of its closest turn (``closest``), from the side that turns, counts."""
+        m = len(self.hashes)
+        for start in range(0, m, QUERY_ROWS):
+            for hits in self.hits(np.arange(start, min(m, start + QUERY_ROWS))):
+                xor = self.hashes[hits.q, hits.k] ^ self.hashes[hits.c, 0]
+                first = ((xor[:, None] & self.masks[None, :]) == 0).argmax(1) == hits.band
+                q, c, k = hits.q[first], hits.c[first], hits.k[first]
+                a, b = np.minimum(q, c), np.maximum(q, c)
+                distance, _, code = closest(self.hashes, a, b)
+                once = code == np.where(q == a, 0, 8) + k
+                a, b, distance = a[once], b[once], distance[once]
+                as_is = popcount(self.hashes[a, 0] ^ self.hashes[b, 0]).astype(np.int64)
+                yield NearPairs(a, b, distance, as_is > distance)
+
+
+def _candidates(lo: np.ndarray, count: np.ndarray, order: np.ndarray):
+    """(query row, candidate) of each of the ``count`` sorted values from ``lo`` on, at most
+    CANDIDATE_BATCH at a time, however many one query has."""
+    ends = np.cumsum(count)
+    starts = ends - count
+    total = int(ends[-1]) if len(ends) else 0
+    for start in range(0, total, CANDIDATE_BATCH):
+        stop = min(total, start + CANDIDATE_BATCH)
+        rows = np.arange(np.searchsorted(ends, start, "right"), np.searchsorted(ends, stop - 1, "right") + 1)
+        row = np.repeat(rows, np.minimum(ends[rows], stop) - np.maximum(starts[rows], start))
+        yield row, order[lo[row] + np.arange(start, stop) - starts[row]].astype(np.int64)
+
+
+def closest(hashes: np.ndarray, a: np.ndarray, b: np.ndarray):
+    """(distance, transform, code) of classes ``a`` and ``b`` (arrays): the fewest bits between
+    one turned and the other as is, the transform (``fingerprint.TRANSFORMS``) that turns a into b
+    (the smaller one on a tie), and which hash gave it: code k < 8 is a turned by k, 8 + k is b
+    turned by k (then a into b is INVERSE[k])."""
+    from_a = popcount(hashes[a] ^ hashes[b, :1]).astype(np.int16)  # [p, 8]
+    from_b = popcount(hashes[b] ^ hashes[a, :1]).astype(np.int16)
+    key = np.concatenate([from_a * 16 + np.arange(8, dtype=np.int16) * 2,
+                          from_b * 16 + np.asarray(INVERSE, np.int16) * 2 + 1], axis=1)
+    code = key.argmin(1)
+    best = key[np.arange(len(code)), code].astype(np.int64)
+    return best // 16, (best % 16) // 2, code
 
 
 def band_key(hashes: np.ndarray, band: int, count: int) -> np.ndarray:
@@ -142,73 +250,12 @@ def band_key(hashes: np.ndarray, band: int, count: int) -> np.ndarray:
     return key
 
 
-def near_pairs(hashes: np.ndarray, threshold: int):
-    """Pairs (i < j) of rows of ``hashes`` (uint64 [m, 8]: column 0 each image as is, then
-    turned) whose turned hash k of i is within ``threshold`` bits of j's own: (i, j, distance,
-    k that turns i into j, candidates checked). Each pair once, at its smallest distance."""
-    m = len(hashes)
-    found: list[np.ndarray] = []
-    checked = 0
-    own = hashes[:, 0]
-    for band in range(threshold + 1):
-        key = band_key(own, band, threshold + 1)
-        order = np.argsort(key, kind="stable")
-        sorted_key = key[order]
-        for start in range(0, m, QUERY_ROWS):
-            turned = hashes[start:start + QUERY_ROWS]  # [q, 8]
-            wanted = band_key(turned, band, threshold + 1).ravel()
-            lo = np.searchsorted(sorted_key, wanted, "left")
-            count = np.searchsorted(sorted_key, wanted, "right") - lo
-            checked += int(count.sum())
-            found += _check(turned.ravel(), lo, count, order, own, start, threshold)
-    i, j, dist, turn = np.concatenate(found, axis=1) if found else np.zeros((4, 0), np.int64)
-    best = np.lexsort((turn, dist, j, i))  # per pair, the smallest distance first
-    i, j, dist, turn = i[best], j[best], dist[best], turn[best]
-    first = np.r_[True, (i[1:] != i[:-1]) | (j[1:] != j[:-1])][:len(i)]
-    return i[first], j[first], dist[first].astype(np.int8), turn[first].astype(np.int8), checked
-
-
-def _check(queries, lo, count, order, own, start, threshold) -> list[np.ndarray]:
-    """The candidates of each turned hash (``lo``/``count`` in the sorted band), in batches of at
-    most CANDIDATE_BATCH: [i, j, distance, transform] of those within the threshold, i < j."""
-    out = []
-    ends = np.cumsum(count)
-    cuts = np.searchsorted(ends, np.arange(CANDIDATE_BATCH, int(ends[-1]) if len(ends) else 0, CANDIDATE_BATCH))
-    for rows in np.split(np.arange(len(count)), np.unique(cuts)):
-        n = count[rows]
-        if not n.sum():
-            continue
-        row = np.repeat(rows, n)
-        offset = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
-        j = order[lo[row] + offset]
-        dist = popcount(queries[row] ^ own[j])
-        i, k = start + row // 8, row % 8
-        hit = (dist <= threshold) & (i != j)
-        i, j, dist, k = i[hit], j[hit], dist[hit], k[hit]
-        swap = i > j  # j's turned hash k matched i: i turned by the inverse of k is j
-        k = np.where(swap, np.asarray(INVERSE)[k], k)
-        out.append(np.stack([np.minimum(i, j), np.maximum(i, j), dist.astype(np.int64), k]))
-    return out
-
-
 def popcount(x: np.ndarray) -> np.ndarray:
-    """Set bits of each uint64."""
+    """Set bits of each uint64 (uint8, any shape)."""
     if hasattr(np, "bitwise_count"):  # numpy 2
-        return np.bitwise_count(x).astype(np.int64)
-    return _BYTE_BITS[x.view(np.uint8).reshape(-1, 8)].sum(1)
+        return np.bitwise_count(x)
+    x = np.ascontiguousarray(x, np.uint64)
+    return _BYTE_BITS[x.view(np.uint8)].reshape(*x.shape, 8).sum(-1, dtype=np.uint8)
 
 
-_BYTE_BITS = np.array([bin(v).count("1") for v in range(256)], np.int64)
-
-
-def drops(pairs: Pairs, rank: np.ndarray, n: int) -> np.ndarray:
-    """int64 [n]: for each image dropped, the pair (index into ``pairs``) that drops it; -1 for
-    the images kept. Greedy in ``rank``: an image goes when one of its pairs holds an image
-    earlier in rank that stays, so what stays holds none of ``pairs`` and a copy of a dropped
-    image is not dropped for it."""
-    because = np.full(n, -1, np.int64)
-    for p in np.argsort(rank[pairs.b], kind="stable").tolist():  # an image's fate is settled before its later pairs
-        a, b = pairs.a[p], pairs.b[p]
-        if because[a] < 0 and because[b] < 0:
-            because[b] = p
-    return because
+_BYTE_BITS = np.array([bin(v).count("1") for v in range(256)], np.uint8)

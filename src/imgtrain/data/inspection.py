@@ -6,9 +6,10 @@ row (8), width and height (8), colour mode and EXIF flag (2), content hash (8) a
 pHashes (64): 103 bytes an image (about 100 MB for a million images), whatever the images weigh.
 From them come the findings (``inspect_dataset`` returns them as the JSON of ``--json``):
 images per class per split and the training split's imbalance, sizes and aspect ratios,
-colour modes, the files prepare skipped, and exact and near duplicates (``duplicates.py``),
-cross-split ones first. The page (``inspection_page.py``) then reads back only the images it
-shows: a few samples per class and the duplicate pairs it lists.
+colour modes, the files prepare skipped, and exact and near duplicates (``duplicate_report.py``:
+counted, grouped, and a bounded list of example pairs, cross-split ones first). The page
+(``inspection_page.py``) then reads back only the images it shows: a few samples per class and
+the duplicate pairs it lists.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from imgtrain.data import duplicates
+from imgtrain.data import duplicate_report, duplicates
 from imgtrain.data import format as fmt
 from imgtrain.data import pool
 from imgtrain.data.fingerprint import (
@@ -140,8 +141,8 @@ def findings(data_dir: Path, manifest: dict, found: Scan, threshold: int, seed: 
     k = len(classes)
     splits = {s: np.bincount(found.labels[found.split == SPLIT_CODES[s]], minlength=k)
               for s in fmt.ALL_SPLITS if s in manifest["splits"]}
-    pairs = duplicates.find_pairs(prints, duplicates.rank_of(found.split, found.ids), threshold)
-    shown_pairs = _pair_order(pairs, found)
+    dups = duplicate_report.report(prints, duplicates.rank_of(found.split, found.ids), found.split, found.labels,
+                                   threshold, MAX_JSON_PAIRS)
     readable = prints.mode != UNREADABLE
     result = {
         "data": str(data_dir), "name": manifest["name"], "source": manifest["source"],
@@ -153,11 +154,11 @@ def findings(data_dir: Path, manifest: dict, found: Scan, threshold: int, seed: 
         "exif_turned": int(prints.exif_turned.sum()),
         "skipped": _skipped(manifest.get("skipped")),
         "dedupe": _dedupe(manifest.get("dedupe")),
-        "duplicates": _duplicates_json(pairs, shown_pairs, found, classes, threshold),
+        "duplicates": _duplicates_json(dups, found, classes, threshold),
     }
     result["duplicates"]["threshold_rule"] = duplicates.threshold_rule(threshold, default)
     result["mode_mix"] = len([m for m in result["modes"] if m != "unreadable"]) > 1
-    extra = {"samples": _samples(found, k, seed), "pairs": pairs, "pair_order": shown_pairs}
+    extra = {"samples": _samples(found, k, seed), "pairs": dups.examples}
     return result, extra
 
 
@@ -206,15 +207,10 @@ def _sizes(manifest: dict, prints: Prints, readable: np.ndarray) -> dict:
             "one_size": bool(len(w) and w.min() == w.max() and h.min() == h.max())}
 
 
-def _pair_order(pairs: duplicates.Pairs, found: Scan) -> np.ndarray:
-    """Pair indices as the page and the JSON list them: across splits first (they make the test
-    accuracy a lie), then pairs whose labels differ, exact before near, closest first."""
-    cross = found.split[pairs.a] != found.split[pairs.b]
-    differ = found.labels[pairs.a] != found.labels[pairs.b]
-    return np.lexsort((pairs.b, pairs.a, pairs.distance, ~pairs.exact, ~differ, ~cross))
-
-
-def _duplicates_json(pairs, order, found: Scan, classes, threshold: int) -> dict:
+def _duplicates_json(dups: duplicate_report.Report, found: Scan, classes, threshold: int) -> dict:
+    """The report as JSON: the counts, the example pairs (in the page's order: across splits
+    first, then labels that differ, exact before near, closest first) and the groups."""
+    pairs = dups.examples
     cross = found.split[pairs.a] != found.split[pairs.b]
     differ = found.labels[pairs.a] != found.labels[pairs.b]
 
@@ -225,16 +221,16 @@ def _duplicates_json(pairs, order, found: Scan, classes, threshold: int) -> dict
     listed = [{"kind": "exact" if pairs.exact[p] else "near", "distance": int(pairs.distance[p]),
                "transform": TRANSFORM_WORDS[pairs.transform[p]], "cross_split": bool(cross[p]),
                "same_label": not differ[p], "a": image(pairs.a[p]), "b": image(pairs.b[p])}
-              for p in order[:MAX_JSON_PAIRS]]
-    count = {}
-    for where, mask in (("cross_split", cross), ("within_split", ~cross)):
-        count[where] = {"exact": int((mask & pairs.exact).sum()), "near": int((mask & ~pairs.exact).sum())}
+              for p in range(len(pairs))]
+    groups = [{"images": g["images"], "splits": {SPLIT_NAMES[code]: n for code, n in enumerate(g["per_split"]) if n},
+               "cross_split": g["cross_split"], "classes": g["labels"], "first": [image(i) for i in g["members"]]}
+              for g in dups.groups]
     return {"hash": "pHash (imagehash), 64 bits, of the image and its 7 rotations and mirror images",
-            "threshold": threshold, "counts": count, "different_labels": int(differ.sum()),
-            "turned": int((~pairs.exact & (pairs.transform != 0)).sum()),
-            "images_involved": int(len(np.unique(np.r_[pairs.a, pairs.b]))),
-            "candidates_checked": int(pairs.candidates), "pairs_total": len(pairs), "pairs_listed": len(listed),
-            "pairs": listed}
+            "threshold": threshold, "counts": dups.counts, "different_labels": dups.different_labels,
+            "turned": dups.turned, "images_involved": dups.images_involved, "candidates_checked": dups.candidates,
+            "pairs_total": dups.pairs_total, "pairs_listed": len(listed), "pairs": listed,
+            "groups_total": dups.groups_total, "largest_group": dups.largest_group, "groups_listed": len(groups),
+            "groups": groups}
 
 
 def _samples(found: Scan, k: int, seed: int, per_class: int = 6, classes_shown: int = 40) -> dict[int, np.ndarray]:

@@ -44,8 +44,8 @@ img.thumb { max-width: 112px; max-height: 112px; min-width: 56px; image-renderin
 
 def write_page(path: Path, result: dict, extra: dict, found: Scan, manifest: dict) -> None:
     """Write the page for ``result`` (``inspection.findings``) to ``path``."""
-    order = extra["pair_order"][:PAIRS_SHOWN]
-    pairs = extra["pairs"]
+    pairs = extra["pairs"]  # in the order shown
+    order = np.arange(min(PAIRS_SHOWN, len(pairs)))
     wanted = set(np.concatenate([*extra["samples"].values(), pairs.a[order], pairs.b[order]]).tolist())
     thumbs = _thumbnails(found, sorted(wanted), manifest["storage"])
     sections = [
@@ -190,15 +190,21 @@ def _duplicates(result: dict, pairs, order, found: Scan, thumbs: dict) -> list[s
     flagged = c["cross_split"]["exact"] + c["cross_split"]["near"]
     head = (f'<p id="cross-split" class="{"flag" if flagged else "ok"}">{flagged:,} duplicate pair(s) across splits, '
             f'{c["within_split"]["exact"] + c["within_split"]["near"]:,} within a split; '
-            f'{d["different_labels"]:,} pair(s) with different labels.</p>')
+            f'{d["different_labels"]:,} pair(s) with different labels; {d["images_involved"]:,} image(s) in '
+            f'{d["groups_total"]:,} group(s) of duplicates{_largest(d)}.</p>')
     table = _table("duplicate-counts", ["", "exact", "near"],
                    [["across splits", c["cross_split"]["exact"], c["cross_split"]["near"]],
                     ["within a split", c["within_split"]["exact"], c["within_split"]["near"]]])
     cards = [_pair(pairs, p, found, result["classes"], thumbs) for p in order.tolist()]
     more = d["pairs_total"] - len(cards)
-    note = f'<p class="muted">{more:,} more pair(s) not shown; --json lists them.</p>' if more > 0 else ""
+    listed = "them" if d["pairs_listed"] == d["pairs_total"] else f"{d['pairs_listed']:,} of them and the groups"
+    note = f'<p class="muted">{more:,} more pair(s) not shown; --json lists {listed}.</p>' if more > 0 else ""
     return [head, f'<p class="muted">{rule}</p>', table, '<div id="pairs" class="pairs">' + "".join(cards) + "</div>",
             note]
+
+
+def _largest(d: dict) -> str:
+    return f" (the largest: {d['largest_group']:,} images)" if d["largest_group"] > 2 else ""
 
 
 def _pair(pairs, p: int, found: Scan, classes: list[str], thumbs: dict) -> str:

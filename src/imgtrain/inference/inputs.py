@@ -32,6 +32,7 @@ from imgtrain.data.images import (
     read_image_file,
 )
 from imgtrain.errors import ImgtrainError, one_line
+from imgtrain.ops import spreadsheet
 
 ON_ERROR = ("skip", "fail")
 TASK_FILES = 64  # images per task
@@ -241,19 +242,11 @@ def check_output(out, overwrite: bool = False) -> Path:
     return out
 
 
-# A spreadsheet runs a cell that starts with one of these as a formula (=HYPERLINK(...)), and class
-# names and paths come from users' folders. OWASP's CSV-injection advice: a leading ' makes it text.
-FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
-
-
 def csv_safe(frame):
     """``frame`` with every text cell that a spreadsheet would run as a formula prefixed with a
-    single quote. For CSV only: Parquet (and JSON) keep the exact value."""
-    def safe(value):
-        return "'" + value if isinstance(value, str) and value.startswith(FORMULA_STARTS) else value
-
+    single quote (``ops.spreadsheet``). For CSV only: Parquet (and JSON) keep the exact value."""
     text = frame.select_dtypes(include=["object", "string"]).columns
-    return frame.assign(**{c: frame[c].map(safe) for c in text})
+    return frame.assign(**{c: frame[c].map(spreadsheet.safe_cell) for c in text})
 
 
 class TableWriter:
