@@ -4,22 +4,27 @@ in ``dataset_info.json``), a DatasetDict folder (``dataset_dict.json`` and one s
 split), or Parquet/Arrow files as the Hub stores them (``data/train-00000-of-00001.parquet``,
 the features in the schema's ``huggingface`` metadata).
 
-Each file is read a unit at a time (a Parquet row group, an Arrow record batch), never whole;
-Arrow files are memory-mapped, so skipping to a record batch reads only its header.
+Each file is read a unit at a time (a Parquet row group, an Arrow record batch), never whole,
+once the rows its footer or headers declare passed ``limits.TableRows``' bounds; Arrow files
+are memory-mapped, so skipping to a record batch reads only its header.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from imgtrain.data import tables
 from imgtrain.data.images import ImageRejected
+from imgtrain.data.limits import TableRows
 from imgtrain.data.named_splits import split_of_name, splits_of_files
 from imgtrain.errors import ImgtrainError, one_line
 
@@ -132,45 +137,106 @@ def schema_of(path: Path) -> pa.Schema:
         if path.suffix == ".parquet":
             return pq.read_schema(path)
         with pa.memory_map(str(path)) as source:
-            return _ipc_reader(source).schema
+            source.seek(_ipc_start(source))
+            return pa.ipc.open_stream(source).schema  # the stream's own, as units() reads it
     except (pa.ArrowException, OSError) as e:
         raise ImgtrainError(f"cannot read {path}: {one_line(e, 200)}") from None
 
 
-def units(path: Path, columns: list[str]) -> Iterator[list[pa.Array]]:
-    """``columns`` of each unit of a file, in order: Parquet row groups, Arrow record batches."""
+def check_rows(path: Path, rows: TableRows, where: str) -> None:
+    """Hold the rows a file declares to ``rows``' bounds (shared by the files of one source), from
+    its footer (Parquet) or its batches' headers (Arrow), before any row is read."""
     if path.suffix == ".parquet":
-        pf = pq.ParquetFile(path)
+        tables.open_parquet(path, rows, where)
+        return
+    with pa.memory_map(str(path)) as source:
+        _ipc_checked(source, rows, where)
+
+
+def units(path: Path, columns: list[str]) -> Iterator[list[pa.Array]]:
+    """``columns`` of each unit of a file, in order: Parquet row groups, Arrow record batches;
+    the file's row counts checked (alone) first."""
+    if path.suffix == ".parquet":
+        pf = tables.open_parquet(path)
         for g in range(pf.metadata.num_row_groups):
             table = pf.read_row_group(g, columns=columns)
             yield [table.column(c).combine_chunks() for c in columns]
         return
     with pa.memory_map(str(path)) as source:
-        for batch in _ipc_batches(source):
+        source.seek(_ipc_checked(source, TableRows(), str(path)))
+        for batch in pa.ipc.open_stream(source):
             yield [batch.column(c) for c in columns]
 
 
-def _ipc_reader(source):
-    """Arrow's file format (random access) or its stream format (what save_to_disk writes)."""
+def _ipc_start(source) -> int:
+    """Where an Arrow file's messages start: after the file format's magic (padded to 8 bytes);
+    the stream format (what save_to_disk writes) has none. Both are read as a stream, so what
+    was checked is what is read (the file format's footer, which could point elsewhere, is not used)."""
     head = source.read(len(_ARROW_FILE_MAGIC))
-    source.seek(0)
-    return pa.ipc.open_file(source) if head == _ARROW_FILE_MAGIC else pa.ipc.open_stream(source)
+    return 8 if head == _ARROW_FILE_MAGIC else 0
 
 
-def _ipc_batches(source) -> Iterator[pa.RecordBatch]:
-    reader = _ipc_reader(source)
-    if isinstance(reader, pa.ipc.RecordBatchFileReader):
-        for k in range(reader.num_record_batches):
-            yield reader.get_batch(k)
-    else:
-        yield from reader
+def _ipc_checked(source, rows: TableRows, where: str) -> int:
+    """Every batch's length held to ``rows``' bounds, read from its header alone (a compressed
+    body would be decompressed whole to learn it: the memory map leaves bodies unread); returns
+    where the messages start."""
+    start = _ipc_start(source)
+    source.seek(start)
+    total = 0
+    try:
+        for message in pa.ipc.MessageReader.open_stream(source):
+            if message.type in ("record batch", "dictionary"):
+                count = _declared_length(message.metadata.to_pybytes(), message.type == "dictionary")
+                rows.group(count, where, "record batch")
+                total += count
+    except (pa.ArrowException, OSError, ValueError, struct.error) as e:
+        raise ImgtrainError(f"cannot read {where}: {one_line(e, 200)}") from None
+    rows.file(total, source.size(), where)
+    return start
+
+
+def _declared_length(header: bytes, dictionary: bool) -> int:
+    """The largest length a record (or dictionary) batch's header declares: the batch's rows, or
+    any of its arrays' (a struct's child may claim more). Read from the flatbuffer as Arrow's
+    Message.fbs lays it out, since pyarrow offers no reader of a header alone: Message.header
+    (field 2) -> [DictionaryBatch.data (field 1) ->] RecordBatch.length (field 0) and .nodes
+    (field 1, structs of two int64: length, null count)."""
+
+    def table(pos: int) -> tuple[int, int]:  # (where the table is, where its vtable is)
+        return pos, pos - struct.unpack_from("<i", header, pos)[0]
+
+    def field(tbl: tuple[int, int], i: int) -> int | None:  # where field i is; None: absent (its default)
+        pos, vtable = tbl
+        size = struct.unpack_from("<H", header, vtable)[0]
+        offset = struct.unpack_from("<H", header, vtable + 4 + 2 * i)[0] if 4 + 2 * i < size else 0
+        return pos + offset if offset else None
+
+    def child(tbl: tuple[int, int], i: int) -> tuple[int, int] | None:  # the table field i points to
+        at = field(tbl, i)
+        return None if at is None else table(at + struct.unpack_from("<I", header, at)[0])
+
+    batch = child(table(struct.unpack_from("<I", header, 0)[0]), 2)
+    if dictionary and batch is not None:
+        batch = child(batch, 1)
+    if batch is None:
+        return 0
+    at = field(batch, 0)
+    length = struct.unpack_from("<q", header, at)[0] if at is not None else 0
+    at = field(batch, 1)
+    if at is not None:
+        nodes = at + struct.unpack_from("<I", header, at)[0]
+        count = struct.unpack_from("<I", header, nodes)[0]
+        lengths = np.frombuffer(header, "<i8", count=2 * count, offset=nodes + 4)[0::2]
+        if count:
+            length = -1 if lengths.min() < 0 else max(length, int(lengths.max()))  # -1: refused as broken
+    return length
 
 
 def read_images(path: str, unit: int, column: str, rows: list[int]):
     """The image bytes of ``rows`` of one unit, or why there are none (a ``Chunk.read``): the
     ``datasets`` library's {bytes, path} struct, or plain bytes."""
     if path.endswith(".parquet"):
-        values = pq.ParquetFile(path).read_row_group(unit, columns=[column]).column(0).combine_chunks()
+        values = tables.open_parquet(Path(path)).read_row_group(unit, columns=[column]).column(0).combine_chunks()
         yield from _image_bytes(values.take(pa.array(rows, pa.int64())))
         return
     for k, (values,) in enumerate(units(Path(path), [column])):  # memory-mapped: skipping reads headers only

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from imgtrain.data import images
 from imgtrain.errors import ImgtrainError
@@ -100,9 +101,9 @@ def fixed_test(table: pa.Table) -> np.ndarray | None:
     """A ``split`` column of train/test: its test rows; None when there is none."""
     if "split" not in table.column_names:
         return None
-    split = np.asarray(table.column("split").cast(pa.string()).to_pylist(), dtype=object)
-    odd = sorted({str(s) for s in split} - {"train", "test"})
+    split = table.column("split").cast(pa.string())
+    odd = sorted({str(s) for s in pc.unique(split).to_pylist()} - {"train", "test"})  # a string per value, not per row
     if odd:
         raise ImgtrainError(f"column 'split' may only hold 'train' or 'test', found {', '.join(odd[:5])}; "
                             "fix it or rename the column to split at random")
-    return split == "test"
+    return pc.equal(split, "test").to_numpy()

@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from imgtrain.data.limits import check_class_count
-from imgtrain.errors import ImgtrainError
+from imgtrain.data.limits import MIN_IMAGE_ROW_BYTES, TableRows, check_class_count
+from imgtrain.errors import ImgtrainError, one_line
 
 _RAY_TENSOR_EXTENSIONS = ("ray.data.arrow_tensor", "ray.data.arrow_tensor_v2")
 # The only Arrow extension types imgtrain reads. Any other is refused: Ray registers one
@@ -44,15 +44,30 @@ def foreign_extension(field: pa.Field) -> str | None:
     return next((found for i in range(typ.num_fields) if (found := foreign_extension(typ.field(i)))), None)
 
 
-def read_parquet_columns(files: list[Path], required: list[str], optional: list[str], hint: str,
-                         skip: list[str] = ()) -> pa.Table:
-    """The ``required`` and (where present) ``optional`` columns of a user's Parquet files,
-    concatenated, after every file's schema was checked (from its footer) for extension types
-    imgtrain does not read. Columns in ``skip`` are checked but not read (the images, when only
-    the labels are wanted). A missing required column is an error naming what exists + ``hint``."""
-    parts = []
+def open_parquet(path: Path, rows: TableRows | None = None, where: str | None = None) -> pq.ParquetFile:
+    """A user's Parquet file, opened (its footer read) and its row groups' row counts held to
+    ``rows``' bounds (the file's own, when None) before any row is read."""
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ImgtrainError(f"cannot read {path}: {one_line(e, 200)}") from None
+    rows, where = rows or TableRows(), where or str(path)
+    counts = [file.metadata.row_group(g).num_rows for g in range(file.metadata.num_row_groups)]
+    for count in counts:
+        rows.group(count, where)
+    rows.file(sum(counts), Path(path).stat().st_size, where)  # the groups' sum: what is read
+    return file
+
+
+def check_parquet_columns(files: list[Path], required: list[str], optional: list[str], hint: str,
+                          rows: TableRows) -> list[list[str]]:
+    """The ``required`` and (where present) ``optional`` columns of each of a user's Parquet
+    files, after every file's footer was checked: its rows held to ``rows``' bounds, its columns
+    for extension types imgtrain does not read. A missing required column is an error naming
+    what exists + ``hint``. Nothing but the footers is read."""
+    present_in = []
     for f in files:
-        schema = pq.read_schema(f)
+        schema = open_parquet(f, rows).schema_arrow
         missing = [c for c in required if c not in schema.names]
         if missing:
             raise ImgtrainError(
@@ -68,7 +83,18 @@ def read_parquet_columns(files: list[Path], required: list[str], optional: list[
                     "read (values of Ray's pickled-object type would run code when read); store plain "
                     "values: image bytes, nested lists of pixels or a tensor column"
                 )
-        parts.append(pq.read_table(f, columns=[c for c in present if c not in skip]))
+        present_in.append(present)
+    return present_in
+
+
+def read_parquet_columns(files: list[Path], required: list[str], optional: list[str], hint: str,
+                         skip: list[str] = (), min_row_bytes: float = MIN_IMAGE_ROW_BYTES) -> pa.Table:
+    """The ``required`` and (where present) ``optional`` columns of a user's Parquet files,
+    concatenated, once every file's footer passed ``check_parquet_columns`` (rows at least
+    ``min_row_bytes`` each). Columns in ``skip`` are checked but not read (the images, when
+    only the labels are wanted)."""
+    present_in = check_parquet_columns(files, required, optional, hint, TableRows(min_row_bytes))
+    parts = [pq.read_table(f, columns=[c for c in present if c not in skip]) for f, present in zip(files, present_in)]
     return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
 
 
@@ -215,10 +241,12 @@ def labels_from_column(column: pa.ChunkedArray, name: str) -> tuple[np.ndarray, 
         column = column.cast(column.type.value_type)
     typ = column.type
     if pa.types.is_string(typ) or pa.types.is_large_string(typ):
-        names = np.asarray(column.to_pylist(), dtype=object)
-        classes = sorted(set(names.tolist()))
-        check_class_count(len(classes), f"label column {name!r}")
-        return np.searchsorted(np.array(classes, dtype=object), names).astype(np.int64), classes
+        # A string per class, not per row: each row's is looked up by its dictionary index.
+        distinct = pc.unique(column)
+        check_class_count(len(distinct), f"label column {name!r}")
+        classes = sorted(distinct.to_pylist())
+        rank = np.searchsorted(np.array(classes, dtype=object), np.array(distinct.to_pylist(), dtype=object))
+        return rank[pc.index_in(column, value_set=distinct).to_numpy()].astype(np.int64), classes
     values = column.to_numpy()
     if pa.types.is_floating(typ) and np.all(values == np.round(values)):
         values = values.astype(np.int64)  # pandas turns int columns into floats easily

@@ -6,7 +6,7 @@ Inputs, recognised in this order:
     tensor column), plus ``id`` and ``label`` columns when present;
   * a directory of PNG/JPEG files (searched recursively), a glob (``photos/*.png``), or one file.
 
-The input is first listed (paths, or row groups) into tasks of a few dozen images; each task
+The input is first listed (paths, or slices of row groups) into tasks of a few dozen images; each task
 is read, decoded and converted to what the model takes (``read_task``), in this process or in
 Ray Data's tasks, and predicted batch by batch. Conversion: ``L`` or ``RGB`` for the channel
 count, then the model's evaluation transform (the data set's preset: a bilinear resize for
@@ -36,6 +36,8 @@ from imgtrain.ops import spreadsheet
 
 ON_ERROR = ("skip", "fail")
 TASK_FILES = 64  # images per task
+TASK_ROWS = 256  # rows of a Parquet row group per task (the Hub's image files hold 100 to 1,000 a group)
+GROUP_SLICES = 16  # tasks of one row group at most: each decodes the rows before its own (no skipping in Parquet)
 ROW_KEY = "_row"  # input position, so outputs come back in input order whatever Ray does
 ERROR_KEY = "_error"  # why a row cannot be used ("" when it can)
 CONVERTED_KEY = "_converted"  # whether the image had to be converted to the model's size or mode
@@ -85,24 +87,29 @@ def _dataset_inputs(path: Path, split: str) -> Inputs:
 def _parquet_inputs(path: Path, image_column: str) -> Inputs:
     import pyarrow.parquet as pq
 
-    from imgtrain.data.tables import parquet_files, read_parquet_columns
+    from imgtrain.data.limits import TableRows
+    from imgtrain.data.tables import check_parquet_columns, parquet_files
 
     files = parquet_files(path)
     if not files:
         raise ImgtrainError(f"no Parquet file at {path}")
-    try:
-        read_parquet_columns(files, [image_column], ["id", "label"], "choose with --image-column", skip=[image_column])
+    try:  # the footers only: columns and the rows they declare checked, nothing read
+        present = check_parquet_columns(files, [image_column], ["id", "label"], "choose with --image-column",
+                                        TableRows())
     except OSError as e:
         raise ImgtrainError(f"cannot read Parquet data at {path}: {one_line(e, 200)}") from None
     tasks, first = [], 0
-    names = set()
-    for f in files:
-        meta = pq.ParquetFile(f)
-        names |= set(meta.schema_arrow.names)
+    for f, columns in zip(files, present):
+        meta = pq.read_metadata(f)
         for g in range(meta.num_row_groups):
-            tasks.append({"kind": "parquet", "first": first, "file": str(f), "group": g, "column": image_column})
-            first += meta.metadata.row_group(g).num_rows
-    return Inputs(tasks, tuple(c for c in ("id", "label") if c in names and c != image_column), first)
+            rows = meta.row_group(g).num_rows
+            size = max(TASK_ROWS, -(-rows // GROUP_SLICES))  # a big row group in slices, not one task
+            for start in range(0, rows, size):
+                tasks.append({"kind": "parquet", "first": first + start, "file": str(f), "group": g, "start": start,
+                              "count": min(size, rows - start), "columns": columns})
+            first += rows
+    carried = {c for columns in present for c in columns}
+    return Inputs(tasks, tuple(c for c in ("id", "label") if c in carried and c != image_column), first)
 
 
 def _image_paths(spec: str) -> list[Path]:
@@ -165,15 +172,15 @@ def _task_sources(task: dict) -> dict:
         return {"items": items, "columns": {"path": np.asarray(task["paths"], dtype=str)}}
     import pyarrow as pa
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     from imgtrain.data.tables import images_from_column
 
-    table = pq.ParquetFile(task["file"]).read_row_group(task["group"])
-    column = table.column(task["column"])
+    table = _row_group_slice(task)
+    image_column = task["columns"][0]
+    column = table.column(image_column)
     columns = {}
     for name in ("id", "label"):
-        if name in table.column_names and name != task["column"]:
+        if name in table.column_names and name != image_column:
             col = table.column(name)
             if pa.types.is_integer(col.type) and col.null_count == 0:
                 columns[name] = col.to_numpy().astype(np.int64)
@@ -182,10 +189,30 @@ def _task_sources(task: dict) -> dict:
     if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
         items = [v if v is not None else ImageRejected("empty (null) image") for v in column.to_pylist()]
     else:
-        items = list(images_from_column(column, table.schema.field(task["column"])))
+        items = list(images_from_column(column, table.schema.field(image_column)))
     if "id" not in columns:
         columns["id"] = np.arange(task["first"], task["first"] + len(items), dtype=np.int64)
     return {"items": items, "columns": columns}
+
+
+def _row_group_slice(task: dict):
+    """Rows ``start`` to ``start + count`` of one row group, only the task's columns (checked when
+    listed), read ``count`` at a time: a slice of a big row group never holds the whole group."""
+    import pyarrow as pa
+
+    from imgtrain.data.tables import open_parquet
+
+    file = open_parquet(Path(task["file"]))  # its row counts checked again: it may have changed since
+    start, end, position, pieces = task["start"], task["start"] + task["count"], 0, []
+    for batch in file.iter_batches(batch_size=task["count"], row_groups=[task["group"]], columns=task["columns"]):
+        if position + batch.num_rows > start:
+            pieces.append(batch.slice(max(start - position, 0), end - max(start, position)))
+        position += batch.num_rows
+        if position >= end:
+            break
+    if not pieces:
+        raise ImgtrainError(f"{task['file']} has fewer rows than when it was listed")
+    return pa.Table.from_batches(pieces)
 
 
 def _convert(item, shape, preset: str) -> tuple[np.ndarray, bool]:

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from imgtrain.data import hf_files
 from imgtrain.data.class_labels import ClassBook
-from imgtrain.data.limits import check_class_count
+from imgtrain.data.limits import TableRows, check_class_count
 from imgtrain.data.listing import MAX_LISTED_BAD, Chunk, Listing, Skipped
 from imgtrain.data.named_splits import SPLIT_CODES, fixed_splits
 from imgtrain.data.sources.registry import SourceSpec, register
@@ -56,6 +57,9 @@ def list_hf(source, opts) -> Listing:
     image = _pick(schema, features, opts.image_column, ("image", "Image"), layout.parts[0])
     label = _pick(schema, features, opts.label_column, ("label", "ClassLabel"), layout.parts[0])
     book = ClassBook(_class_names(features.get(label)), "class ids and class names")
+    rows = TableRows()  # the rows every file declares, held to bounds before any is read
+    for part in layout.parts:
+        hf_files.check_rows(part.path, rows, part.name)
     skipped, found, first_id = Skipped(), [], 0
     for name, why in layout.not_read:
         skipped.add(name, why)
@@ -109,9 +113,10 @@ def _unit_labels(column: pa.Array, book: ClassBook, where: str) -> tuple[np.ndar
         good = why == ""
         labels[good] = book.indices(values[good], where)
     elif pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-        for k, name in enumerate(column.to_pylist()):
-            if name is not None:
-                labels[k] = book.name(name, where)
+        distinct = pc.unique(column.drop_null())  # a string per class name, not per row
+        numbers = np.array([book.name(name, where) for name in distinct.to_pylist()], np.int64)
+        good = why == ""
+        labels[good] = numbers[pc.index_in(column, value_set=distinct).drop_null().to_numpy()]
     else:
         raise ImgtrainError(f"label column at {where} has type {column.type}; expected class ids (a ClassLabel) "
                             "or class names; choose another with --label-column")

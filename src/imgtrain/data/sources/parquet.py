@@ -1,7 +1,8 @@
 """parquet: a Parquet table (a file or a folder of them) of images and labels, with optional
 ``id`` and train/test ``split`` columns. Images stored as PNG/JPEG bytes (also Hugging Face's
 {bytes, path} structs) are checked like files; pixel arrays (nested lists, a tensor column) are
-kept as tensors. Read a row group at a time, never whole."""
+kept as tensors. Read a row group at a time, never whole, once the row counts the files declare
+passed ``limits.TableRows``' bounds."""
 
 from __future__ import annotations
 
@@ -46,8 +47,7 @@ def list_parquet_images(path, image_column: str, label_column: str) -> Listing:
     """A table of PNG/JPEG bytes: one chunk per row group."""
     rows = _table_rows(path, image_column, label_column)
     chunks = []
-    for file, group, first in rows.groups:
-        count = pq.ParquetFile(file).metadata.row_group(group).num_rows
+    for file, group, first, count in rows.groups:
         chunks.append(Chunk(first, [f"{file.name} row {first + k}" for k in range(count)],
                             functools.partial(read_encoded_row_group, str(file), group, image_column)))
     return Listing(rows.classes, rows.labels, chunks, rows.fixed_test, rows.ids)
@@ -55,7 +55,7 @@ def list_parquet_images(path, image_column: str, label_column: str) -> Listing:
 
 def read_encoded_row_group(file: str, group: int, column: str):
     """The bytes of each image of one row group, or why there are none (a ``Chunk.read``)."""
-    values = pq.ParquetFile(file).read_row_group(group, columns=[column]).column(column)
+    values = tables.open_parquet(Path(file)).read_row_group(group, columns=[column]).column(column)
     if str(values.type).startswith("struct"):  # Hugging Face's {bytes, path} images
         values = pc.struct_field(values, "bytes")
     for value in values.to_pylist():
@@ -77,7 +77,7 @@ class _TableRows:
     labels: np.ndarray
     ids: np.ndarray
     fixed_test: np.ndarray | None
-    groups: list[tuple[Path, int, int]]  # (file, row group, first row position)
+    groups: list[tuple[Path, int, int, int]]  # (file, row group, first row position, rows)
 
 
 def _table_rows(path, image_column: str, label_column: str) -> _TableRows:
@@ -105,16 +105,19 @@ def _table_rows(path, image_column: str, label_column: str) -> _TableRows:
     for f in files:
         meta = pq.ParquetFile(f).metadata
         for g in range(meta.num_row_groups):
-            groups.append((f, g, first))
+            groups.append((f, g, first, meta.row_group(g).num_rows))
             first += meta.row_group(g).num_rows
     return _TableRows(classes, labels, ids, fixed_test(table), groups)
 
 
-def iter_parquet_pixels(groups: list[tuple[Path, int, int]], image_column: str):
+def iter_parquet_pixels(groups: list[tuple[Path, int, int, int]], image_column: str):
     """(row positions int64 [n], pixels uint8 [n, H, W, C]) for each row group, in order."""
-    for file, group, first in groups:
+    opened: dict[Path, pq.ParquetFile] = {}  # the file being read: its footer parsed (and checked) once
+    for file, group, first, _ in groups:
+        if file not in opened:
+            opened = {file: tables.open_parquet(file)}
         try:
-            part = pq.ParquetFile(file).read_row_group(group, columns=[image_column])
+            part = opened[file].read_row_group(group, columns=[image_column])
         except (pa.ArrowException, OSError) as e:
             raise ImgtrainError(f"cannot read {file}: {one_line(e, 200)}") from None
         pixels = tables.images_from_column(part.column(image_column), part.schema.field(image_column))

@@ -7,6 +7,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from imgtrain.data import tables
+from imgtrain.data.limits import MIN_PATH_ROW_BYTES
 from imgtrain.data.listing import Listing, files_listing, fixed_test
 from imgtrain.data.sources.registry import SourceSpec, register
 from imgtrain.errors import ImgtrainError, one_line
@@ -32,7 +33,8 @@ def list_file_table(path, path_column: str = "path", label_column: str = "label"
         if not files:
             raise ImgtrainError(f"no Parquet or CSV table at {path}; pass a .csv or .parquet file")
         table = tables.read_parquet_columns(files, [path_column, label_column], ["split"],
-                                            "choose with --path-column / --label-column")
+                                            "choose with --path-column / --label-column",
+                                            min_row_bytes=MIN_PATH_ROW_BYTES)
     if table.num_rows == 0:
         raise ImgtrainError(f"{path} has no rows")
     paths = table.column(path_column)
