@@ -6,8 +6,8 @@
 # Output under $OUT (or /tmp/gpu-out).
 #
 # The lent machines' python3 has torch with CUDA and no package registry: Ray and the rest of
-# imgtrain's dependencies that it lacks travel as wheels in .whl/ (docs/NOTES.md, "The GPU path on
-# a lent H100"), and are installed here into /tmp/site. The data sets come along in data/.
+# imgtrain's dependencies that it lacks travel as wheels in .whl/ (docs/NOTES.md, "GPU sessions"),
+# and are installed here into /tmp/site. The data sets come along in data/.
 set -u
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"

@@ -11,6 +11,7 @@ Every CLI verb is one function here:
     imgtrain.load_model(run) -> (model, preprocess)
     imgtrain.Predictor(checkpoint)                    (for Ray Data map_batches)
     imgtrain.write_report(run) -> Path                (imgtrain report)
+    imgtrain.export(run, format, out) -> ExportResult (imgtrain export)
 """
 
 from imgtrain.config import TrainConfig

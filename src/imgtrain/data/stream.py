@@ -329,7 +329,7 @@ def ray_parts(tasks: list[dict], reader: Reader, cpus: int) -> Iterator[dict]:
     Ray tasks, not a Ray Data ``map_batches``: Ray Data 2.60's streaming executor ran these
     tasks one at a time whatever the pool's size (their spans never overlapped, with 2 CPUs
     here and with 15 on a GPU machine), half the rate of the same tasks two at a time
-    (docs/NOTES.md, "The Ray Data path's speed")."""
+    (docs/NOTES.md, "Streamed decoding runs as Ray tasks")."""
     import ray
 
     if not tasks:

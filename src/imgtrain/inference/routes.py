@@ -64,11 +64,12 @@ async def _http_error(request: Request, e: StarletteHTTPException):
 
 
 def _bind_as_serves_proxy_does() -> None:
-    """Ray 2.60 binds a direct-ingress replica's socket without SO_REUSEADDR (replica.py passes
-    ``enable_so_reuseport=False``), unlike its proxy: the connections the server closed stay in
-    TIME_WAIT for a minute after it stops, and keep the next ``imgtrain serve`` from the port until
-    then. Bind it as the proxy does (its default, SERVE_SOCKET_REUSE_PORT_ENABLED): ``check_port_free``
-    still refuses a port another server listens on, before Ray starts."""
+    """Ray 2.60 binds a direct-ingress replica's socket without SO_REUSEADDR
+    (``ray/serve/_private/replica.py`` passes ``enable_so_reuseport=False``), unlike its proxy:
+    the connections the server closed stay in TIME_WAIT for a minute after it stops, and keep the
+    next ``imgtrain serve`` from the port until then. Bind it as the proxy does (its default,
+    SERVE_SOCKET_REUSE_PORT_ENABLED): ``check_port_free`` still refuses a port another server
+    listens on, before Ray starts."""
     from ray.serve._private import replica
 
     start = replica.start_asgi_http_server

@@ -17,9 +17,10 @@ pickled filesystem object. pyarrow's S3 client ignores ``AWS_ENDPOINT_URL`` (apa
 so an S3-compatible server (MinIO, moto) is named by ``IMGTRAIN_S3_ENDPOINT`` (or
 ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``), e.g. ``http://127.0.0.1:9000``.
 
-The package, one job a module, lowest first: ``remote`` (a location, its filesystem, this machine's
-copy, and the one check that turns a key of the store into a local path), ``lease`` (the driver's
-heartbeat, its lease on the run), ``ledger`` (which checkpoints of the working copy have been in the
-store), ``mirror`` (a run's working copy: pull, push, delete, the driver's background mirror),
-``staging`` (a prepared data set copied to this node).
+The package, one job a module, lowest first: ``lease`` (the driver's heartbeat, its lease on the
+run), ``ledger`` (which checkpoints of the working copy have been in the store), ``mirror`` (a run's
+working copy: pull, push, delete, the driver's background mirror), ``staging`` (a prepared data set
+copied to this node). Below them all, ``ops.remote`` (a location, its filesystem, this machine's
+copy, and the one check that turns a key of the store into a local path) is a utility, so that
+``data`` may use it too.
 """

@@ -1,7 +1,7 @@
 """The data sources ``data prepare`` knows, by name. Each source is one module of this package
 that registers a ``SourceSpec``: what ``--source`` names, which options it takes, and how it is
-listed. prepare's checks, the CLI's help and the docs' list of sources ask the specs: nothing
-else compares source names.
+listed. prepare's checks and the CLI's help ask the specs: nothing else compares source names.
+docs/data.md's table of sources is written by hand; ``tests/test_docs.py`` holds it to these specs.
 
 A lister returns one of three things, and prepare writes each its own way:
 
@@ -116,8 +116,8 @@ def _not_taken(spec: SourceSpec, given: set[str], flags: str) -> list[str]:
 
 
 def help_lines() -> list[str]:
-    """One line per source, for ``data prepare --help`` and the docs: what it reads, what
-    --source names and the options only some sources take."""
+    """One line per source, for ``data prepare --help``: what it reads, what --source names and
+    the options only some sources take."""
     lines = []
     for spec in SOURCES.values():
         needs = f": --source {spec.source}" if spec.source else " (built in: no --source)"
