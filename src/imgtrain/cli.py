@@ -328,8 +328,8 @@ def _finished_line(r) -> str:
         storage = r.config.get("storage")
         evaluate = f"imgtrain evaluate {r.name}" + (f" --storage {storage}" if storage not in (None, "./runs") else "")
         return f"{head}, validation accuracy {best['val_accuracy']:.2%}; run `{evaluate}` for the test split"
-    return (f"{head}, accuracy {best['val_accuracy']:.2%} on the test split, which also chose it (no val split): "
-            "an optimistic figure, not a test result")
+    return (f"{head}, accuracy {best['val_accuracy']:.2%} on the test split that chose it (no val split): "
+            "optimistic, not a test result")
 
 
 def _selection_lines(r) -> list[str]:
