@@ -59,7 +59,7 @@ def photos(tmp_path_factory) -> Path:
     for c, base in (("a", 0), ("b", 100)):
         for i in range(20):
             save_image(root / "src" / c / f"{i}.png", base + 5 * i, size=(16, 16), mode="RGB")
-    prepare("folder", root / "data", root / "src", PrepareOptions(seed=3))
+    prepare("folder", root / "data", root / "src", PrepareOptions(seed=3, val_fraction=0))  # train and test only
     return root / "data"
 
 

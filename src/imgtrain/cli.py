@@ -91,8 +91,10 @@ def data_prepare(
     size: Optional[str] = typer.Option(None, help="Resize (and re-encode) every image to HxW, e.g. 64x64; default: "
                                         "keep them, train at their size (or the median one)."),
     test_fraction: float = typer.Option(0.2, help="Share held out for testing when the source has no split."),
-    val_fraction: float = typer.Option(0.0, help="Share held out for validation (picks the best checkpoint; the "
-                                       "test split then stays untouched until evaluate/report); 0 = none."),
+    val_fraction: Optional[float] = typer.Option(
+        None, help="Share held out for validation, from the training images (picks the best checkpoint; the test "
+        "split then stays untouched until evaluate/report); 0 = none. Default: 0.1 where the source has no "
+        "validation split and every class has 10 or more training images."),
     on_error: str = typer.Option("skip", help="Unreadable images: skip (and list them) or fail."),
     workers: int = typer.Option(0, help="Processes checking and converting images; 0 = one per core."),
     seed: int = typer.Option(0, help="Seed of the splits."),
@@ -221,10 +223,7 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
         return
-    acc = result.final_accuracy
-    console.print(
-        f"finished {result.name}: {result.validation_split} accuracy {acc:.2%}" if acc is not None else f"finished {result.name}",
-    )
+    console.print(_finished_line(result))
     console.print(f"run directory: {result.location or result.path}")
     for line in _selection_lines(result):
         console.print(line)
@@ -314,6 +313,23 @@ def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP
         console.print(line)
     console.print(f"best checkpoint:   {r.best_checkpoint}")
     console.print(f"latest checkpoint: {r.latest_checkpoint}")
+
+
+def _finished_line(r) -> str:
+    """train's last figure, named: the best checkpoint's epoch and accuracy, on the split it was chosen on."""
+    from imgtrain import runs
+
+    best = r.best_record
+    if not best or not runs.is_number(best.get("val_accuracy")) or not isinstance(best.get("epoch"), int):
+        return f"finished {r.name}"
+    which = "average checkpoint" if best.get("kind") == "average" else "best checkpoint"
+    head = f"finished {r.name}: {which} epoch {best['epoch'] + 1}"
+    if best.get("val_split", "test") == "val":
+        storage = r.config.get("storage")
+        evaluate = f"imgtrain evaluate {r.name}" + (f" --storage {storage}" if storage not in (None, "./runs") else "")
+        return f"{head}, validation accuracy {best['val_accuracy']:.2%}; run `{evaluate}` for the test split"
+    return (f"{head}, accuracy {best['val_accuracy']:.2%} on the test split that chose it (no val split): "
+            "optimistic, not a test result")
 
 
 def _selection_lines(r) -> list[str]:
@@ -515,9 +531,10 @@ def evaluate_cmd(
         return
     console.print(f"checkpoint {result.checkpoint}")
     recorded = result.recorded_val_accuracy
+    on = "" if result.recorded_split == result.split else f" on the {result.recorded_split} split"
     console.print(
         f"{result.split} accuracy {result.accuracy:.2%} on {result.num_samples} samples"
-        + (f" (recorded in training: {recorded:.2%})" if recorded is not None else "")
+        + (f" (recorded in training{on}: {recorded:.2%})" if recorded is not None else "")
         + (" with --tta flip" if result.tta == "flip" else ""),
     )
     top5 = result.top5_accuracy

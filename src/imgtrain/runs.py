@@ -305,6 +305,15 @@ class RunResult:
         return self.history[-1].get("val_accuracy") if self.history else None
 
     @property
+    def best_record(self) -> dict | None:
+        """The record (an epoch's, or the average's) of the best checkpoint: its epoch, its
+        validation figures and the split they are on; None without one (no checkpoint, or only
+        one saved within an epoch, before any validation)."""
+        name = self.best_checkpoint.name if self.best_checkpoint else None
+        found = [r for r in (*self.history, *([self.average] if self.average else [])) if r.get("checkpoint") == name]
+        return found[-1] if name and found else None
+
+    @property
     def validation_split(self) -> str:
         """The split training validated on: val when the data set has one, else test."""
         return self.history[-1].get("val_split", "test") if self.history else "test"
@@ -322,6 +331,7 @@ class RunResult:
             "latest_checkpoint": str(self.latest_checkpoint) if self.latest_checkpoint else None,
             "best_val_accuracy": max((r["val_accuracy"] for r in self.history if "val_accuracy" in r), default=None),
             "select_metric": POLICY.for_config(self.config).metric,
+            "val_split": self.validation_split,  # the split the figures above (and the best checkpoint) are on
             "stopped_early": stop.to_json() if stop else None,
             "average": {k: self.average.get(k) for k in ("epochs", "val_loss", "val_accuracy", "val_f1_macro",
                                                          "checkpoint")} if self.average else None,

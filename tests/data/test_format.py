@@ -18,7 +18,7 @@ import pytest
 from imgtrain.data import format as parquet
 from imgtrain.data import tables
 from imgtrain.data.options import PrepareOptions
-from imgtrain.data.prepare import prepare
+from imgtrain.data.prepare import carve_val, prepare
 from imgtrain.data.raw import RawDataset, Split
 from imgtrain.data.sources.mnist_sample import load_mnist_sample
 from imgtrain.data.writer import write_dataset
@@ -49,20 +49,23 @@ def test_mnist_sample_manifest(sample_dir):
     m = json.loads((sample_dir / "manifest.json").read_text())
     assert m["format_version"] == 2 and m["name"] == "mnist-sample" and m["source"] == "mnist-sample"
     assert m["storage"] == "tensor" and m["preset"] == "digits"
-    assert [sum(g) for g in m["splits"]["train"]["row_groups"]] == [4000]  # row groups of up to 1,024 rows
+    assert [sum(g) for g in m["splits"]["train"]["row_groups"]] == [3500]  # row groups of up to 1,024 rows
     assert max(max(g) for g in m["splits"]["train"]["row_groups"]) == 1024
     assert m["classes"] == [str(i) for i in range(10)] and m["num_classes"] == 10
     assert m["image_shape"] == [28, 28, 1] and m["channels"] == 1
-    assert m["splits"]["train"]["num_samples"] == 4000 and m["splits"]["test"]["num_samples"] == 1000
-    assert m["class_counts"]["test"] == [100] * 10 and m["class_counts"]["train"] == [400] * 10
+    # the default validation split, a tenth of the 5,000 digits, carved from the 4,000 training ones
+    assert {s: v["num_samples"] for s, v in m["splits"].items()} == {"train": 3500, "val": 500, "test": 1000}
+    assert m["class_counts"] == {"train": [350] * 10, "val": [50] * 10, "test": [100] * 10}
+    assert m["val_split"] == {"from": "train", "fraction": 0.1, "default": True}
     assert m["normalize"] == {"mean": [0.5], "std": [0.5]}
-    files = m["splits"]["train"]["files"] + m["splits"]["test"]["files"]
+    files = m["splits"]["train"]["files"] + m["splits"]["val"]["files"] + m["splits"]["test"]["files"]
     assert files[0] == "train/part-00000.parquet" and set(m["sha256"]) == set(files)
     for rel in files:
         assert m["sha256"][rel] == hashlib.sha256((sample_dir / rel).read_bytes()).hexdigest()
     assert m["created"].endswith("+00:00")
     text = parquet.describe(m)
-    assert "'mnist-sample'" in text and "4,000 train" in text and "1,000 test" in text and "28x28" in text
+    assert "'mnist-sample'" in text and "28x28" in text
+    assert "3,500 train (350 per class), 500 val (50 per class, carved from train), 1,000 test" in text
 
 
 def test_written_schema_is_tensor_and_rows_are_shuffled(sample_dir):
@@ -74,8 +77,8 @@ def test_written_schema_is_tensor_and_rows_are_shuffled(sample_dir):
 
 
 def test_read_split_round_trips_the_loader(sample_dir):
-    raw = load_mnist_sample(seed=0)
-    for name, split in (("train", raw.train), ("test", raw.test)):
+    raw, _ = carve_val(load_mnist_sample(seed=0), None, seed=0)
+    for name, split in (("train", raw.train), ("val", raw.val), ("test", raw.test)):
         ids, images, labels = parquet.read_split(sample_dir, name)
         assert images.dtype == np.uint8 and images.shape == (len(split), 28, 28, 1)
         assert ids.dtype == np.int64 and labels.dtype == np.int64
@@ -83,8 +86,10 @@ def test_read_split_round_trips_the_loader(sample_dir):
         assert np.array_equal(images, split.images)
     test_ids = parquet.read_split(sample_dir, "test")[0]
     assert not set(test_ids) & set(parquet.read_split(sample_dir, "train")[0])
-    with pytest.raises(ImgtrainError, match="unknown split 'val'; this data set has: train, test"):
-        parquet.read_split(sample_dir, "val")
+    val_ids = parquet.read_split(sample_dir, "val")[0]
+    assert not set(val_ids) & (set(test_ids) | set(parquet.read_split(sample_dir, "train")[0]))
+    with pytest.raises(ImgtrainError, match="unknown split 'dev'; this data set has: train, val, test"):
+        parquet.read_split(sample_dir, "dev")
 
 
 def test_tensor_column_decodes_from_storage_and_metadata():

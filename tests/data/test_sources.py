@@ -387,4 +387,6 @@ def test_preparing_mnist_from_idx_files_does_not_hold_them(tmp_path):
         peaks[n] = peak_rss_of(["data", "prepare", "mnist", str(tmp_path / f"out{n}"), "--source", str(source)])
     added = (48_000 - 12_000) * 7 // 6 * 28 * 28
     assert peaks[48_000] - peaks[12_000] < added * 0.25, (peaks, added)
-    assert json.loads((tmp_path / "out48000" / "manifest.json").read_text())["splits"]["train"]["num_samples"] == 48_000
+    splits = json.loads((tmp_path / "out48000" / "manifest.json").read_text())["splits"]
+    # the default validation split: 0.1 / 0.8 of the training images (the fixed test split counted as 20 %)
+    assert {s: v["num_samples"] for s, v in splits.items()} == {"train": 42_000, "val": 6_000, "test": 8_000}

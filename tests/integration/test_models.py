@@ -180,5 +180,5 @@ def test_tiny_images_get_the_small_stem_by_default_and_keep_it_downstream(tmp_pa
     assert ckpt.read_meta(result.latest_checkpoint)["model_args"]["stem"] == "small"
     model, _ = load_model("d8", storage=str(tmp_path))
     assert model.conv1.stride == (1, 1)
-    ev = evaluate("d8", storage=str(tmp_path), options=InferenceOptions(backend="local"))
-    assert ev.accuracy == result.metrics["val_accuracy"].iloc[-1]
+    ev = evaluate("d8", storage=str(tmp_path), split="val", options=InferenceOptions(backend="local"))
+    assert ev.accuracy == result.metrics["val_accuracy"].iloc[-1]  # prepare's default: a validation split

@@ -434,6 +434,13 @@ def read_split(data_dir: PathLike, split: str) -> tuple[np.ndarray, np.ndarray, 
     return (np.concatenate(ids).astype(np.int64), x, np.concatenate(labels).astype(np.int64))
 
 
+def _val_origin(manifest: dict) -> dict:
+    """Where the validation split comes from (``prepare.val_plan``'s record; {} in a data set made
+    before it, or by hand): its text fields, cut short (a manifest is input like any file)."""
+    origin = manifest.get("val_split")
+    return {k: v[:200] for k, v in origin.items() if isinstance(v, str)} if isinstance(origin, dict) else {}
+
+
 def describe(manifest: dict) -> str:
     """One paragraph for humans: name, classes, images, per-split counts."""
     classes = manifest["classes"]
@@ -445,7 +452,8 @@ def describe(manifest: dict) -> str:
             counts = manifest["class_counts"][s]
             lo, hi = min(counts), max(counts)
             per = f"{lo:,} per class" if lo == hi else f"{lo:,}-{hi:,} per class"
-            parts.append(f"{manifest['splits'][s]['num_samples']:,} {s} ({per})")
+            carved = s == "val" and _val_origin(manifest).get("from") == "train"
+            parts.append(f"{manifest['splits'][s]['num_samples']:,} {s} ({per}{', carved from train' * carved})")
     kept = ("encoded PNG/JPEG, trained at" if manifest["storage"] == "encoded" else "uint8")
     mean = ", ".join(f"{v:.3f}" for v in manifest["normalize"]["mean"])
     std = ", ".join(f"{v:.3f}" for v in manifest["normalize"]["std"])
@@ -455,5 +463,8 @@ def describe(manifest: dict) -> str:
         f"images {kept} {h}x{w} with {c} channel{'s' if c != 1 else ''} (normalised with mean {mean} / std {std}, "
         f"{manifest['preset']} augmentation); {', '.join(parts)} samples"
         + (f"; {skipped['count']:,} unreadable file(s) skipped" if skipped.get("count") else "")
+        + ("" if "val" in manifest["splits"] else
+           f"; no val split ({_val_origin(manifest).get('why') or 'prepared without one'}): training will pick its best "
+           "checkpoint on the test split")
         + f"; created {manifest['created']}."
     )

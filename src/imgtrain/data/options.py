@@ -33,8 +33,9 @@ class PrepareOptions:
     """Resize (and re-encode) every image to (H, W); None: keep them, train at their size."""
     test_fraction: float = 0.2
     """Share held out for testing when the source has no split of its own."""
-    val_fraction: float = 0.0
-    """Share held out for validation, drawn from the training rows; 0: none."""
+    val_fraction: float | None = None
+    """Share held out for validation, drawn from the training rows; 0: none; None: the default
+    (``splits.DEFAULT_VAL_FRACTION`` when every class has enough training images, docs/data.md)."""
     seed: int = 0
     """Seed of the splits and of the order images are written in."""
     overwrite: bool = False
@@ -57,7 +58,7 @@ class PrepareOptions:
         """What is wrong with the options whatever the source (a source's own rules: its spec)."""
         issues = []
         test, val = self.test_fraction, self.val_fraction
-        if not (0 <= val < 1) or not (0 < test < 1) or val + test >= 1:
+        if not (0 < test < 1) or (val is not None and (not (0 <= val < 1) or val + test >= 1)):
             issues.append(f"--test-fraction {test} and --val-fraction {val} must be in (0, 1) "
                           "and [0, 1) with room left for training")
         if self.on_error not in ON_ERROR:

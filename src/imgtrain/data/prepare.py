@@ -27,7 +27,7 @@ from imgtrain.data.named_splits import SPLIT_CODES
 from imgtrain.data.options import PrepareOptions
 from imgtrain.data.raw import RawDataset, Split, take_images
 from imgtrain.data.sources import registry  # importing the package registers every source
-from imgtrain.data.splits import stratified_split
+from imgtrain.data.splits import DEFAULT_VAL_FRACTION, stratified_split, too_few_for_val
 from imgtrain.data.writer import DatasetWriter, write_dataset
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops.remote import is_remote
@@ -56,11 +56,18 @@ def prepare(source: str, out_dir, source_path=None, options: PrepareOptions | No
         raise ImgtrainError(f"--dedupe works on sources of PNG/JPEG images, and {source} gives pixel arrays; prepare "
                             "without it and find the duplicates with `imgtrain data inspect OUT_DIR`")
     if isinstance(listed, RawDataset):
-        return write_dataset(carve_val(listed, opts.val_fraction, opts.seed), out_dir, overwrite=opts.overwrite,
-                             **fields)
+        raw, origin = carve_val(listed, opts.val_fraction, opts.seed)
+        return write_dataset(raw, out_dir, overwrite=opts.overwrite, **_with_val(fields, origin))
     if isinstance(listed, PixelListing):
         return _prepare_pixels(listed, out_dir, fields, opts)
     return _prepare_encoded(listed, out_dir, fields, opts, progress)
+
+
+def _with_val(fields: dict, origin: dict) -> dict:
+    """The manifest's fields with where its validation split comes from (``val_split``) and the
+    share carved (``options.val_fraction``: the one used, the default's included)."""
+    carved = origin.get("fraction", 0.0) if origin["from"] == "train" else 0.0
+    return {**fields, "options": {**fields["options"], "val_fraction": carved}, "val_split": origin}
 
 
 def _check_not_nested(spec: registry.SourceSpec, source_path, out_dir) -> None:
@@ -77,11 +84,13 @@ def _check_not_nested(spec: registry.SourceSpec, source_path, out_dir) -> None:
 # ---------------------------------------------------------------- which split each row goes to
 
 
-def assign_splits(labels: np.ndarray, fixed_test: np.ndarray | None, test_fraction: float, val_fraction: float,
-                  seed: int, fixed_val: np.ndarray | None = None) -> np.ndarray:
-    """int8 [N]: 0 train, 1 val, 2 test. Stratified and seeded; a source's own test and
-    validation splits (``fixed_test``, ``fixed_val``) are kept, a missing test split is drawn
-    from the rows outside them, and a validation split from the training rows."""
+def assign_splits(labels: np.ndarray, fixed_test: np.ndarray | None, test_fraction: float,
+                  val_fraction: float | None, seed: int, fixed_val: np.ndarray | None = None,
+                  classes=()) -> tuple[np.ndarray, dict]:
+    """(int8 [N]: 0 train, 1 val, 2 test; where the validation split comes from, for the
+    manifest). Stratified and seeded; a source's own test and validation splits (``fixed_test``,
+    ``fixed_val``) are kept, a missing test split is drawn from the rows outside them, and a
+    validation split from the training rows (``val_fraction`` None: the default, ``val_plan``)."""
     split = np.zeros(len(labels), np.int8)
     if fixed_val is not None:
         if val_fraction:
@@ -93,25 +102,46 @@ def assign_splits(labels: np.ndarray, fixed_test: np.ndarray | None, test_fracti
         pool = np.flatnonzero(split == 0)  # every row when the source has no validation split
         _, test = stratified_split(labels[pool], test_fraction, seed)
         split[pool[test]] = SPLIT_CODES["test"]
+    if fixed_val is not None:
+        return split, {"from": "source"}
+    train = np.flatnonzero(split == 0)
+    val_fraction, origin = val_plan(val_fraction, labels[train], classes)
     if val_fraction:
-        train = np.flatnonzero(split == 0)
         # of the training rows, the share that makes val_fraction of them all
         share = val_fraction / (1 - test_fraction) if fixed_test is None else val_fraction
         _, val = stratified_split(labels[train], min(share, 0.5), seed + 1)
         split[train[val]] = SPLIT_CODES["val"]
-    return split
+    return split, origin
 
 
-def carve_val(raw: RawDataset, val_fraction: float, seed: int) -> RawDataset:
-    """A validation split drawn (stratified) from an in-memory data set's training split."""
+def val_plan(val_fraction: float | None, train_labels: np.ndarray, classes) -> tuple[float, dict]:
+    """The share to carve from the training rows for a source without a validation split, and
+    the manifest's record of it: ``--val-fraction`` as given (0: none), else ``DEFAULT_VAL_FRACTION``
+    unless a class has too few training images (``too_few_for_val``)."""
+    if val_fraction is None:
+        why = too_few_for_val(train_labels, classes)
+        if why:
+            return 0.0, {"from": None, "why": why}
+        return DEFAULT_VAL_FRACTION, {"from": "train", "fraction": DEFAULT_VAL_FRACTION, "default": True}
     if not val_fraction:
-        return raw
+        return 0.0, {"from": None, "why": "--val-fraction 0"}
+    return val_fraction, {"from": "train", "fraction": val_fraction, "default": False}
+
+
+def carve_val(raw: RawDataset, val_fraction: float | None, seed: int) -> tuple[RawDataset, dict]:
+    """A validation split drawn (stratified) from an in-memory data set's training split, and
+    the manifest's record of where it comes from (``val_plan``)."""
+    if raw.val is not None:
+        return raw, {"from": "source"}
+    val_fraction, origin = val_plan(val_fraction, raw.train.labels, raw.classes)
+    if not val_fraction:
+        return raw, origin
     train, val = stratified_split(raw.train.labels, val_fraction / (1 - 0.2), seed + 1)
 
     def take(idx):
         return Split(take_images(raw.train.images, idx), raw.train.labels[idx], raw.train.ids[idx])
 
-    return RawDataset(raw.classes, take(np.sort(train)), raw.test, take(np.sort(val)))
+    return RawDataset(raw.classes, take(np.sort(train)), raw.test, take(np.sort(val))), origin
 
 
 # ---------------------------------------------------------------- encoded images (photos)
@@ -144,8 +174,9 @@ def _prepare_encoded(listed: Listing, out_dir, fields: dict, opts: PrepareOption
         hint = "fix them or pass --on-error skip" if opts.on_error == "fail" else "none is left to prepare"
         raise ImgtrainError(f"{measured.bad_count} sample(s) of the source cannot be used: "
                             f"{_shown(measured)}; {hint}")
-    split = assign_splits(listed.labels, listed.fixed_test, opts.test_fraction, opts.val_fraction, opts.seed,
-                          listed.fixed_val)
+    split, origin = assign_splits(listed.labels, listed.fixed_test, opts.test_fraction, opts.val_fraction,
+                                  opts.seed, listed.fixed_val, listed.classes)
+    fields = _with_val(fields, origin)
     names = [s for s, code in SPLIT_CODES.items() if (split == code).any()]
     total, done, passes = len(listed.labels), 0, 1 + (opts.dedupe != "off")
     dropped = None
@@ -220,7 +251,9 @@ def _run_chunks(chunks: list, size, workers: int):
 def _prepare_pixels(listed: PixelListing, out_dir, fields: dict, opts: PrepareOptions) -> dict:
     """Pixel arrays (a Parquet table's nested lists or tensor column), streamed batch by batch
     into tensor storage; every image must have one shape."""
-    split = assign_splits(listed.labels, listed.fixed_test, opts.test_fraction, opts.val_fraction, opts.seed)
+    split, origin = assign_splits(listed.labels, listed.fixed_test, opts.test_fraction, opts.val_fraction,
+                                  opts.seed, classes=listed.classes)
+    fields = _with_val(fields, origin)
     names = [s for s, code in SPLIT_CODES.items() if (split == code).any()]
     shape = None
     with DatasetWriter(out_dir, listed.classes, "tensor", names, opts.overwrite) as out:
@@ -237,4 +270,4 @@ def _prepare_pixels(listed: PixelListing, out_dir, fields: dict, opts: PrepareOp
         return out.finish({"name": fields["name"], "source": fields["source"], "image_shape": [h, w, c],
                            "channels": c, "preset": default_preset([h, w, c]),
                            "normalize": {"mean": [NORMALIZE_MEAN] * c, "std": [NORMALIZE_STD] * c},
-                           "options": fields["options"]})
+                           "options": fields["options"], "val_split": fields["val_split"]})

@@ -42,3 +42,25 @@ def stratified_split(
             "images; add images or raise --test-fraction"
         )
     return rng.permutation(train), rng.permutation(test)
+
+
+# The validation split `data prepare` carves from the training rows when the source has none and
+# --val-fraction is not given: what training selects its best checkpoint on, so that the test
+# split is first seen by `evaluate` and `report`.
+DEFAULT_VAL_FRACTION = 0.1
+# ... unless a class has fewer training images than this: one of them to validation would cost
+# it a tenth or more of what it learns from, and one or two validation images say little anyway.
+MIN_TRAIN_PER_CLASS_FOR_VAL = 10
+
+
+def too_few_for_val(train_labels: np.ndarray, classes) -> str | None:
+    """Why the default draws no validation split from these training labels (the smallest class
+    and its count), or None when every class that has training images has enough."""
+    present, counts = np.unique(train_labels, return_counts=True)
+    if not len(counts) or counts.min() >= MIN_TRAIN_PER_CLASS_FOR_VAL:
+        return None
+    smallest = int(np.argmin(counts))
+    label = int(present[smallest])
+    name = classes[label] if label < len(classes) else str(label)
+    return (f"class {name!r} has only {int(counts[smallest])} training image(s); the default "
+            f"carves one when every class has {MIN_TRAIN_PER_CLASS_FOR_VAL} or more")

@@ -222,9 +222,10 @@ def _files_not_listed(data_dir: Path) -> list[Path]:
 
 
 def write_dataset(raw, out_dir, name: str, source: str, overwrite: bool = False, rows_per_file: int = 0,
-                  options: dict | None = None) -> dict:
+                  options: dict | None = None, val_split: dict | None = None) -> dict:
     """Write an in-memory ``RawDataset`` (MNIST, tests: small tensor data sets) and return its
-    manifest. ``options`` (e.g. the seed) is recorded in the manifest for reproducibility."""
+    manifest. ``options`` (e.g. the seed) is recorded in the manifest for reproducibility, and
+    ``val_split``, where the validation split comes from (``prepare.val_plan``), when known."""
     from imgtrain.data.format import NORMALIZE_MEAN, NORMALIZE_STD, default_preset
 
     _validate(raw)
@@ -242,7 +243,7 @@ def write_dataset(raw, out_dir, name: str, source: str, overwrite: bool = False,
             "name": name, "source": source, "image_shape": [h, w, c], "channels": c,
             "preset": default_preset([h, w, c]),
             "normalize": {"mean": [NORMALIZE_MEAN] * c, "std": [NORMALIZE_STD] * c},
-            "options": dict(options or {}),
+            "options": dict(options or {}), **({"val_split": val_split} if val_split else {}),
         })
 
 

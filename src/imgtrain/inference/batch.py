@@ -159,6 +159,7 @@ class EvalResult:
     split: str
     data: str
     recorded_val_accuracy: float | None = None  # what training measured for this checkpoint
+    recorded_split: str | None = None  # the split it measured it on (val, or test without one)
     top5_accuracy: float | None = None  # None with 5 classes or fewer (n/a)
     macro_avg: dict = field(default_factory=dict)  # precision, recall, f1: metrics.py says how
     weighted_avg: dict = field(default_factory=dict)
@@ -172,7 +173,7 @@ class EvalResult:
     def to_json(self) -> dict:
         keys = ("accuracy", "top5_accuracy", "num_samples", "classes", "per_class", "macro_avg", "weighted_avg",
                 "ece", "calibration", "confusion_matrix", "checkpoint", "split", "data", "recorded_val_accuracy",
-                "tta")
+                "recorded_split", "tta")
         out = {k: getattr(self, k) for k in keys}
         if self.label_issues is not None:
             out["label_issues"] = self.label_issues
@@ -261,12 +262,15 @@ def evaluate(
     rows = pd.concat(parts, ignore_index=True)
     counts = confusion_counts(rows["label"].to_numpy(), rows["pred_index"].to_numpy(), len(classes))
     averages = sums.averages()
+    recorded = None if data else loaded.recorded_val_accuracy  # another data set's split is not the one recorded
     return EvalResult(
         accuracy=sums.accuracy, num_samples=sums.n, classes=classes,
         confusion_matrix=confusion_json(counts, len(classes)),
         per_class=per_class_json(sums.class_scores(), classes),
         checkpoint=str(loaded.path), split=split, data=str(Path(data_dir).resolve()),
-        recorded_val_accuracy=loaded.recorded_val_accuracy if split == eval_split(manifest) and not data else None,
+        # whatever split is evaluated now: the figure training chose this checkpoint by, and on which split
+        recorded_val_accuracy=recorded,
+        recorded_split=None if recorded is None else loaded.recorded_split or eval_split(manifest),
         top5_accuracy=sums.top5_accuracy, macro_avg=averages["macro"], weighted_avg=averages["weighted"],
         ece=sums.ece, calibration=sums.calibration(), tta=opts.tta,
         label_issues=_label_issues(loaded, data_dir, manifest, label_issues),

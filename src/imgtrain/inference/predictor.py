@@ -82,6 +82,14 @@ class LoadedCheckpoint:
         value = metrics.get("val_accuracy") if isinstance(metrics, dict) else None
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
+    @property
+    def recorded_split(self) -> str | None:
+        """The split training validated this checkpoint on, as it recorded it (val or test); None
+        when its record does not say (a checkpoint from before it did)."""
+        metrics = self.meta.get("metrics")
+        value = metrics.get("val_split") if isinstance(metrics, dict) else None
+        return value if value in ("val", "test") else None
+
 
 def load_checkpoint(
     run_or_checkpoint, checkpoint: str = "best", storage: str = "./runs", device: str = "cpu",

@@ -441,7 +441,8 @@ def _summary(result: runs.RunResult, ev, used: Path, used_meta: dict, num_wrong:
         ["model", _model_line(used_meta.get("model_args") or {}, result.config)],
         ["epochs completed", f"{len(result.history)} of {result.config.get('epochs')}"],
         ["checkpoint used", f"{used.name} (epoch {used_meta.get('epoch', -1) + 1}, {used_at})"],
-        [f"accuracy recorded in training ({result.validation_split} split)", _pct(ev.recorded_val_accuracy)],
+        [f"accuracy recorded in training ({ev.recorded_split or result.validation_split} split)",
+         _pct(ev.recorded_val_accuracy)],
         [f"accuracy re-evaluated now ({ev.split} split)", f"{_pct(ev.accuracy)} of {ev.num_samples:,} images"],
         ["top-5 accuracy", _pct(ev.top5_accuracy) if ev.top5_accuracy is not None
          else f"n/a ({len(ev.classes)} classes: it needs 6 or more)"],

@@ -208,7 +208,17 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
         raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
     if stored is None:
         _check_model(cfg, manifest, display)
+    display.note(_selection_note(cfg, manifest))  # every check passed: what the run's figures will mean
     return _Plan(cfg, manifest, stored, exists and overwrite, resume)
+
+
+def _selection_note(cfg: TrainConfig, manifest: dict) -> str:
+    """One line: the split the best checkpoint is selected on, and what that means for the test figure."""
+    if "val" in manifest["splits"]:
+        return (f"selecting the best checkpoint by {cfg.select_metric} on the val split ("
+                f"{manifest['splits']['val']['num_samples']:,} images); the test split is left for `imgtrain evaluate`")
+    return ("note: this data set has no val split, so training validates on, and picks the best checkpoint by, the "
+            "test split: its test figure is optimistic; prepare the data set again with --val-fraction 0.1 to fix")
 
 
 def _complete(cfg: TrainConfig, meta: dict) -> bool:
