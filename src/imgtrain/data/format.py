@@ -73,12 +73,13 @@ def load_manifest(data_dir: PathLike) -> dict:
     """The parsed manifest.json of a dataset directory, after a structural sanity check that also
     holds every size it declares to its bound (``manifest_problems``)."""
     data_dir = Path(data_dir)
-    hint = "create one with `imgtrain data prepare mnist-sample DIR`"
     if not data_dir.is_dir():
-        raise ImgtrainError(f"data set directory {data_dir} does not exist; {hint}")
+        what = f"{data_dir} is a file, not a prepared data set" if data_dir.exists() else \
+            f"data set directory {data_dir} does not exist"
+        raise ImgtrainError(f"{what}; {_prepare_hint(data_dir)}")
     path = data_dir / MANIFEST
     if not path.is_file():
-        raise ImgtrainError(f"{data_dir} is not a prepared data set (no {MANIFEST}); {hint}")
+        raise ImgtrainError(f"{data_dir} is not a prepared data set (no {MANIFEST}); {_prepare_hint(data_dir)}")
     size = path.stat().st_size
     if size > MAX_MANIFEST_BYTES:  # refused before it is read, let alone parsed
         raise ImgtrainError(f"{path} is {size:,} bytes, over the {MAX_MANIFEST_BYTES:,} a manifest can be; "
@@ -103,6 +104,12 @@ def load_manifest(data_dir: PathLike) -> dict:
         raise ImgtrainError(f"{path}: {'; '.join(problems)}; prepare the data set again")
     manifest.setdefault("preset", default_preset(manifest["image_shape"]))
     return manifest
+
+
+def _prepare_hint(path: Path) -> str:
+    from imgtrain.data.prepare_hint import prepare_hint  # the sources, imported only to say this
+
+    return prepare_hint(path)
 
 
 def manifest_problems(manifest: dict) -> list[str]:
