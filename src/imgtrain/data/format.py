@@ -36,6 +36,7 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 DEDUPE_FILE = "dedupe.csv"  # beside the manifest when prepared with --dedupe: what was dropped
+SOURCES_FILE = "sources.parquet"  # beside it when the source names its images: id -> where from (row_names.py)
 SPLITS = ("train", "test")  # every data set has these
 ALL_SPLITS = ("train", "val", "test")
 COLUMNS = ("id", "image", "label")
@@ -218,7 +219,7 @@ def eval_split(manifest: dict) -> str:
 def side_files(manifest: dict) -> list[str]:
     """The files a data set keeps beside its manifest and splits (its own, as much as they are:
     ``--overwrite`` replaces them and ``clean`` deletes them). Fixed names, never a path from the manifest."""
-    return [DEDUPE_FILE] if manifest.get("dedupe") else []
+    return [DEDUPE_FILE] * bool(manifest.get("dedupe")) + [SOURCES_FILE] * bool(manifest.get("source_names"))
 
 
 def split_files(data_dir: Path, manifest: dict, split: str) -> list[Path]:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from imgtrain.data import duplicates
+from imgtrain.data import duplicates, row_names
 from imgtrain.data import format as fmt
 from imgtrain.data import pool
 from imgtrain.data.fingerprint import (
@@ -142,6 +142,8 @@ def findings(data_dir: Path, manifest: dict, found: Scan, threshold: int, seed: 
               for s in fmt.ALL_SPLITS if s in manifest["splits"]}
     pairs = duplicates.find_pairs(prints, duplicates.rank_of(found.split, found.ids), threshold)
     shown_pairs = _pair_order(pairs, found)
+    listed = shown_pairs[:MAX_JSON_PAIRS]  # the images named in the JSON and on the page, by where they came from
+    names = row_names.lookup(data_dir, manifest, found.ids[np.r_[pairs.a[listed], pairs.b[listed]]])
     readable = prints.mode != UNREADABLE
     result = {
         "data": str(data_dir), "name": manifest["name"], "source": manifest["source"],
@@ -153,11 +155,11 @@ def findings(data_dir: Path, manifest: dict, found: Scan, threshold: int, seed: 
         "exif_turned": int(prints.exif_turned.sum()),
         "skipped": _skipped(manifest.get("skipped")),
         "dedupe": _dedupe(manifest.get("dedupe")),
-        "duplicates": _duplicates_json(pairs, shown_pairs, found, classes, threshold),
+        "duplicates": _duplicates_json(pairs, shown_pairs, found, classes, threshold, names),
     }
     result["duplicates"]["threshold_rule"] = duplicates.threshold_rule(threshold, default)
     result["mode_mix"] = len([m for m in result["modes"] if m != "unreadable"]) > 1
-    extra = {"samples": _samples(found, k, seed), "pairs": pairs, "pair_order": shown_pairs}
+    extra = {"samples": _samples(found, k, seed), "pairs": pairs, "pair_order": shown_pairs, "names": names}
     return result, extra
 
 
@@ -214,13 +216,13 @@ def _pair_order(pairs: duplicates.Pairs, found: Scan) -> np.ndarray:
     return np.lexsort((pairs.b, pairs.a, pairs.distance, ~pairs.exact, ~differ, ~cross))
 
 
-def _duplicates_json(pairs, order, found: Scan, classes, threshold: int) -> dict:
+def _duplicates_json(pairs, order, found: Scan, classes, threshold: int, names: dict[int, str]) -> dict:
     cross = found.split[pairs.a] != found.split[pairs.b]
     differ = found.labels[pairs.a] != found.labels[pairs.b]
 
-    def image(i):
-        return {"split": SPLIT_NAMES[int(found.split[i])], "id": int(found.ids[i]), "label": int(found.labels[i]),
-                "class": classes[found.labels[i]]}
+    def image(i):  # "name": where it came from (row_names.py), null where the data set does not say
+        return {"split": SPLIT_NAMES[int(found.split[i])], "id": int(found.ids[i]),
+                "name": names.get(int(found.ids[i])), "label": int(found.labels[i]), "class": classes[found.labels[i]]}
 
     listed = [{"kind": "exact" if pairs.exact[p] else "near", "distance": int(pairs.distance[p]),
                "transform": TRANSFORM_WORDS[pairs.transform[p]], "cross_split": bool(cross[p]),

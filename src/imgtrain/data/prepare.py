@@ -173,6 +173,8 @@ def _prepare_encoded(listed: Listing, out_dir, fields: dict, opts: PrepareOption
             positions = np.arange(chunk.first, chunk.first + len(results))
             kept = ~dropped.drop[positions] if dropped is not None else np.ones(len(results), bool)
             good = np.array([r.data is not None for r in results], bool) & kept
+            stored = np.flatnonzero(good)  # where each came from, for data inspect: bounded, chunk by chunk
+            out.add_names(listed.ids[positions[stored]], [chunk.names[k] for k in stored])
             for name in names:
                 keep = np.flatnonzero(good & (split[positions] == SPLIT_CODES[name]))
                 if len(keep):
