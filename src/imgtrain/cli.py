@@ -868,7 +868,7 @@ def _usage_error(e) -> Optional[str]:
     if type(e).__name__ == "NoArgsIsHelpError":
         return None
     offered = getattr(e, "possibilities", None)  # an unknown option: difflib's closest match first
-    message = getattr(e, "message", "") if offered else e.format_message()
+    message = getattr(e, "message", "") if offered else getattr(e, "format_message", lambda: str(e))()
     message = " ".join(str(message).split()).rstrip(".")
     message = message[:1].lower() + message[1:]  # "No such option: --epoch" -> "no such option: ..."
     if offered:
