@@ -878,6 +878,22 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 _python_show_warning = warnings.showwarning
 
 
+def _usage_error(e) -> Optional[str]:
+    """click's usage error as one line (its usage lines said nothing the message does not), with
+    the closest option for a typo; None for the help a group named alone shows. By attribute:
+    typer's copy of click is private (typer._click)."""
+    if type(e).__name__ == "NoArgsIsHelpError":
+        return None
+    offered = getattr(e, "possibilities", None)  # an unknown option: difflib's closest match first
+    message = getattr(e, "message", "") if offered else getattr(e, "format_message", lambda: str(e))()
+    message = " ".join(str(message).split()).rstrip(".")
+    message = message[:1].lower() + message[1:]  # "No such option: --epoch" -> "no such option: ..."
+    if offered:
+        message += f"; did you mean {offered[0]}?"
+    ctx = getattr(e, "ctx", None)
+    return message + (f" (see {ctx.command_path} --help)" if ctx is not None else "")
+
+
 def main() -> None:
     warnings.showwarning = _show_warning  # the CLI's process only: the library leaves it alone
     warnings.simplefilter("always", ImgtrainWarning)
@@ -893,10 +909,12 @@ def main() -> None:
     except (KeyboardInterrupt, typer.Abort):
         err_console.print("interrupted; run the same command again to resume")
         sys.exit(130)
-    except typer.TyperException as e:  # unknown options, missing arguments: click's usage message
-        show = getattr(e, "show", None)
-        if show:
-            show()
+    except typer.TyperException as e:  # unknown options, missing arguments: one line, as any user error
+        line = _usage_error(e)
+        if line is None:  # a group named alone: its help, as no_args_is_help means
+            e.show()
+        else:
+            err_console.print(f"error: {line}")
         sys.exit(getattr(e, "exit_code", 2))
     except Exception as e:  # a bug or an environment failure: one line, the traceback on request
         if os.environ.get("IMGTRAIN_DEBUG"):

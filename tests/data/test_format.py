@@ -262,7 +262,7 @@ def test_load_manifest_rejects_non_datasets(tmp_path, tiny_dir):
     with pytest.raises(ImgtrainError) as e:
         parquet.verify_dataset(tmp_path / "empty")
     assert "is not a prepared data set" in str(e.value)
-    assert "imgtrain data prepare mnist-sample DIR" in str(e.value)
+    assert "imgtrain data prepare SOURCE DIR" in str(e.value) and "folder, parquet" in str(e.value)
     manifest = tiny_dir / "manifest.json"
     good = json.loads(manifest.read_text())
     manifest.write_text("{not json")

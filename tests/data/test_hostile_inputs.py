@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from imgtrain.data import images
@@ -103,3 +104,31 @@ def test_read_image_file_refuses_what_is_not_a_regular_file_or_too_large(tmp_pat
     assert _reason(tmp_path / "missing.png") == "cannot be read (No such file or directory)"
     ok = save_image(tmp_path / "ok.png", 9)
     assert images.read_image_file(ok) == ok.read_bytes()
+
+
+def damaged_photos(folder: Path) -> dict[str, str]:
+    """A JPEG and a PNG cut in half (copies that stopped): their names and what the report must
+    say about each."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), np.uint8)  # no run the coder squeezes
+    for name in ("cut.jpg", "cut.png"):
+        Image.fromarray(noise).save(folder / name)
+        data = (folder / name).read_bytes()
+        (folder / name).write_bytes(data[:len(data) // 2])
+    return {"cut.jpg": "truncated JPEG: image file is truncated", "cut.png": "truncated PNG: image file is truncated"}
+
+
+def test_a_truncated_jpeg_is_reported_as_one_not_as_oserror(tmp_path):
+    """prepare's skipped files and predict's reasons said only "OSError"."""
+    root = tmp_path / "folder"
+    good_images(root)
+    said = damaged_photos(root / "a")
+    manifest, _ = prepared("folder", root, tmp_path / "out")
+    assert_skipped_with_reasons(manifest, {f"a/{name}": why for name, why in said.items()})
+    found = read_inputs_whole(str(root / "a"), (8, 8, 1))
+    reasons = {Path(p).name: why for p, why in zip(found["path"], found["_error"]) if why}
+    assert set(reasons) == set(said)
+    for name, why in said.items():
+        assert why in reasons[name] and "OSError" not in reasons[name], reasons[name]

@@ -160,3 +160,59 @@ def test_many_images_with_one_phash_are_counted_grouped_and_shown_by_a_few(capsy
     page = (tmp_path / "same.html").read_text()
     assert "40 image(s) in 1 group(s) of duplicates (the largest: 40 images)" in page
     assert "720 more pair(s) not shown; --json lists 120 of them and the groups" in page
+
+
+def test_duplicates_are_named_by_their_files_in_the_json_and_on_the_page(planted, capsys, tmp_path):
+    """They were named by row id only ("test · id 17"), which tells a user nothing of which file to delete."""
+    data, ids = planted
+    photos = data.parent / "photos"
+    paths = sorted(p.relative_to(photos).as_posix() for p in photos.rglob("*.png"))  # by id, as prepare lists them
+    found = run_inspect(capsys, str(data), "--out", str(tmp_path / "page.html"))
+    named = {(p["a"]["name"], p["b"]["name"]) for p in found["duplicates"]["pairs"]}
+    assert named == {(paths[ids["leaked"]], paths[ids["leak"]]), (paths[ids["original"]], paths[ids["turned"]])}
+    page = BrowserPage(Path(found["page"]).as_uri(), tmp_path / "profile", size=(1200, 1800))
+    try:
+        page.wait_loaded()
+        captions = page.js("[...document.querySelectorAll('#pairs figcaption')].map(f => f.innerText)")
+        overflowing = page.js("[...document.querySelectorAll('#pairs .pair')].filter(p => p.scrollWidth > "
+                              "p.clientWidth).length")
+    finally:
+        page.close()
+    assert [c.split("\n")[0] for c in captions] == [
+        f"test · {paths[ids['leaked']]}", f"train · {paths[ids['leak']]}",
+        f"train · {paths[ids['original']]}", f"train · {paths[ids['turned']]}"], captions
+    assert overflowing == 0
+
+    from imgtrain.data.writer import write_dataset
+    from tests.conftest_data_helpers import tiny_raw
+
+    raw = tiny_raw(n_train=40, n_test=20, shape=(8, 8, 1))  # pixel tensors: no file behind an image
+    raw.test.images[3] = raw.train.images[7]
+    write_dataset(raw, tmp_path / "digits", name="digits", source="test")
+    leak = run_inspect(capsys, str(tmp_path / "digits"), "--out", str(tmp_path / "d.html"))["duplicates"]["pairs"][0]
+    assert leak["a"]["name"] is None and f">id {leak['a']['id']}</span>" in (tmp_path / "d.html").read_text()
+
+
+def test_the_names_file_is_a_data_set_file_read_as_untrusted_input(planted, capsys, tmp_path, monkeypatch):
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from imgtrain.data import row_names
+
+    data, ids = planted
+    names = pq.ParquetFile(data / "sources.parquet")
+    assert names.metadata.num_rows == 55 and names.schema_arrow.equals(row_names.SCHEMA)
+    monkeypatch.setattr(row_names, "BUFFER_ROWS", 8)  # written a few rows at a time, not held whole
+    monkeypatch.setattr("imgtrain.data.listing.CHUNK_FILES", 4)
+    copy = tmp_path / "pets"
+    prepare("folder", copy, data.parent / "photos", PrepareOptions())
+    written = pq.ParquetFile(copy / "sources.parquet").metadata
+    groups = [written.row_group(g).num_rows for g in range(written.num_row_groups)]
+    assert sum(groups) == 55 and len(groups) > 1 and max(groups) <= 8 + 4  # a buffer and a chunk at most
+    prepare("folder", copy, data.parent / "photos", PrepareOptions(overwrite=True))  # the data set's own file
+    shutil.copytree(data, tmp_path / "odd")
+    pq.write_table(pa.table({"id": [ids["leaked"]], "name": [7]}), tmp_path / "odd" / "sources.parquet")  # not names
+    found = run_inspect(capsys, str(tmp_path / "odd"), "--out", str(tmp_path / "odd.html"))
+    assert all(p["a"]["name"] is None for p in found["duplicates"]["pairs"])  # by id, as before the file existed

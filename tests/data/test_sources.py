@@ -245,6 +245,25 @@ def test_folder_mixed_sizes_train_at_the_median_or_resize(tmp_path):
         parse_size("6by4")
 
 
+def test_images_upscaled_by_size_are_counted_in_one_warning_line(tmp_path, capsys):
+    """--size larger than the images enlarged them without a word."""
+    from tests.conftest import cli_here
+
+    make_folder(tmp_path / "src", classes=("a", "b"), per_class=3)  # 8x8
+    save_image(tmp_path / "src" / "b" / "big.png", 9, size=(16, 16))
+    save_image(tmp_path / "src" / "b" / "tall.png", 9, size=(4, 8))
+    proc = cli_here(capsys, "data", "prepare", "folder", str(tmp_path / "up"), "--source", str(tmp_path / "src"),
+                    "--size", "12x12", "--workers", "1")
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert warned == ["warning: --size 12x12 upscaled 7 of 8 images (by 1.5x to 3.0x): an upscaled image holds "
+                      "no more detail and costs more to train on; a --size no larger than the images keeps them "
+                      "as they are"], proc.stderr
+    proc = cli_here(capsys, "data", "prepare", "folder", str(tmp_path / "down"), "--source", str(tmp_path / "src"),
+                    "--size", "4x4", "--workers", "1")
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+
+
 def test_a_size_no_reader_accepts_is_refused_before_anything_is_written(tmp_path):
     from imgtrain.data.format import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
 

@@ -37,6 +37,24 @@ def test_directory_that_is_not_a_data_set(tmp_path, capsys):
     assert_one_line_error(proc, "not a prepared data set", "imgtrain data prepare")
 
 
+def test_a_folder_of_photos_given_as_data_is_told_how_to_prepare_it(tmp_path, capsys, monkeypatch):
+    """It was told to prepare mnist-sample, whatever it held."""
+    from PIL import Image
+
+    for name in ("cat", "dog"):
+        (tmp_path / "photos" / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8), name == "cat" and "red" or "blue").save(tmp_path / "photos" / name / "1.jpg")
+    monkeypatch.chdir(tmp_path)
+    err = assert_one_line_error(cli_here(capsys, "train", "--data", "./photos", "--name", "x"),
+                                "not a prepared data set",
+                                f"imgtrain data prepare folder {tmp_path / 'photos-prepared'} --source "
+                                f"{tmp_path / 'photos'}", f"--data {tmp_path / 'photos-prepared'}")
+    assert "mnist" not in err
+    err = assert_one_line_error(cli_here(capsys, "train", "--data", "./nope", "--name", "x"), "does not exist",
+                                "imgtrain data prepare folder DIR --source PHOTOS")
+    assert "mnist-sample, mnist, folder, parquet, list, webdataset, hf" in err
+
+
 def test_corrupt_parquet_is_named(data_copy, tmp_path, capsys):
     path = first_file(data_copy)
     path.write_bytes(path.read_bytes()[:100])
@@ -83,8 +101,19 @@ def test_global_batch_smaller_than_workers(tiny_data, tmp_path, capsys):
 
 def test_unknown_option(tiny_data, tmp_path, capsys):
     proc = cli_here(capsys, *train_args(tiny_data, tmp_path, "--frobnicate"))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--frobnicate" in proc.stderr
+    assert_one_line_error(proc, "no such option: --frobnicate", "imgtrain train --help")
+
+
+def test_a_flag_typo_is_one_line_offering_the_closest_flag(capsys):
+    """click printed its usage, a hint and the error on four lines, and listed three options."""
+    proc = cli_here(capsys, "train", "--epoch", "3")
+    assert_one_line_error(proc, "no such option: --epoch; did you mean --epochs?")
+    assert_one_line_error(cli_here(capsys, "data", "prepare", "folder"), "missing argument 'out_dir'")
+
+
+def test_a_group_named_alone_still_shows_its_help(capsys):
+    proc = cli_here(capsys, "data")
+    assert "prepare" in proc.stdout + proc.stderr and "error:" not in proc.stdout + proc.stderr
 
 
 def test_unwritable_storage(tiny_data, tmp_path, capsys):

@@ -235,6 +235,43 @@ def one_line_error(proc) -> str:
     return err
 
 
+def test_a_few_errors_get_a_box_their_size(tmp_path):
+    """Two errors were drawn in the 4x4 grid's 800x880 px box, 14 cells of it blank."""
+    sizes = {}
+    for n in (2, 5, 16, 40):
+        rows = pd.DataFrame({"label": np.zeros(n, int), "pred_index": np.ones(n, int), "pred_class": ["1"] * n,
+                             "confidence": np.linspace(0.9, 0.5, n)})
+        report._image_grid(np.zeros((n, 28, 28, 1), np.uint8), rows, [str(d) for d in range(10)],
+                           tmp_path / f"{n}.png", True)
+        with Image.open(tmp_path / f"{n}.png") as image:
+            sizes[n] = image.size
+    width, height = sizes[16]  # the whole grid: 4 x 4 cells
+    assert sizes[40] == sizes[16]  # at most 16 shown
+    assert sizes[2] == (width // 2, height // 4)  # one row of two
+    assert sizes[5] == (width, height // 2)  # a row of four and one of one
+
+
+def test_at_1200_px_every_table_keeps_to_the_page(page, tmp_path):
+    """The per-epoch metrics table ran 3 px past a 1,200 px wide window (long headers, no margin);
+    a long path or config value, further."""
+    from tests.browser import BrowserPage
+
+    browser = BrowserPage(page.as_uri(), tmp_path / "profile", size=(1200, 900))
+    try:
+        browser.wait_loaded()
+        width = browser.js("document.documentElement.clientWidth")
+        assert width >= 1150  # the window is as wide as asked (less a scroll bar)
+        assert browser.js("document.documentElement.scrollWidth") <= width  # no sideways scrolling
+        boxes = browser.js("[...document.querySelectorAll('table')].map(t => [t.id, t.getBoundingClientRect().right, "
+                           "t.parentElement.scrollWidth > t.parentElement.clientWidth])")
+        assert {t for t, _, _ in boxes} >= set(TABLE_IDS)
+        for table, right, scrolls in boxes:
+            assert right <= width and not scrolls, (table, right, width)  # fits: wraps, never cut
+        browser.screenshot(tmp_path / "report-1200.png")
+    finally:
+        browser.close()
+
+
 def test_unknown_run_is_one_line_naming_it(trained, capsys):
     storage, result = trained
     err = one_line_error(cli_here(capsys, "report", "nope", "--storage", str(storage)))

@@ -148,6 +148,7 @@ def test_healthz(server, trained):
     # Its name, not where it lies on the server's disk: anyone who can connect may ask.
     assert body["checkpoint"] == f"{run_name(trained)}/{trained[1].name}"
     assert body["classes"] == [str(i) for i in range(10)]
+    assert body["preset"] == "digits"  # the try page draws digits; a photo model gets photos (test_try_page.py)
     assert f"serving {trained[1]} at http://127.0.0.1:{port}" in stdout.read_text()
 
 

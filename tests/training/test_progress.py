@@ -177,3 +177,35 @@ def test_a_run_that_stops_says_where_and_keeps_no_eta():
     display.close("interrupted")
     bar = screen(out.getvalue())[-1]
     assert "4/20 steps" in bar and bar.endswith("data wait 2%  interrupted") and "eta" not in bar
+
+
+TRAINING_SCREEN = """
+from imgtrain.training.progress import TrainingDisplay
+from tests.training.test_progress import epoch_record, start, step
+
+display = TrainingDisplay()  # its console: this process's terminal, as a run's
+display.update(start(total=1200, epochs=12))
+display.update(epoch_record(9, 1000, 0.84))
+for s in range(1001, 1052, 10):
+    display.update(step(s, 500 + s * 0.5, epoch=10))
+display.close()
+"""
+
+
+def test_at_80_columns_the_bar_keeps_epoch_steps_loss_accuracy_speed_and_eta():
+    """An 80-column terminal showed `t… s… epoch 10/12  loss ...  data wa…`: rich squeezed the bar,
+    the step count and the label to an ellipsis each and cut the ETA off."""
+    import sys
+    from pathlib import Path
+
+    from tests.terminal import Terminal
+
+    for columns in (80, 140):
+        with Terminal([sys.executable, "-c", TRAINING_SCREEN], cwd=Path(__file__).parents[2], columns=columns) as term:
+            assert term.wait(timeout=60) == 0, term.text()
+            bar = term.text().splitlines()[-1]
+        assert re.search(r"━ +1051/1200( steps \d:\d\d:\d\d)?  epoch 11/12  loss 0\.5000  acc 90\.0%  .*250 img/s"
+                         r"  .*eta \d+:\d\d$", bar), (columns, term.text())
+        assert "…" not in bar and len(bar) <= columns
+        if columns == 140:  # room for everything
+            assert bar.startswith("train ━") and "steps" in bar and "val_acc 84.00%" in bar and "data wait 2%" in bar

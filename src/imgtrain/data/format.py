@@ -36,6 +36,7 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 DEDUPE_FILE = "dedupe.csv"  # beside the manifest when prepared with --dedupe: what was dropped
+SOURCES_FILE = "sources.parquet"  # beside it when the source names its images: id -> where from (row_names.py)
 SPLITS = ("train", "test")  # every data set has these
 ALL_SPLITS = ("train", "val", "test")
 COLUMNS = ("id", "image", "label")
@@ -73,12 +74,13 @@ def load_manifest(data_dir: PathLike) -> dict:
     """The parsed manifest.json of a dataset directory, after a structural sanity check that also
     holds every size it declares to its bound (``manifest_problems``)."""
     data_dir = Path(data_dir)
-    hint = "create one with `imgtrain data prepare mnist-sample DIR`"
     if not data_dir.is_dir():
-        raise ImgtrainError(f"data set directory {data_dir} does not exist; {hint}")
+        what = f"{data_dir} is a file, not a prepared data set" if data_dir.exists() else \
+            f"data set directory {data_dir} does not exist"
+        raise ImgtrainError(f"{what}; {_prepare_hint(data_dir)}")
     path = data_dir / MANIFEST
     if not path.is_file():
-        raise ImgtrainError(f"{data_dir} is not a prepared data set (no {MANIFEST}); {hint}")
+        raise ImgtrainError(f"{data_dir} is not a prepared data set (no {MANIFEST}); {_prepare_hint(data_dir)}")
     size = path.stat().st_size
     if size > MAX_MANIFEST_BYTES:  # refused before it is read, let alone parsed
         raise ImgtrainError(f"{path} is {size:,} bytes, over the {MAX_MANIFEST_BYTES:,} a manifest can be; "
@@ -103,6 +105,12 @@ def load_manifest(data_dir: PathLike) -> dict:
         raise ImgtrainError(f"{path}: {'; '.join(problems)}; prepare the data set again")
     manifest.setdefault("preset", default_preset(manifest["image_shape"]))
     return manifest
+
+
+def _prepare_hint(path: Path) -> str:
+    from imgtrain.data.prepare_hint import prepare_hint  # the sources, imported only to say this
+
+    return prepare_hint(path)
 
 
 def manifest_problems(manifest: dict) -> list[str]:
@@ -211,7 +219,7 @@ def eval_split(manifest: dict) -> str:
 def side_files(manifest: dict) -> list[str]:
     """The files a data set keeps beside its manifest and splits (its own, as much as they are:
     ``--overwrite`` replaces them and ``clean`` deletes them). Fixed names, never a path from the manifest."""
-    return [DEDUPE_FILE] if manifest.get("dedupe") else []
+    return [DEDUPE_FILE] * bool(manifest.get("dedupe")) + [SOURCES_FILE] * bool(manifest.get("source_names"))
 
 
 def split_files(data_dir: Path, manifest: dict, split: str) -> list[Path]:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from imgtrain.errors import one_line
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 FORMATS = ("PNG", "JPEG")
 # Above this a file is refused rather than decoded (prepare, predict): 50 MP is a large
@@ -39,6 +41,20 @@ class ImageRejected(ValueError):
 
 class ImageTooLarge(ImageRejected):
     """A PNG/JPEG image with more pixels than the caller allows."""
+
+
+class ImageDamaged(ImageRejected):
+    """A PNG/JPEG whose pixel data does not decode: truncated, or corrupt."""
+
+
+def damage(error: Exception, fmt: str | None) -> ImageDamaged:
+    """What a decoder's failure says about the file, in words: Pillow raises a bare OSError for
+    a truncated file ("image file is truncated"), and its type alone told the user nothing."""
+    text = one_line(error, 160)
+    kind = fmt or "image"
+    if "truncated" in text.lower():
+        return ImageDamaged(f"truncated {kind}: {text}")
+    return ImageDamaged(f"damaged {kind}: {text or type(error).__name__}")
 
 
 def open_image(src: bytes | bytearray | str | Path, max_pixels: int = MAX_DECODE_PIXELS):
@@ -102,11 +118,15 @@ def to_mode(im, channels: int):
     """Oriented and converted to 8-bit ``L`` (1 channel) or ``RGB`` (3 channels)."""
     from PIL import Image, ImageOps
 
-    im = ImageOps.exif_transpose(im)
-    if im.mode in _SIXTEEN_BIT_MODES:  # 0..65535 -> 0..255, not clipped at 255
-        pixels = np.asarray(im, dtype=np.uint32)
-        im = Image.fromarray(((pixels * 255 + 32767) // 65535).astype(np.uint8), mode="L")
-    return im.convert("L" if channels == 1 else "RGB")
+    fmt = im.format
+    try:
+        im = ImageOps.exif_transpose(im)
+        if im.mode in _SIXTEEN_BIT_MODES:  # 0..65535 -> 0..255, not clipped at 255
+            pixels = np.asarray(im, dtype=np.uint32)
+            im = Image.fromarray(((pixels * 255 + 32767) // 65535).astype(np.uint8), mode="L")
+        return im.convert("L" if channels == 1 else "RGB")  # decodes every pixel
+    except (OSError, SyntaxError, ValueError, EOFError) as e:  # what Pillow's decoders raise for bad data
+        raise damage(e, fmt) from None
 
 
 def conform_image(im, image_shape, preset: str = "digits") -> tuple[np.ndarray, bool]:
@@ -142,6 +162,7 @@ class Checked:
     width: int = 0
     gray: bool = True
     stats: np.ndarray | None = None
+    upscaled: float = 1.0  # how much --size enlarged it (the larger of the two sides' factors); 1: not at all
 
 
 def check_chunk(chunk, size: tuple[int, int] | None) -> list[Checked]:
@@ -173,12 +194,14 @@ def check_image(data, size: tuple[int, int] | None) -> Checked:
             im = to_mode(im, 1 if gray else 3)  # decodes every pixel
             stats = _statistics(im)
             if size is not None:
-                return Checked(_encode(im.resize((size[1], size[0]), _bilinear()), fmt), "", size[0], size[1], gray, stats)
+                upscaled = max(1.0, size[0] / h, size[1] / w)
+                return Checked(_encode(im.resize((size[1], size[0]), _bilinear()), fmt), "", size[0], size[1], gray,
+                               stats, upscaled)
             return Checked(bytes(data), "", h, w, gray, stats)
     except ImageRejected as e:
         return Checked(None, str(e))
-    except Exception as e:  # truncated or corrupt pixel data
-        return Checked(None, type(e).__name__)
+    except Exception as e:  # corrupt pixel data a decoder reports its own way
+        return Checked(None, str(damage(e, None)))
 
 
 def _statistics(im) -> np.ndarray:

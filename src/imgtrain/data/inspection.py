@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from imgtrain.data import duplicate_report, duplicates
+from imgtrain.data import duplicate_report, duplicates, row_names
 from imgtrain.data import format as fmt
 from imgtrain.data import pool
 from imgtrain.data.fingerprint import (
@@ -143,6 +143,9 @@ def findings(data_dir: Path, manifest: dict, found: Scan, threshold: int, seed: 
               for s in fmt.ALL_SPLITS if s in manifest["splits"]}
     dups = duplicate_report.report(prints, duplicates.rank_of(found.split, found.ids), found.split, found.labels,
                                    threshold, MAX_JSON_PAIRS)
+    # the images named in the JSON and on the page, by where they came from
+    shown = np.r_[dups.examples.a, dups.examples.b, [i for g in dups.groups for i in g["members"]]].astype(np.int64)
+    names = row_names.lookup(data_dir, manifest, found.ids[shown])
     readable = prints.mode != UNREADABLE
     result = {
         "data": str(data_dir), "name": manifest["name"], "source": manifest["source"],
@@ -154,11 +157,11 @@ def findings(data_dir: Path, manifest: dict, found: Scan, threshold: int, seed: 
         "exif_turned": int(prints.exif_turned.sum()),
         "skipped": _skipped(manifest.get("skipped")),
         "dedupe": _dedupe(manifest.get("dedupe")),
-        "duplicates": _duplicates_json(dups, found, classes, threshold),
+        "duplicates": _duplicates_json(dups, found, classes, threshold, names),
     }
     result["duplicates"]["threshold_rule"] = duplicates.threshold_rule(threshold, default)
     result["mode_mix"] = len([m for m in result["modes"] if m != "unreadable"]) > 1
-    extra = {"samples": _samples(found, k, seed), "pairs": dups.examples}
+    extra = {"samples": _samples(found, k, seed), "pairs": dups.examples, "names": names}
     return result, extra
 
 
@@ -207,16 +210,17 @@ def _sizes(manifest: dict, prints: Prints, readable: np.ndarray) -> dict:
             "one_size": bool(len(w) and w.min() == w.max() and h.min() == h.max())}
 
 
-def _duplicates_json(dups: duplicate_report.Report, found: Scan, classes, threshold: int) -> dict:
+def _duplicates_json(dups: duplicate_report.Report, found: Scan, classes, threshold: int,
+                     names: dict[int, str]) -> dict:
     """The report as JSON: the counts, the example pairs (in the page's order: across splits
     first, then labels that differ, exact before near, closest first) and the groups."""
     pairs = dups.examples
     cross = found.split[pairs.a] != found.split[pairs.b]
     differ = found.labels[pairs.a] != found.labels[pairs.b]
 
-    def image(i):
-        return {"split": SPLIT_NAMES[int(found.split[i])], "id": int(found.ids[i]), "label": int(found.labels[i]),
-                "class": classes[found.labels[i]]}
+    def image(i):  # "name": where it came from (row_names.py), null where the data set does not say
+        return {"split": SPLIT_NAMES[int(found.split[i])], "id": int(found.ids[i]),
+                "name": names.get(int(found.ids[i])), "label": int(found.labels[i]), "class": classes[found.labels[i]]}
 
     listed = [{"kind": "exact" if pairs.exact[p] else "near", "distance": int(pairs.distance[p]),
                "transform": TRANSFORM_WORDS[pairs.transform[p]], "cross_split": bool(cross[p]),

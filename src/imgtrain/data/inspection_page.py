@@ -14,6 +14,7 @@ import numpy as np
 
 from imgtrain.data.fingerprint import TRANSFORM_WORDS, UNREADABLE
 from imgtrain.data.inspection import SPLIT_NAMES, Scan, read_block
+from imgtrain.data.row_names import display_name
 from imgtrain.ops.files import atomic_write_text
 
 PAIRS_SHOWN = 60
@@ -38,6 +39,7 @@ img.thumb { max-width: 112px; max-height: 112px; min-width: 56px; image-renderin
 .pair.cross { border-color: #c62828; border-width: 2px; }
 .pair figure { display: inline-block; margin: 0 0.3rem 0 0; vertical-align: top; }
 .pair figcaption, .pair p { font-size: 0.8rem; margin: 0.2rem 0; }
+.pair figcaption { max-width: 112px; } .pair .name { overflow-wrap: break-word; }  /* a path wraps at its / */
 .differ { color: #c62828; font-weight: 600; }
 """
 
@@ -54,7 +56,7 @@ def write_page(path: Path, result: dict, extra: dict, found: Scan, manifest: dic
         "<h2>Images per class</h2>", *_classes(result),
         "<h2>Sizes and colour</h2>", *_sizes(result, found),
         "<h2>Samples per class</h2>", _samples(result, extra["samples"], thumbs),
-        "<h2>Duplicates</h2>", *_duplicates(result, pairs, order, found, thumbs),
+        "<h2>Duplicates</h2>", *_duplicates(result, pairs, order, found, thumbs, extra["names"]),
         "<h2>Skipped at prepare time</h2>", _skipped(result),
     ]
     page = ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
@@ -179,7 +181,7 @@ def _img(thumbs: dict, position: int, alt: str) -> str:
     return f'<img class="thumb" src="{uri}" alt="{_e(alt)}">' if uri else '<span class="muted">unreadable</span>'
 
 
-def _duplicates(result: dict, pairs, order, found: Scan, thumbs: dict) -> list[str]:
+def _duplicates(result: dict, pairs, order, found: Scan, thumbs: dict, names: dict[int, str]) -> list[str]:
     d = result["duplicates"]
     c = d["counts"]
     rule = (_e(f"Exact: the same stored bytes (or pixel tensor). Near: pHash from the imagehash library (64 bits), "
@@ -195,7 +197,7 @@ def _duplicates(result: dict, pairs, order, found: Scan, thumbs: dict) -> list[s
     table = _table("duplicate-counts", ["", "exact", "near"],
                    [["across splits", c["cross_split"]["exact"], c["cross_split"]["near"]],
                     ["within a split", c["within_split"]["exact"], c["within_split"]["near"]]])
-    cards = [_pair(pairs, p, found, result["classes"], thumbs) for p in order.tolist()]
+    cards = [_pair(pairs, p, found, result["classes"], thumbs, names) for p in order.tolist()]
     more = d["pairs_total"] - len(cards)
     listed = "them" if d["pairs_listed"] == d["pairs_total"] else f"{d['pairs_listed']:,} of them and the groups"
     note = f'<p class="muted">{more:,} more pair(s) not shown; --json lists {listed}.</p>' if more > 0 else ""
@@ -207,17 +209,18 @@ def _largest(d: dict) -> str:
     return f" (the largest: {d['largest_group']:,} images)" if d["largest_group"] > 2 else ""
 
 
-def _pair(pairs, p: int, found: Scan, classes: list[str], thumbs: dict) -> str:
+def _pair(pairs, p: int, found: Scan, classes: list[str], thumbs: dict, names: dict[int, str]) -> str:
     a, b = int(pairs.a[p]), int(pairs.b[p])
     cross = found.split[a] != found.split[b]
     differ = found.labels[a] != found.labels[b]
     kind = "exact" if pairs.exact[p] else "near"
     turn = TRANSFORM_WORDS[pairs.transform[p]] if kind == "near" else "as is"
 
-    def side(i):
-        split, label = SPLIT_NAMES[int(found.split[i])], classes[found.labels[i]]
-        return (f"<figure>{_img(thumbs, i, f'{split} id {found.ids[i]}')}<figcaption>{_e(split)} · id {found.ids[i]}"
-                f"<br>{_e(label)}</figcaption></figure>")
+    def side(i):  # named by its file where the data set knows it (row_names.py), else by its id
+        split, label, name = SPLIT_NAMES[int(found.split[i])], classes[found.labels[i]], display_name(names, found.ids[i])
+        return (f"<figure>{_img(thumbs, i, f'{split} {name}')}<figcaption>{_e(split)} · "
+                f'<span class="name" title="{_e(name)}">{_e(name).replace("/", "/<wbr>")}</span><br>{_e(label)}'
+                "</figcaption></figure>")
 
     words = f"{kind} duplicate" + (f", distance {pairs.distance[p]}" if kind == "near" else "")
     words += f", {turn}" if turn != "as is" else ""

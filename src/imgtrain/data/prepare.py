@@ -14,6 +14,7 @@ pass fingerprints every image and chooses the duplicates to leave out (``dedupe.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,7 +30,7 @@ from imgtrain.data.raw import RawDataset, Split, take_images
 from imgtrain.data.sources import registry  # importing the package registers every source
 from imgtrain.data.splits import DEFAULT_VAL_FRACTION, stratified_split, too_few_for_val
 from imgtrain.data.writer import DatasetWriter, write_dataset
-from imgtrain.errors import ImgtrainError
+from imgtrain.errors import ImgtrainError, ImgtrainWarning
 from imgtrain.ops.remote import is_remote
 
 
@@ -65,7 +66,7 @@ def prepare(source: str, out_dir, source_path=None, options: PrepareOptions | No
 
 def _with_val(fields: dict, origin: dict) -> dict:
     """The manifest's fields with where its validation split comes from (``val_split``) and the
-    share carved (``options.val_fraction``: the one used, the default's included)."""
+    share carved (``val_fraction`` in its "options" record: the one used, the default's included)."""
     carved = origin.get("fraction", 0.0) if origin["from"] == "train" else 0.0
     return {**fields, "options": {**fields["options"], "val_fraction": carved}, "val_split": origin}
 
@@ -158,6 +159,8 @@ class _Measured:
     count: int = 0
     bad: list = field(default_factory=list)  # (name, reason)
     bad_count: int = 0
+    upscaled: int = 0  # images --size enlarged, and by how much (the least and the most)
+    upscale_range: tuple = (float("inf"), 1.0)
 
     def add(self, row: images.Checked) -> None:
         self.heights.append(row.height)
@@ -165,6 +168,19 @@ class _Measured:
         self.all_gray &= row.gray
         self.sums += row.stats
         self.count += 1
+        if row.upscaled > 1.0:
+            self.upscaled += 1
+            self.upscale_range = (min(self.upscale_range[0], row.upscaled), max(self.upscale_range[1], row.upscaled))
+
+    def warn_upscaled(self, size) -> None:
+        """One line when --size enlarged images: they gain pixels, not detail, and cost more to train."""
+        if not self.upscaled:
+            return
+        least, most = (f"{x:.1f}x" for x in self.upscale_range)
+        warnings.warn(f"--size {size[0]}x{size[1]} upscaled {self.upscaled:,} of {self.count:,} images (by "
+                      f"{most if least == most else f'{least} to {most}'}): an upscaled image holds no more "
+                      "detail and costs more to train on; a --size no larger than the images keeps them as they are",
+                      ImgtrainWarning, stacklevel=2)
 
 
 def _prepare_encoded(listed: Listing, out_dir, fields: dict, opts: PrepareOptions, progress) -> dict:
@@ -188,6 +204,8 @@ def _prepare_encoded(listed: Listing, out_dir, fields: dict, opts: PrepareOption
             positions = np.arange(chunk.first, chunk.first + len(results))
             kept = ~dropped.drop[positions] if dropped is not None else np.ones(len(results), bool)
             good = np.array([r.data is not None for r in results], bool) & kept
+            stored = np.flatnonzero(good)  # where each came from, for data inspect: bounded, chunk by chunk
+            out.add_names(listed.ids[positions[stored]], [chunk.names[k] for k in stored])
             for name in names:
                 keep = np.flatnonzero(good & (split[positions] == SPLIT_CODES[name]))
                 if len(keep):
@@ -205,6 +223,7 @@ def _prepare_encoded(listed: Listing, out_dir, fields: dict, opts: PrepareOption
                 progress(done, passes * total)
         if measured.bad and (opts.on_error == "fail" or not measured.count):
             raise _bad_files_error(measured, opts.on_error)
+        measured.warn_upscaled(opts.size)
         fields = {**fields, **_shape_and_statistics(measured, opts.channels, opts.size)}
         fields["skipped"] = {"count": measured.bad_count, "files": [list(b) for b in measured.bad]}
         if dropped is None:

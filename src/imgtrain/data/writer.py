@@ -19,7 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from imgtrain.data.format import FORMAT_VERSION, MANIFEST, load_manifest, manifest_problems, side_files
+from imgtrain.data.format import FORMAT_VERSION, MANIFEST, SOURCES_FILE, load_manifest, manifest_problems, side_files
+from imgtrain.data.row_names import NamesWriter
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops.files import sha256_file, swap_in_folder
 
@@ -137,20 +138,30 @@ class DatasetWriter:
         except OSError as e:
             raise ImgtrainError(f"cannot write data set to {self.out_dir}: {one_line(e, 120)}") from None
         self.splits = {s: SplitWriter(self.tmp / s, storage, len(classes), rows_per_file) for s in splits}
+        self.names: NamesWriter | None = None  # sources.parquet, when add_names is called
 
     def __enter__(self) -> "DatasetWriter":
         return self
 
     def __exit__(self, *exc) -> None:
-        for split in self.splits.values():
-            if split.writer is not None:
-                split.writer.close()
+        for writer in [s.writer for s in self.splits.values()] + [self.names and self.names.writer]:
+            if writer is not None:
+                writer.close()
         shutil.rmtree(self.tmp, ignore_errors=True)  # nothing left after a successful finish()
 
     def add(self, split: str, ids, labels, images) -> None:
         try:
             self.splits[split].add(ids, labels, images)
         except OSError as e:  # a full disk, ...
+            raise ImgtrainError(f"cannot write data set to {self.out_dir}: {one_line(e, 120)}") from None
+
+    def add_names(self, ids, names: list[str]) -> None:
+        """Where the images ``ids`` came from (paths relative to the source, ...): ``sources.parquet``."""
+        try:
+            if self.names is None:
+                self.names = NamesWriter(self.tmp / SOURCES_FILE)
+            self.names.add(ids, names)
+        except OSError as e:
             raise ImgtrainError(f"cannot write data set to {self.out_dir}: {one_line(e, 120)}") from None
 
     def finish(self, fields: dict, beside: dict[str, str] | None = None) -> dict:
@@ -164,6 +175,8 @@ class DatasetWriter:
             if empty:
                 raise ImgtrainError(f"the {' and '.join(empty)} split(s) would be empty; add images or change the fractions")
             files = {name: [p.relative_to(self.tmp).as_posix() for p in split.files] for name, split in self.splits.items()}
+            if self.names is not None:
+                fields = {**fields, "source_names": {"file": SOURCES_FILE, "rows": self.names.close()}}
             manifest = {
                 "format_version": FORMAT_VERSION, **fields, "classes": self.classes, "num_classes": len(self.classes),
                 "storage": self.storage,

@@ -28,6 +28,7 @@ from imgtrain.data.images import (
     IMAGE_SUFFIXES,
     ImageRejected,
     conform_image,
+    damage,
     open_image,
     read_image_file,
 )
@@ -158,7 +159,7 @@ def read_task(batch: dict, shape, preset: str) -> dict:
         except ImageRejected as e:
             out[ERROR_KEY][k] = f"cannot be used ({e})"
         except Exception as e:  # unreadable, truncated, not really an image
-            out[ERROR_KEY][k] = f"cannot be decoded ({type(e).__name__})"
+            out[ERROR_KEY][k] = f"cannot be decoded ({damage(e, None)})"
     out.update(sources["columns"])
     out[ERROR_KEY] = out[ERROR_KEY].astype(str)
     return out

@@ -242,9 +242,11 @@ def _image_grid(images: np.ndarray, rows, classes: list[str], path: Path, with_c
         fig.text(0.5, 0.5, empty, ha="center", va="center", fontsize=14, color=RIGHT)
         fig.savefig(path)
         return
-    fig = _figure(2.0 * GRID_SIDE, 2.2 * GRID_SIDE)
-    axes = fig.subplots(GRID_SIDE, GRID_SIDE).ravel()
-    for ax in axes:  # fewer images than cells leaves the rest blank
+    # As many cells as images (two errors: one row of two, not a 4x4 box of blanks)
+    columns, rows_used = min(GRID_SIDE, len(images)), -(-min(len(images), GRID_SIDE**2) // GRID_SIDE)
+    fig = _figure(2.0 * columns, 2.2 * rows_used)
+    axes = np.atleast_1d(fig.subplots(rows_used, columns)).ravel()
+    for ax in axes:  # the last row's cells past the last image stay blank
         ax.axis("off")
     for ax, image, row in zip(axes, images, rows.itertuples()):
         ax.axis("on")
@@ -308,11 +310,13 @@ def _confusion_matrix(cm: np.ndarray, classes: list[str], path: Path, title: str
 
 
 CSS = """
-body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1200px; color: #222; }
+body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1200px; color: #222; padding: 0 1rem; }
 h1 { margin-bottom: 0.2rem; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2rem; margin-top: 2rem; }
 table { border-collapse: collapse; font-size: 0.9rem; margin: 0.5rem 0; }
 th, td { border: 1px solid #ddd; padding: 0.25rem 0.6rem; text-align: right; }
 th { background: #f3f3f3; } td.text, th.text { text-align: left; }
+#summary td.text, #config-table td.text { overflow-wrap: anywhere; }  /* a long path or value wraps to fit */
+.table-box { max-width: 100%; overflow-x: auto; }  /* what still does not fit scrolls in its own box */
 tr.used { background: #fff6d6; font-weight: 600; }
 figure { margin: 1rem 0; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { color: #555; font-size: 0.9rem; }
@@ -338,7 +342,8 @@ def _table(table_id: str, header: list[str] | None, rows: list[list], text_colum
            row_classes: list[str] | None = None) -> str:
     def cell(tag, i, value):
         cls = ' class="text"' if i in text_columns else ""
-        return f"<{tag}{cls}>{_e(value)}</{tag}>"
+        text = _e(value).replace("_", "_<wbr>") if tag == "th" else _e(value)  # train_<wbr>accuracy: a header may wrap
+        return f"<{tag}{cls}>{text}</{tag}>"
 
     head = ""
     if header:
@@ -347,7 +352,7 @@ def _table(table_id: str, header: list[str] | None, rows: list[list], text_colum
     for n, row in enumerate(rows):
         cls = f' class="{_e(row_classes[n])}"' if row_classes and row_classes[n] else ""
         body.append(f"<tr{cls}>" + "".join(cell("td", i, v) for i, v in enumerate(row)) + "</tr>")
-    return f'<table id="{_e(table_id)}">{head}<tbody>{"".join(body)}</tbody></table>'
+    return f'<div class="table-box"><table id="{_e(table_id)}">{head}<tbody>{"".join(body)}</tbody></table></div>'
 
 
 def _model_line(args: dict, config: dict) -> str:
@@ -462,6 +467,8 @@ def _figures(result: runs.RunResult, out: Path, num_wrong: int) -> dict[str, str
     for plot_id, file, caption in PLOTS:
         if plot_id == "confident-errors" and num_wrong == 0:
             caption = "No test image is misclassified, so there are no confident errors to show."
+        elif plot_id == "confident-errors" and num_wrong < GRID_SIDE**2:
+            caption = f"All {num_wrong} misclassified test image(s), the most confident first."
         caption = caption.format(split=result.validation_split)
         data = base64.b64encode((out / file).read_bytes()).decode("ascii")
         figures[plot_id] = (

@@ -106,6 +106,7 @@ def image_from_bytes(body: bytes, shape, max_pixels: int, preset: str = "digits"
         ImageRejected,
         ImageTooLarge,
         conform_image,
+        damage,
         open_image,
     )
 
@@ -118,7 +119,7 @@ def image_from_bytes(body: bytes, shape, max_pixels: int, preset: str = "digits"
         raise RequestError(400, f"the body is not a readable PNG/JPEG image ({e}); send image bytes, or "
                                 "JSON pixels with Content-Type: application/json") from None
     except Exception as e:  # truncated or corrupt pixel data
-        raise RequestError(400, f"the body is not a readable PNG/JPEG image ({type(e).__name__}); "
+        raise RequestError(400, f"the body is not a readable PNG/JPEG image ({damage(e, None)}); "
                                 "send image bytes, or JSON pixels with Content-Type: application/json") from None
 
 

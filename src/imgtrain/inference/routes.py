@@ -7,7 +7,8 @@ methods are its routes. A new route is a method of ``ModelServer`` here, nothing
                     -> {"label", "index", "confidence", "probabilities": {class: prob}} (a list for a batch)
     GET  /healthz   -> {"status": "ok", "checkpoint" (its name), "classes", "image_shape",
                         "forward_passes", "images_predicted" (this replica's, since it started),
-                        "tta" (none, or flip: --tta), "engine" (torch, or onnxruntime: --engine)}
+                        "tta" (none, or flip: --tta), "engine" (torch, or onnxruntime: --engine),
+                        "preset" (digits or photos: the try page draws digits, takes photos)}
     GET  /          a page to try the model in a browser (try_page.py)
     GET  /openapi.json  only with ``--openapi`` (no /docs or /redoc: they load outside scripts)
 
@@ -123,7 +124,7 @@ class ModelServer:
         return {"status": "ok", "checkpoint": self.checkpoint, "classes": self.classes,
                 "image_shape": list(self.shape), "forward_passes": self.forward_passes,
                 "images_predicted": self.images_predicted, "tta": self.predictor.tta,
-                "engine": self.engine}
+                "engine": self.engine, "preset": self.predictor.loaded.preprocess.preset}
 
     @http_app.get("/openapi.json")
     def openapi_schema(self):

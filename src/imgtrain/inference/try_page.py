@@ -1,4 +1,6 @@
 """The page ``imgtrain serve`` shows at ``/``: draw a digit or drop an image, see the top classes.
+A photo model (the photos preset, from /healthz) gets no drawing pad, whose white strokes on
+black mean nothing to it: a photo is dropped, pasted or chosen instead.
 
 Everything is inline (no scripts, styles or fonts from elsewhere: it works offline, and the
 Content-Security-Policy sent with it forbids anything else). A drawing is framed as MNIST frames
@@ -29,14 +31,19 @@ button { font: inherit; padding: 6px 14px; margin: 8px 8px 0 0; border-radius: 4
 .prob { text-align: right; font-variant-numeric: tabular-nums; }
 #top { font-size: 28px; font-weight: 600; min-height: 36px; }
 #seen { width: 84px; height: 84px; image-rendering: pixelated; background: #000; border-radius: 4px; }
+body[data-mode="photos"] #drop { width: 320px; height: 200px; margin-top: 0; }
+body[data-mode="photos"] #seen { width: 160px; height: 160px; object-fit: contain; image-rendering: auto;
+                                 background: #f4f4f4; }
 #error { color: #b00; min-height: 20px; }
 </style></head><body>
 <h1>Try the model</h1>
 <div class="muted" id="about">loading...</div>
 <div class="row">
   <div>
-    <canvas id="pad" width="280" height="280" aria-label="drawing pad"></canvas><br>
-    <button id="predict">Predict drawing</button><button id="clear">Clear</button>
+    <div id="draw" hidden>
+      <canvas id="pad" width="280" height="280" aria-label="drawing pad"></canvas><br>
+      <button id="predict">Predict drawing</button><button id="clear">Clear</button>
+    </div>
     <div id="drop">drop an image file here<br>or click to choose one</div>
     <input type="file" id="file" accept="image/png,image/jpeg" hidden>
   </div>
@@ -57,6 +64,13 @@ fetch("healthz").then(r => r.json()).then(h => {
   document.getElementById("about").textContent = h.checkpoint + ": " + h.classes.length + " classes (" +
     h.classes.slice(0, 12).join(", ") + (h.classes.length > 12 ? ", ..." : "") + "), input " +
     shape[0] + "x" + shape[1] + (shape[2] === 1 ? " gray" : " RGB");
+  // Digits get the pad; a photo model gets photos (a server without "preset": by its channels).
+  const photos = h.preset ? h.preset === "photos" : shape[2] === 3;
+  document.body.dataset.mode = photos ? "photos" : "digits";
+  document.getElementById("draw").hidden = photos;
+  document.getElementById("drop").innerHTML = photos
+    ? "drop a photo here, paste one (Ctrl+V)<br>or click to choose one"
+    : "drop an image file here<br>or click to choose one";
   document.body.dataset.ready = "1";
 });
 function point(e) { const r = pad.getBoundingClientRect(); return [e.clientX - r.left, e.clientY - r.top]; }
@@ -97,6 +111,10 @@ drop.addEventListener("dragleave", () => drop.classList.remove("over"));
 drop.addEventListener("drop", e => {
   e.preventDefault(); drop.classList.remove("over");
   if (e.dataTransfer.files[0]) sendFile(e.dataTransfer.files[0]);
+});
+document.addEventListener("paste", e => {  // a screenshot or a copied image
+  const f = [...e.clipboardData.files].find(f => f.type === "image/png" || f.type === "image/jpeg");
+  if (f) { e.preventDefault(); sendFile(f); }
 });
 function sendFile(f) { send(f, URL.createObjectURL(f)); }
 async function send(blob, preview) {

@@ -19,19 +19,69 @@ import time
 
 from rich.console import Console
 from rich.live import Live
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import Progress
 from rich.spinner import Spinner
 from rich.text import Text
 
 from imgtrain.console import SafeConsole
 
 PLAIN_EVERY_S = 30.0
+Figures = list  # [(what, its text)]: ("epoch", "epoch 3/12"), ("loss", "loss 0.4312"), ...
+
+BAR_WIDTH = 40  # rich's own; a narrower terminal gets a shorter bar, down to BAR_MIN
+BAR_MIN = 10
+# What the bar's line gives up, in this order, when the terminal is too narrow for all of it. The
+# epoch, the steps, loss, accuracy, images/s and the ETA stay: 80 columns hold them (rich cut the
+# line at the right and squeezed the rest to "t… s…" instead).
+NARROWING = ("elapsed", "label", "wait", "steps_word", "val_acc", "bar")
+
+
+def joined(figures: Figures) -> str:
+    return "  ".join(text for _, text in figures)
+
+
+def fitted(width: int, figures: Figures, completed: int, total: int, elapsed: str) -> tuple[str, int, str]:
+    """The bar's line at ``width`` columns: (the label before the bar, the bar's width (0: no
+    bar), the words after it), what matters least left out first (NARROWING)."""
+    from rich.cells import cell_len
+
+    left_out: set[str] = set()
+    for narrower in (None, *NARROWING):
+        left_out.add(narrower)
+        label = "" if "label" in left_out else "train"
+        words = [f"{completed}/{total}" + ("" if "steps_word" in left_out else " steps")]
+        words += [] if "elapsed" in left_out else [elapsed]
+        after = " ".join(words) + "  " + joined([f for f in figures if f[0] not in left_out])
+        room = width - cell_len(after) - (cell_len(label) + 1 if label else 0) - 1  # a space each side of the bar
+        if "bar" in left_out:
+            return label, 0, after
+        if room >= BAR_MIN:
+            return label, min(BAR_WIDTH, room), after
+    raise AssertionError("unreachable: the last narrowing leaves the bar out")
+
+
+class FittedBar(Progress):
+    """rich's progress display with one line per task laid out by ``fitted`` for the console's
+    width now (a terminal may be resized while a run trains)."""
+
+    def get_renderables(self):
+        from datetime import timedelta
+
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+
+        for task in self.tasks:
+            elapsed = str(timedelta(seconds=max(0, int(task.elapsed or 0))))  # as rich's TimeElapsedColumn
+            label, bar, after = fitted(self.console.width, task.fields.get("figures") or [], int(task.completed),
+                                       int(task.total or 0), elapsed)
+            line = Table.grid(padding=(0, 1))
+            cells = ([Text(label, style="bold")] if label else []) + (
+                [ProgressBar(total=task.total, completed=task.completed, width=bar)] if bar else []) + [
+                Text(after, no_wrap=True, overflow="ellipsis")]
+            for _ in cells:
+                line.add_column(no_wrap=True)
+            line.add_row(*cells)
+            yield line
 
 
 def epoch_line(r: dict, epochs: int) -> str:
@@ -119,7 +169,7 @@ class TrainingDisplay:
         self.progress: Progress | None = None
         self.task = None
         self.last_val = None
-        self.figures = ""  # what the bar shows now, its ETA left out
+        self.figures: Figures = []  # what the bar shows now, its ETA left out
         self.eta = Eta()
         self.rank_wait: dict[int, float] = {}  # rank -> its share of step time waiting for data
         self.last_plain = time.monotonic()
@@ -196,39 +246,40 @@ class TrainingDisplay:
             self.last_val = record["val_accuracy"]
             self.note(epoch_line(record, self.epochs))
             if self.progress is not None:  # the epoch's own figures, never the last step's
-                self.progress.update(self.task, completed=record["step"], status=self.epoch_status(record), refresh=True)
+                self.progress.update(self.task, completed=record["step"], figures=self.epoch_status(record),
+                                     refresh=True)
         elif kind == "average":  # --average-last's checkpoint, after the last epoch
             epochs = ", ".join(str(e + 1) for e in record.get("epochs", []))
             self.note(f"average of epochs {epochs}: val_loss {record['val_loss']:.4f}  "
                       f"val_acc {record['val_accuracy']:.2%}  val_f1_macro {record['val_f1_macro']:.4f}")
 
-    def status(self, r: dict) -> str:
+    def status(self, r: dict) -> Figures:
         """The figures shown beside the bar, from a step record."""
         wait = max(self.rank_wait.values(), default=r.get("data_wait_fraction", 0.0))
         left = self.eta.seconds_left(r["step"], r["epoch"])
         return self._status(r["epoch"], r["loss"], r.get("accuracy", 0.0), r["images_per_s"], wait, left)
 
-    def epoch_status(self, r: dict) -> str:
+    def epoch_status(self, r: dict) -> Figures:
         """The figures beside the bar once epoch ``r`` is validated: that epoch's own (train
         loss and accuracy, val_acc, img/s, data wait), and the time left only while steps are."""
         left = self.eta.seconds_left(r["step"], r["epoch"] + 1) if r["step"] < self.total_steps else None
         wait = r.get("data_wait_fraction") or 0.0
         return self._status(r["epoch"], r["train_loss"], r["train_accuracy"], r["images_per_s"], wait, left)
 
-    def _status(self, epoch: int, loss: float, acc: float, images_per_s: float, wait: float, left) -> str:
-        self.figures = (
-            f"epoch {epoch + 1}/{self.epochs}  loss {loss:.4f}  acc {acc:.1%}"
-            + (f"  val_acc {self.last_val:.2%}" if self.last_val is not None else "")
-            + f"  {images_per_s:.0f} img/s  data wait {wait:.0%}"
-        )
-        return self.figures + (f"  eta {format_duration(left)}" if left is not None else "")
+    def _status(self, epoch: int, loss: float, acc: float, images_per_s: float, wait: float, left) -> Figures:
+        self.figures = [("epoch", f"epoch {epoch + 1}/{self.epochs}"), ("loss", f"loss {loss:.4f}"),
+                        ("acc", f"acc {acc:.1%}")]
+        if self.last_val is not None:
+            self.figures.append(("val_acc", f"val_acc {self.last_val:.2%}"))
+        self.figures += [("speed", f"{images_per_s:.0f} img/s"), ("wait", f"data wait {wait:.0%}")]
+        return self.figures + ([("eta", f"eta {format_duration(left)}")] if left is not None else [])
 
     def _step(self, r: dict) -> None:
         if self.progress is not None:
-            self.progress.update(self.task, completed=r["step"], status=self.status(r), refresh=True)
+            self.progress.update(self.task, completed=r["step"], figures=self.status(r), refresh=True)
         elif time.monotonic() - self.last_plain >= PLAIN_EVERY_S:  # logs get a line now and then
             self.last_plain = time.monotonic()
-            self.note(f"step {r['step']}/{self.total_steps}  {self.status(r)}")
+            self.note(f"step {r['step']}/{self.total_steps}  {joined(self.status(r))}")
 
     def _start(self, r: dict) -> None:
         self.epochs, self.total_steps = r["epochs"], r["total_steps"]
@@ -237,7 +288,7 @@ class TrainingDisplay:
         if r["step"] > 0:
             self.note(f"resuming at epoch {r['start_epoch'] + 1}, step {r['step']}")
         if self.progress is not None:  # a worker group restarted: from its checkpoint's step, no ETA yet
-            self.progress.update(self.task, total=r["total_steps"], completed=r["step"], status=self.figures)
+            self.progress.update(self.task, total=r["total_steps"], completed=r["step"], figures=self.figures)
 
     def _begin_training(self) -> None:
         """The first step record: the start-up line gives way to the bar."""
@@ -246,13 +297,10 @@ class TrainingDisplay:
         self.training = True
         self._end_startup()
         if self.console.is_terminal:
-            self.progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
-                TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=self.console, transient=False,
-                redirect_stdout=False, redirect_stderr=False,  # as the start-up line
-            )
+            self.progress = FittedBar(console=self.console, transient=False,
+                                      redirect_stdout=False, redirect_stderr=False)  # as the start-up line
             self.progress.start()
-            self.task = self.progress.add_task("train", total=self.total_steps, status="")
+            self.task = self.progress.add_task("train", total=self.total_steps, figures=[])
 
     def close(self, outcome: str | None = None) -> None:
         """Stop the display. ``outcome`` ("failed", "interrupted") when the run stops early: the
@@ -261,7 +309,7 @@ class TrainingDisplay:
         self._end_startup(outcome)
         if self.progress is not None:
             if outcome and self.figures:
-                self.progress.update(self.task, status=f"{self.figures}  {outcome}")
+                self.progress.update(self.task, figures=[*self.figures, ("outcome", outcome)])
             self.progress.stop()
             self.progress = None
         if self.pinned:  # follows sys.stdout again, as before pin_output
