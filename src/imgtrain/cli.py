@@ -660,9 +660,12 @@ def report_cmd(
     storage: str = typer.Option("./runs", help=STORAGE_HELP),
 ):
     """Write the run's plots and one self-contained HTML page into its report/ folder."""
-    from imgtrain.inference.report import write_report
+    from imgtrain.inference.report import EVAL_FILE, write_report
 
     page = write_report(run, checkpoint=checkpoint, storage=storage)
+    figures = json.loads((page.parent / EVAL_FILE).read_text())  # what the page shows: the split's own figure
+    console.print(f"{figures['split']} accuracy {figures['accuracy']:.2%} on {figures['num_samples']:,} images, "
+                  f"{Path(figures['checkpoint']).name}")
     console.print(f"report: {page}")
 
 

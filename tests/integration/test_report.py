@@ -73,8 +73,12 @@ def page(trained) -> Path:
     proc = cli_in_fixture("report", result.name, "--storage", str(storage))
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("report: "), proc.stdout
-    printed = Path(lines[0].removeprefix("report: "))
+    assert len(lines) == 2 and lines[1].startswith("report: "), proc.stdout
+    figures = json.loads((result.path / report.REPORT_DIR / report.EVAL_FILE).read_text())
+    # the figure the page shows, where a terminal (make demo's last lines) sees it
+    assert lines[0] == f"test accuracy {figures['accuracy']:.2%} on {figures['num_samples']:,} images, " \
+                       f"{Path(figures['checkpoint']).name}"
+    printed = Path(lines[1].removeprefix("report: "))
     assert printed == result.path / report.REPORT_DIR / report.PAGE_FILE
     assert printed.is_file()
     return printed
