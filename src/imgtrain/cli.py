@@ -199,11 +199,13 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
     Settings come from the defaults, then the stored config of the run being resumed, then --config FILE, then the
     flags given here.
     """
+    import signal
+
     import imgtrain
     from imgtrain import runs
     from imgtrain.config import TrainConfig, parse_workers, resolve, validate
     from imgtrain.configfile import read_config_file
-    from imgtrain.ops import ownership
+    from imgtrain.ops import ownership, process
     from imgtrain.training.progress import TrainingDisplay
 
     overrides = {k: v for k, v in given.items() if v is not None}
@@ -218,8 +220,11 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
     cfg = resolve(requested, stored)
     if problems:  # the file's problems and the resolved config's, in one message
         validate(cfg, [f"{config}: {p}" for p in problems])
-    with _json_alone_on_stdout(json_out):
-        result = imgtrain.train(cfg, display=TrainingDisplay(console, quiet=quiet or json_out), overwrite=overwrite)
+    try:
+        with process.hangup_interrupts() as hangup, _json_alone_on_stdout(json_out):
+            result = imgtrain.train(cfg, display=TrainingDisplay(console, quiet=quiet or json_out), overwrite=overwrite)
+    except KeyboardInterrupt:  # said here, with the run's own resume command; sys.exit: main() would say it again
+        _train_interrupted(cfg, signal.SIGHUP if hangup.received else signal.SIGINT)
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
         return
@@ -230,6 +235,26 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
     if result.best_checkpoint:
         where = f"{result.location}/{result.best_checkpoint.name}" if result.location else result.best_checkpoint
         console.print(f"best checkpoint: {where}")
+
+
+def _train_interrupted(cfg, signum: int) -> None:
+    """Ctrl-C or a hangup stopped `train` (the run is marked interrupted): one line saying how to
+    resume it, then exit status 128 + the signal's number, as a shell reports a process the
+    signal ended (130 for SIGINT, 129 for SIGHUP). After a hangup the terminal may be gone:
+    the line is then written where stderr still goes, or nowhere."""
+    import shlex
+
+    from imgtrain import runs
+    from imgtrain.config import TrainConfig
+
+    if runs.read_config(runs.run_path(cfg.storage, cfg.name)) is not None:  # written as training starts
+        where = "" if cfg.storage == TrainConfig.storage else f" --storage {shlex.quote(cfg.storage)}"
+        line = f"interrupted: resume with imgtrain train --name {shlex.quote(cfg.name)}{where}"
+    else:
+        line = "interrupted before the run started; run the same command again to start it"
+    with contextlib.suppress(OSError):
+        err_console.print(line)
+    sys.exit(128 + signum)
 
 
 def _train_signature() -> inspect.Signature:

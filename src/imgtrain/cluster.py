@@ -116,7 +116,12 @@ def start_or_join(address: str | None, min_cpus: float, dashboard: bool = False)
             # Logical CPUs: enough for every worker plus ingest. Threads are set per worker,
             # so logical CPUs above the physical count do not oversubscribe the cores.
             num_cpus = max(os.cpu_count() or 1, math.ceil(min_cpus) + 1)
-            ctx = ray.init(address="local", num_cpus=num_cpus, **kwargs)
+            # Ray blocks SIGINT in the processes it starts (services.py) so that Ctrl-C, sent to
+            # the terminal's whole process group, reaches only the driver, which stops them in
+            # order; a hangup (SIGHUP, to the same group) killed GCS and the raylet under the
+            # driver instead, which then hung for a minute and died with its run "running".
+            with process.hangup_blocked():
+                ctx = ray.init(address="local", num_cpus=num_cpus, **kwargs)
     except ConnectionError as e:
         raise ImgtrainError(f"could not join the Ray cluster at {address}: {e}") from None
     url = getattr(ctx, "dashboard_url", None)

@@ -164,7 +164,8 @@ DEFAULT_SIGINT_THEN_CLI = (
 
 
 def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_data, tmp_path):
-    """SIGINT, as Ctrl-C sends it: exit 130, one line saying what to do, the run marked interrupted."""
+    """SIGINT, as Ctrl-C sends it: exit 130, one line naming the command that resumes the run, the run
+    marked interrupted (tests/integration/test_signals.py: a terminal, a hangup, the Ray backend)."""
     args = ["train", "--data", str(tiny_data), "--storage", str(tmp_path), "--name", "cc", "--backend", "local",
             "--epochs", "100", "--batch-size", "32", "--quiet"]
     proc = subprocess.Popen([sys.executable, "-c", DEFAULT_SIGINT_THEN_CLI, *args], stdout=subprocess.PIPE,
@@ -182,7 +183,7 @@ def test_ctrl_c_stops_training_and_says_how_to_resume(tiny_data, tmp_path):
             proc.kill()
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in out + err
-    assert err.strip().splitlines()[-1] == "interrupted; run the same command again to resume", err
+    assert err.strip().splitlines()[-1] == f"interrupted: resume with imgtrain train --name cc --storage {tmp_path}", err
     assert runs.read_status(tmp_path / "cc")["status"] == "interrupted"
 
 

@@ -209,3 +209,32 @@ def test_at_80_columns_the_bar_keeps_epoch_steps_loss_accuracy_speed_and_eta():
         assert "…" not in bar and len(bar) <= columns
         if columns == 140:  # room for everything
             assert bar.startswith("train ━") and "steps" in bar and "val_acc 84.00%" in bar and "data wait 2%" in bar
+
+
+def test_a_closed_terminal_ends_the_display_quietly(monkeypatch):
+    """The terminal window closes mid-run (writes to it fail with EIO): the display goes on
+    silently and closes without an error, so the run stops as the hangup asks (interrupted),
+    not as a failure to draw its bar."""
+    import os
+    import pty
+    import sys
+
+    from imgtrain.console import SafeConsole
+
+    leader, follower = pty.openpty()
+    terminal = open(follower, "w", buffering=1)  # as sys.stdout on a terminal: line-buffered
+    monkeypatch.setattr(sys, "stdout", terminal)
+    display = TrainingDisplay(SafeConsole(force_terminal=True, width=200))
+    display.pin_output()
+    display.update(start(total=20, epochs=2))
+    display.update(step(2, 1.0))
+    os.close(leader)
+    display.update(step(4, 2.0))
+    display.note("a line nobody will see")
+    display.close("interrupted")
+    assert display.console.file is sys.stdout  # unpinned, as before
+    monkeypatch.undo()
+    try:
+        terminal.close()
+    except OSError:  # what the display left unsaid, flushed into a closed terminal
+        pass

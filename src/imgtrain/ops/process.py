@@ -56,6 +56,58 @@ def signal_handlers_restored():
 
 
 @contextlib.contextmanager
+def hangup_blocked():
+    """SIGHUP blocked in this thread for the block, and so in every process started from it
+    meanwhile (a process inherits its signal mask, through exec too): a terminal's hangup, sent
+    to its whole process group, then reaches only this process, which stops the others in order.
+    One that came meanwhile is delivered at the end of the block."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # signals go to the main thread's handlers
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+class Hangup:
+    """Whether a hangup came (``received``): Ray's ``ray.get`` raises a KeyboardInterrupt of its
+    own for whatever interrupt its wait saw, so the exception cannot tell SIGHUP from SIGINT."""
+
+    received = False
+
+
+@contextlib.contextmanager
+def hangup_interrupts():
+    """SIGHUP (the terminal closed, the SSH connection dropped) raises KeyboardInterrupt in the
+    block, as Ctrl-C does, so a command stops the same way: its records truthful, the processes
+    it started stopped. Python's default for SIGHUP ends the process on the spot, with no
+    cleanup at all. Yields a ``Hangup``. A hangup ignored already (``nohup``: the command is to
+    outlive its terminal) stays ignored; a block off the main thread changes nothing."""
+    import signal
+    import threading
+
+    hangup = Hangup()
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+        yield hangup
+        return
+
+    def interrupt(signum, frame):
+        hangup.received = True
+        raise KeyboardInterrupt
+
+    saved = signal.signal(signal.SIGHUP, interrupt)
+    try:
+        yield hangup
+    finally:
+        signal.signal(signal.SIGHUP, saved if saved is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
 def loggers_to(path: Path | None, names, level: int = logging.INFO):
     """Send the loggers ``names`` (Ray's, MLflow's) to ``path`` instead of the terminal; their
     handlers, level and propagation are put back afterwards."""

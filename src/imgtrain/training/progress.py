@@ -156,6 +156,34 @@ class StartupLine:
         return self.spinner
 
 
+class Output:
+    """The display's stream. Once writing to it fails (the terminal closed: EIO; a pipe whose
+    reader is gone: EPIPE) it takes every later write without a word: a run must stop (a
+    hangup) or go on as it would, never fail because its progress could not be shown, and rich's
+    refresh thread must not die with a traceback."""
+
+    def __init__(self, stream):
+        self.stream, self.gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return self.stream.write(text)
+            except OSError:
+                self.gone = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self.stream.flush()
+            except OSError:
+                self.gone = True
+
+    def __getattr__(self, name):  # isatty, fileno, encoding: the stream's own
+        return getattr(self.stream, name)
+
+
 class TrainingDisplay:
     def __init__(self, console: Console | None = None, quiet: bool = False):
         self.console = console or SafeConsole(stderr=False)
@@ -181,7 +209,7 @@ class TrainingDisplay:
         import sys
 
         if self.console.file is sys.stdout:
-            self.console.file = sys.stdout
+            self.console.file = Output(sys.stdout)
             self.pinned = True
 
     def note(self, text: str) -> None:

@@ -82,7 +82,11 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callb
         trainer = _trainer(cfg, manifest, run_dir, monitor, resume, elastic, callbacks)
         with _forward_records(monitor, records, watchdog), _start_timeout(elastic), \
                 _ray_snapshot_in_place(run_dir, remote.is_remote(cfg.storage)):
-            trainer.fit()
+            try:
+                trainer.fit()
+            except KeyboardInterrupt:  # Ctrl-C (or a hangup, cli.py): the workers stop before the driver goes on
+                _abort(trainer.controller)
+                raise
     except ray.train.TrainingFailedError as e:
         # A checkpoint half copied when the failure struck (a full disk) must not stay visible.
         store = remote.store(cfg.storage) if remote.is_remote(cfg.storage) else None
@@ -122,6 +126,47 @@ def _ray_snapshot_in_place(run_dir: Path, in_store: bool):
             ray_name.replace(parked)
 
 
+ABORT_TIMEOUT_S = 30.0  # it takes a second or two; a cluster failing too is not waited on longer
+
+
+def _abort(controller) -> None:
+    """Stop an interrupted run's workers, as Ray's own Ctrl-C handler would have: on a joined
+    cluster they would otherwise train on until Ray notices that the driver is gone, and a
+    resume started meanwhile would find them still writing checkpoints. ``controller``: None
+    when the interrupt came before Ray Train started one."""
+    if controller is None:
+        return
+    import ray
+
+    try:  # the controller ends its own process once the workers are stopped: that error is expected
+        ray.get(controller.abort.remote(), timeout=ABORT_TIMEOUT_S)
+    except ray.exceptions.RayActorError:
+        pass
+    except Exception as e:  # noqa: BLE001 - the interrupt is what the user is told; the cluster's end follows
+        log.warning("could not abort the Ray Train run: %s", one_line(e))
+
+
+def _interruptible(trainer_class):
+    """``trainer_class`` (Ray's TorchTrainer) with SIGINT left to imgtrain.
+
+    Ray Train 2.60 (``ray/train/v2/api/data_parallel_trainer.py``, ``_register_sigint_handler``)
+    replaces the process's SIGINT handler inside ``fit()``, just before it waits on its controller
+    actor. Its handler asks the controller to abort, then calls ``sys.exit(0)``; raised in a signal
+    handler during ``ray.get``, Ray's core turns that into ``SystemExit(1)``. So Ctrl-C printed
+    nothing, left status.json ``failed`` ("SystemExit: 1") and exited 1. Here the handler is never
+    installed: SIGINT stays Python's KeyboardInterrupt (which ``ray.get`` raises as it is), the
+    controller is kept, and ``_fit`` aborts it itself, then lets the interrupt go on to the driver
+    (status ``interrupted``, the display closed) and the CLI (how to resume, exit status)."""
+
+    class Interruptible(trainer_class):
+        controller = None
+
+        def _register_sigint_handler(self, controller):
+            self.controller = controller
+
+    return Interruptible
+
+
 def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, elastic: bool, callbacks: Sequence):
     """The TorchTrainer of this run: its workers, checkpoints kept, failures retried, data."""
     import ray.train
@@ -129,7 +174,7 @@ def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, e
 
     from imgtrain.training.ray_worker import train_loop_per_worker
 
-    return TorchTrainer(
+    return _interruptible(TorchTrainer)(
         train_loop_per_worker,
         # the workers never see tracking credentials (meta.json stores this config)
         train_loop_config={"cfg": tracking.public_config(cfg), "manifest": manifest, "monitor": monitor,

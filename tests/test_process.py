@@ -1,0 +1,49 @@
+"""What a command changes in its own process for signals (``ops/process.py``): real signals to
+this process, and a real child process's signal mask."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+
+from imgtrain.ops import process
+
+
+def blocked_in(status: str) -> set[int]:
+    """The signals a /proc/PID/status text says are blocked."""
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+
+def test_a_hangup_interrupts_the_block_as_ctrl_c_does_and_says_so():
+    before = signal.getsignal(signal.SIGHUP)
+    with pytest.raises(KeyboardInterrupt), process.hangup_interrupts() as hangup:
+        os.kill(os.getpid(), signal.SIGHUP)
+        raise AssertionError("SIGHUP went by")
+    assert hangup.received
+    assert signal.getsignal(signal.SIGHUP) == before
+
+
+def test_a_hangup_ignored_already_stays_ignored():
+    """``nohup imgtrain train ...``: the run is to go on when the terminal closes."""
+    saved = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with process.hangup_interrupts() as hangup:
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)
+        assert not hangup.received
+    finally:
+        signal.signal(signal.SIGHUP, saved)
+
+
+def test_processes_started_in_the_block_have_hangups_blocked_and_this_thread_keeps_its_mask():
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    with process.hangup_blocked():
+        inside = subprocess.run(["cat", "/proc/self/status"], capture_output=True, text=True, check=True).stdout
+    outside = subprocess.run(["cat", "/proc/self/status"], capture_output=True, text=True, check=True).stdout
+    assert signal.SIGHUP in blocked_in(inside)
+    assert signal.SIGHUP not in blocked_in(outside)
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
