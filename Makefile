@@ -18,9 +18,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-# Re-install when pyproject.toml changes.
+# Re-install when pyproject.toml changes. The export extra (ONNX, ONNX Runtime) too: the README's
+# `imgtrain export` (ONNX by default) and `serve --engine onnxruntime` need it, and it is small
+# beside torch and Ray. The trackers and timm stay opt-in (pip install 'imgtrain[mlflow]', ...).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet -e '.[export]'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python

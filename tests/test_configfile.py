@@ -37,7 +37,7 @@ def test_every_problem_in_a_file_is_reported_at_once_with_the_values_problems(tm
         lr = "fast"
         workers = true         # a bool is not an int
         augment = 1
-        batch_size = 0         # the right type, a bad value: validate() finds it
+        batch_size = -1        # the right type, a bad value: validate() finds it
     """))
     assert problems == [
         "unknown field 'epoch' (did you mean 'epochs'?)",
@@ -49,7 +49,7 @@ def test_every_problem_in_a_file_is_reported_at_once_with_the_values_problems(tm
         validate(TrainConfig(**values), problems)
     message = str(e.value)
     assert all(p in message for p in problems)
-    assert "--batch-size must be at least 1" in message and "--name is required" in message
+    assert "--batch-size must be at least 0, got -1" in message and "--name is required" in message
     assert "\n" not in message
 
 
@@ -89,3 +89,25 @@ def test_config_show_rows_are_one_line_each():
         assert description.endswith((".", ")")), (name, description)
     assert dict((r[0], r[1]) for r in rows)["epochs"] == "12"
     assert dict((r[0], r[1]) for r in describe_fields({"epochs": 3}))["epochs"] == "3"
+
+
+def test_imgtrain_config_fills_only_the_settings_a_run_leaves_at_their_defaults(tmp_path, monkeypatch):
+    """A script or notebook run as written with other settings: the file's values go where the
+    code set nothing; what it set stays (here: workers and lr)."""
+    from imgtrain.configfile import ENV_VAR, environment_settings
+
+    cfg = TrainConfig(name="nb", data="d", workers=4, lr=1e-3)
+    assert environment_settings(cfg) == (cfg, [])  # no variable: as it was
+    monkeypatch.setenv(ENV_VAR, str(write(tmp_path, """
+        epochs = 1
+        workers = 1
+        lr = 0.01
+        backend = "local"
+        seed = 0               # the default already: nothing taken
+    """)))
+    taken, names = environment_settings(cfg)
+    assert names == ["backend", "epochs"]
+    assert (taken.epochs, taken.backend, taken.workers, taken.lr, taken.name) == (1, "local", 4, 1e-3, "nb")
+    monkeypatch.setenv(ENV_VAR, str(write(tmp_path, "epochs = \"one\"\n")))
+    with pytest.raises(ImgtrainError, match=r"^IMGTRAIN_CONFIG=.*: epochs must be an integer, got 'one'$"):
+        environment_settings(cfg)

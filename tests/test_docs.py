@@ -404,3 +404,44 @@ def test_the_docs_name_only_code_that_exists():
         problems += [f"{where}: {named}" for named in DOTTED_IN_TEXT.findall(text)
                      if dotted_resolves(named, PACKAGE / "__init__.py", PACKAGE) is False]
     assert not problems, "the docs name code that does not exist:\n" + "\n".join(problems)
+
+
+def make_install_extras() -> set[str]:
+    """The extras `make install` (and so `make demo`) installs: `pip install -e '.[a,b]'` in its rule."""
+    rule = re.search(r"^\$\(VENV\)/\.installed:.*?\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert rule, "the Makefile has no $(VENV)/.installed rule: is the pattern broken?"
+    found = re.search(r"pip install[^\n]*-e '?\.(?:\[([\w,-]+)\])?", rule.group(1))
+    return set(found.group(1).split(",")) if found and found.group(1) else set()
+
+
+def extras_needed(arguments: list[str]) -> set[str]:
+    """The pyproject extras an imgtrain command needs beyond the base install: a tracker's flag
+    (the trackers say which extra is theirs), a timm model or optimizer, ONNX (export's default
+    format, --engine onnxruntime)."""
+    from imgtrain.training.tracking import TRACKERS
+
+    needed = {t.extra for t in TRACKERS if t.flag in arguments}
+    if any(a.startswith("timm:") for a in arguments) or {"lamb", "lars"} & set(arguments):
+        needed.add("timm")
+    exporting = arguments[:1] == ["export"]
+    fmt = arguments[arguments.index("--format") + 1] if "--format" in arguments else "onnx"
+    if (exporting and fmt == "onnx") or "onnxruntime" in arguments:
+        needed.add("export")
+    return needed
+
+
+def test_every_readme_command_that_needs_an_extra_gets_it_from_make_install_or_says_so():
+    """The README's commands run after `make install` (`make demo`), or their comment names
+    the `pip install 'imgtrain[EXTRA]'` they need."""
+    installed, problems, needing = make_install_extras(), [], 0
+    for where, line in shell_lines(ROOT / "README.md"):
+        for command in commands(line):
+            if command[0].rsplit("/", 1)[-1] != "imgtrain":
+                continue
+            needing += bool(extras_needed(command[1:]))
+            for extra in sorted(extras_needed(command[1:]) - installed):
+                if f"imgtrain[{extra}]" not in line:
+                    problems.append(f"{where}: {' '.join(command)} needs 'imgtrain[{extra}]'")
+    assert needing, "no README command needs an extra: is extras_needed broken?"
+    assert not problems, ("README commands that `make install` leaves unable to run, their comment silent:\n"
+                          + "\n".join(problems))

@@ -1,7 +1,7 @@
 """imgtrain: train image classifiers with data-parallel PyTorch on Ray.
 
 Every CLI verb is one function here:
-    imgtrain.prepare(source, out, path, PrepareOptions(...)) -> dataset manifest (imgtrain data prepare)
+    imgtrain.prepare(kind, out, source=path, **options) -> dataset manifest (imgtrain data prepare)
     imgtrain.inspect_dataset(data, out) -> findings   (imgtrain data inspect)
     imgtrain.train(cfg)     -> RunResult              (imgtrain train)
     imgtrain.load_run(...)  -> RunResult              (imgtrain runs show)
@@ -31,11 +31,29 @@ def train(cfg: TrainConfig, display=None, overwrite: bool = False) -> RunResult:
     return _train(cfg, display=display, overwrite=overwrite)
 
 
-def prepare(source: str, out_dir, source_path=None, options: PrepareOptions | None = None, progress=None) -> dict:
-    """Prepare a data set directory. See ``imgtrain.data.prepare.prepare``."""
+def prepare(kind: str, /, out_dir, source=None, options: PrepareOptions | None = None, progress=None, *,
+            source_path=None, **option_fields) -> dict:
+    """Prepare a data set directory, as ``imgtrain data prepare KIND OUT_DIR --source PATH ...``:
+    the same names, ``imgtrain.prepare("folder", "data/pets", source="PHOTOS/", val_fraction=0.1)``.
+    ``option_fields``: any ``PrepareOptions`` field (or pass ``options``); ``size`` also as the
+    CLI's "64x64". ``source_path`` is the old name of ``source``. See ``imgtrain.data.prepare.prepare``."""
+    import dataclasses
+
+    from imgtrain.data.options import parse_size
     from imgtrain.data.prepare import prepare as _prepare
 
-    return _prepare(source, out_dir, source_path, options, progress)
+    if source_path is not None:
+        if source is not None:
+            raise ImgtrainError("pass source (source_path is its old name), not both")
+        source = source_path
+    if option_fields:
+        known = {f.name for f in dataclasses.fields(PrepareOptions)}
+        if unknown := sorted(set(option_fields) - known):
+            raise ImgtrainError(f"prepare() has no option {', '.join(unknown)}; its options: {', '.join(sorted(known))}")
+        if isinstance(option_fields.get("size"), str):
+            option_fields["size"] = parse_size(option_fields["size"])
+        options = dataclasses.replace(options or PrepareOptions(), **option_fields)
+    return _prepare(kind, out_dir, source, options, progress)
 
 
 def inspect_dataset(data_dir, out=None, workers: int = 0, threshold: int | None = None, seed: int = 0,

@@ -104,10 +104,13 @@ class TrainConfig:
                                        "--lr (fine-tuning: 0.1 is usual).", range="(0, 1]")
 
     epochs: int = setting(12, "Passes over the training split.", range="[1, 100000]", resumable=True)
-    batch_size: int = setting(128, "Global batch size, split across workers. When it does not divide, the first "
-                              "``batch_size % workers`` ranks take one extra sample, so the global batch is exact. "
-                              "An epoch is ``train rows // batch_size`` steps at every world size.",
-                              range="[1, 1048576]")
+    batch_size: int = setting(0, "Global batch size, split across workers; 0 (the default) chooses it from the "
+                              "training split: 128, halved while an epoch would have fewer than 8 steps, not below "
+                              "16, and a split too small for 8 steps of 16 cut into equal steps (rows // steps). "
+                              "The run's config.json keeps the batch chosen; a resumed run trains on with it. When "
+                              "it does not divide, the first ``batch_size % workers`` ranks take one extra sample, "
+                              "so the global batch is exact. An epoch is ``train rows // batch_size`` steps at "
+                              "every world size.", range="[0, 1048576]")
     optimizer: str = setting("adamw", "The optimizer: ``adamw``, ``sgd`` (Nesterov, --momentum), or ``lamb`` or "
                              "``lars`` for large global batches (timm's: ``pip install 'imgtrain[timm]'``). LAMB and "
                              "LARS leave biases and normalisation weights undecayed, as timm does; LAMB clips the "
@@ -489,6 +492,36 @@ def steps_per_epoch(n_train: int, global_batch: int, limit: int = 0) -> int:
     little data."""
     steps = n_train // global_batch
     return min(steps, limit) if limit else steps
+
+
+# --batch-size 0: the batch chosen from the training split's size (``auto_batch_size``)
+AUTO_BATCH = 0
+DEFAULT_BATCH = 128  # the recipe's batch (docs/training.md "The default recipe"), for splits of 1,024 rows or more
+AUTO_MIN_STEPS = 8  # halved while an epoch would have fewer steps: one step an epoch diverged (issue 46)
+AUTO_FLOOR = 16  # ...but not below this: BatchNorm's statistics come from a worker's share of it
+FEW_STEPS = 4  # an epoch of fewer steps than this gets a warning, whoever chose the batch
+
+
+def auto_batch_size(n_train: int, fewest_samples: int = 1) -> int:
+    """The global batch of ``--batch-size 0``: 128, halved while an epoch of ``n_train`` rows would
+    have fewer than AUTO_MIN_STEPS steps, down to AUTO_FLOOR; a split too small for that many
+    steps at the floor is cut into equal steps (``n_train // steps``), so fewer than ``steps``
+    rows sit out an epoch instead of up to a whole batch. ``fewest_samples``: what one step needs
+    (one sample per worker per ``--accumulate`` piece); the batch is never below it.
+
+    A pure function of the split's size and those settings: a run records the result in its
+    config.json, and a resumed run keeps it, so exact resumption holds.
+
+    >>> auto_batch_size(4000), auto_batch_size(1000), auto_batch_size(160), auto_batch_size(100), auto_batch_size(20)
+    (128, 64, 16, 16, 20)
+    """
+    floor = max(AUTO_FLOOR, fewest_samples)
+    batch = max(DEFAULT_BATCH, fewest_samples)
+    while n_train // batch < AUTO_MIN_STEPS and batch // 2 >= floor:
+        batch //= 2
+    if n_train // batch < AUTO_MIN_STEPS:  # at the floor: spread the rows over whole steps
+        batch = max(n_train // max(1, n_train // batch), fewest_samples)
+    return batch
 
 
 def per_worker_batch_sizes(global_batch: int, world_size: int) -> list[int]:

@@ -8,23 +8,28 @@ A config file is a flat TOML (or JSON) table of ``TrainConfig`` fields::
     epochs = 12
     lr = 3e-3
 
-Flags given on the command line override the file. Every problem in a file (TOML syntax, an
-unknown field, a value of the wrong type) is collected, so one run of the command names them all.
+Flags given on the command line override the file. ``IMGTRAIN_CONFIG=FILE`` in the environment
+names one more, beneath everything a run sets (``environment_settings``). Every problem in a file
+(TOML syntax, an unknown field, a value of the wrong type) is collected, so one run of the command
+names them all.
 A run's own ``config.json`` is a valid config file too: it reproduces that run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
+import os
 import textwrap
 import tomllib
 from pathlib import Path
 
-from imgtrain.config import Setting, parse_workers, settings
+from imgtrain.config import Setting, TrainConfig, parse_workers, settings
 from imgtrain.errors import ImgtrainError
 from imgtrain.runs import VERSION_KEYS
 
+ENV_VAR = "IMGTRAIN_CONFIG"  # a config file every train of this process takes its unset settings from
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
@@ -32,6 +37,23 @@ def read_config_file(path: str | Path) -> tuple[dict, list[str]]:
     """(the valid values of the file, one message per problem). Raises only when the file
     cannot be read or parsed at all."""
     return check_values(read_table(path))
+
+
+def environment_settings(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
+    """``cfg`` with the settings of the file ``IMGTRAIN_CONFIG`` names in the fields it leaves at
+    their defaults (a flag, a ``--config`` file or Python code that sets a field keeps it), and
+    the names of the fields taken; ``cfg`` itself without the variable. Every ``train`` reads
+    it, the CLI's and Python's: a script or notebook runs as written with other settings (a
+    smoke run: ``epochs = 1``), and a machine's defaults (``storage``, ``address``) live in one file."""
+    path = os.environ.get(ENV_VAR)
+    if not path:
+        return cfg, []
+    values, problems = read_config_file(path)
+    if problems:
+        raise ImgtrainError(f"{ENV_VAR}={path}: {'; '.join(problems)}")
+    defaults = TrainConfig()
+    taken = {k: v for k, v in values.items() if getattr(cfg, k) == getattr(defaults, k) != v}
+    return dataclasses.replace(cfg, **taken), sorted(taken)
 
 
 def read_table(path: str | Path) -> dict:

@@ -162,6 +162,6 @@ def test_a_config_file_with_several_problems_names_them_all(tiny_data, tmp_path,
     fixed = tmp_path / "fixed.toml"
     fixed.write_text(f'data = "{tiny_data}"\nworkers = 0\n')
     proc = cli_here(capsys, "train", "--config", str(fixed), "--name", "bad", "--storage", str(tmp_path / "runs"),
-                   "--workers", "1", "--batch-size", "0")
-    assert_one_line_error(proc, "--batch-size must be at least 1")
+                   "--workers", "1", "--batch-size", "-1")
+    assert_one_line_error(proc, "--batch-size must be at least 0, got -1")
     assert "--workers" not in proc.stderr

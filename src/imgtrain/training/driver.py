@@ -13,15 +13,17 @@ import contextlib
 import dataclasses
 import shutil
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from imgtrain import checkpoint as ckpt
 from imgtrain import cluster as cluster_mod
-from imgtrain import runs
-from imgtrain.config import TrainConfig, changed_fields, steps_per_epoch, validate
+from imgtrain import configfile, runs
+from imgtrain.config import (AUTO_BATCH, DEFAULT_BATCH, FEW_STEPS, TrainConfig, auto_batch_size, changed_fields,
+                             steps_per_epoch, validate)
 from imgtrain.data import stream
-from imgtrain.errors import ImgtrainError, one_line
+from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
 from imgtrain.ops import ownership, remote
 from imgtrain.ops.files import check_writable
 from imgtrain.storage import lease, mirror, staging
@@ -51,9 +53,12 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
     ``ray_callbacks``: Ray Train callbacks added to the run (the Ray backend's): a caller that
     needs the run's reports (a sweep's trial, for Ray Tune) passes them, so training knows no caller.
     """
+    cfg, from_environment = configfile.environment_settings(cfg)
     validate(cfg)
     tracking.require(cfg)  # a tracker asked for but not installed: before anything else
     display = display or TrainingDisplay()
+    if from_environment:
+        display.note(f"settings from {configfile.ENV_VAR}: {', '.join(from_environment)}")
     display.pin_output()  # Ray redirects stdout to the run's logs: the display keeps the terminal
     try:
         return _train(cfg, display, overwrite, ray_callbacks)
@@ -167,6 +172,8 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
     if stored is not None:
         if not cfg.data:  # `imgtrain train --name X` alone resumes X
             cfg = dataclasses.replace(cfg, data=stored["data"])
+        if cfg.batch_size == AUTO_BATCH:  # the batch chosen when the run began, whatever the rule is now
+            cfg = dataclasses.replace(cfg, batch_size=stored.get("batch_size", DEFAULT_BATCH))
         changed = changed_fields(stored, cfg.to_dict())
         if changed:
             diffs = ", ".join(f"{k}: {stored[k]!r} -> {getattr(cfg, k)!r}" for k in changed)
@@ -191,10 +198,7 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
     # one in an object store: copied here first, each file checked against its sha256 as it came
     manifest = verify_dataset(staging.local_data(cfg.data), check_hashes=not remote.is_remote(cfg.data))
     n_train = manifest["splits"]["train"]["num_samples"]
-    if steps_per_epoch(n_train, cfg.batch_size) == 0:
-        raise ImgtrainError(
-            f"--batch-size {cfg.batch_size} is larger than the {n_train} training samples; use a smaller batch size"
-        )
+    cfg = _batch_for(cfg, n_train, display)
     if cfg.backend == "ray" and cfg.address:  # an unreachable cluster: say so before making the run
         cluster_mod.check_joinable(cfg.address)
     if cfg.data_on_device and not stream.in_memory(cfg, manifest):
@@ -219,6 +223,32 @@ def _selection_note(cfg: TrainConfig, manifest: dict) -> str:
                 f"{manifest['splits']['val']['num_samples']:,} images); the test split is left for `imgtrain evaluate`")
     return ("note: this data set has no val split, so training validates on, and picks the best checkpoint by, the "
             "test split: its test figure is optimistic; prepare the data set again with --val-fraction 0.1 to fix")
+
+
+def _batch_for(cfg: TrainConfig, n_train: int, display) -> TrainConfig:
+    """The run's config with its global batch decided: ``--batch-size 0`` (the default) chosen
+    from the training split's size (``config.auto_batch_size``), a batch the user set kept as
+    given; checked against the split, and a warning when an epoch is only a few steps."""
+    workers = cfg.effective_workers()
+    if cfg.batch_size == AUTO_BATCH:
+        if n_train < workers:
+            raise ImgtrainError(f"the {n_train} training samples are fewer than the --workers {cfg.workers}: every "
+                                "worker needs at least one sample per step; use fewer workers or more data")
+        cfg = dataclasses.replace(cfg, batch_size=min(auto_batch_size(n_train, workers * cfg.accumulate), n_train))
+        validate(cfg)  # --accumulate against the chosen batch
+        if cfg.batch_size != DEFAULT_BATCH:
+            display.note(f"batch size {cfg.batch_size}: {n_train} training samples, "
+                         f"{steps_per_epoch(n_train, cfg.batch_size)} steps an epoch (--batch-size sets it)")
+    steps = steps_per_epoch(n_train, cfg.batch_size)
+    if steps == 0:
+        raise ImgtrainError(
+            f"--batch-size {cfg.batch_size} is larger than the {n_train} training samples; use a smaller batch size"
+        )
+    if steps < FEW_STEPS:
+        warnings.warn(f"an epoch is {steps} optimizer step{'s' * (steps > 1)} ({n_train} training samples, batch "
+                      f"{cfg.batch_size}, {n_train % cfg.batch_size} left out each epoch): few steps train little "
+                      "and may diverge; a smaller --batch-size gives more", ImgtrainWarning, stacklevel=2)
+    return cfg
 
 
 def _complete(cfg: TrainConfig, meta: dict) -> bool:
