@@ -14,14 +14,42 @@ Every CLI verb is one function here:
     imgtrain.export(run, format, out) -> ExportResult (imgtrain export)
 """
 
-from imgtrain.config import TrainConfig
-from imgtrain.data.options import PrepareOptions
-from imgtrain.errors import ImgtrainError
-from imgtrain.inference.batch import EvalResult, InferenceOptions, evaluate, predict
-from imgtrain.inference.predictor import Predictor, load_model
-from imgtrain.runs import RunResult, list_runs, load_run, package_version
+from __future__ import annotations
 
-__version__ = package_version("imgtrain") or "unknown"  # "unknown": imported from a source tree
+import importlib
+
+from imgtrain.errors import ImgtrainError
+
+# The rest of the API is imported when first used (PEP 562): every `imgtrain.x` module imports
+# this package first, and `imgtrain --version`, `--help` or a refusal must not wait seconds for
+# numpy, pyarrow, Ray and PyTorch.
+_LAZY = {
+    "TrainConfig": "imgtrain.config", "PrepareOptions": "imgtrain.data.options",
+    "EvalResult": "imgtrain.inference.batch", "InferenceOptions": "imgtrain.inference.batch",
+    "evaluate": "imgtrain.inference.batch", "predict": "imgtrain.inference.batch",
+    "Predictor": "imgtrain.inference.predictor", "load_model": "imgtrain.inference.predictor",
+    "RunResult": "imgtrain.runs", "list_runs": "imgtrain.runs", "load_run": "imgtrain.runs",
+}
+
+
+def __getattr__(name: str):
+    if name == "__version__":
+        import importlib.metadata
+
+        try:
+            value = importlib.metadata.version("imgtrain")
+        except importlib.metadata.PackageNotFoundError:  # imported from a source tree
+            value = "unknown"
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        raise AttributeError(f"module 'imgtrain' has no attribute {name!r}")
+    globals()[name] = value  # found once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, "__version__"})
 
 
 def train(cfg: TrainConfig, display=None, overwrite: bool = False) -> RunResult:
@@ -39,7 +67,7 @@ def prepare(kind: str, /, out_dir, source=None, options: PrepareOptions | None =
     CLI's "64x64". ``source_path`` is the old name of ``source``. See ``imgtrain.data.prepare.prepare``."""
     import dataclasses
 
-    from imgtrain.data.options import parse_size
+    from imgtrain.data.options import PrepareOptions, parse_size
     from imgtrain.data.prepare import prepare as _prepare
 
     if source_path is not None:

@@ -417,7 +417,7 @@ def tune_cmd(ctx: typer.Context, config: Optional[Path] = None, search: Optional
 def _tune_signature() -> inspect.Signature:
     """tune's own options, then one per training setting, as `train` has them."""
     from imgtrain.config import settings
-    from imgtrain.sweep.driver import METRICS, SCHEDULERS
+    from imgtrain.sweep.space import METRICS, SCHEDULERS  # not the driver: it imports Ray Tune
 
     def option(name, annotation, default, *decls, help, **more):
         return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,

@@ -27,13 +27,10 @@ from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import ownership
 from imgtrain.ops.files import link_dir
 from imgtrain.sweep import state as st
-from imgtrain.sweep.space import Dimension
+from imgtrain.sweep.space import METRICS, SCHEDULERS, Dimension
 from imgtrain.sweep.trial import EPOCHS_DONE, run_trial
 from imgtrain.training import tracking
 
-SCHEDULERS = ("asha", "fifo")
-METRICS = {"val_accuracy": "max", "val_loss": "min", "val_f1_macro": "max", "train_accuracy": "max",
-           "train_loss": "min"}
 # A trial's own CPU reservation in Ray: Tune refuses 0, and its workers hold the real CPUs.
 TRIAL_CPU = 0.01
 

@@ -20,6 +20,11 @@ from imgtrain.config import Setting, range_problem, settings
 from imgtrain.errors import ImgtrainError
 
 FUNCTIONS = ("uniform", "loguniform", "randint", "choice", "grid")
+# The sweep's schedulers and the metrics it may optimise (with their direction): here, beside the
+# grammar, so that the CLI's help names them without importing Ray Tune (the driver does).
+SCHEDULERS = ("asha", "fifo")
+METRICS = {"val_accuracy": "max", "val_loss": "min", "val_f1_macro": "max", "train_accuracy": "max",
+           "train_loss": "min"}
 # Settings a sweep cannot vary: where the data and runs are, the trial's name, the backend
 # (a trial's resources are planned for Ray workers), and what may change on resume anyway
 # (resumable settings: workers, epochs, storage... operational, not part of the experiment).

@@ -22,7 +22,6 @@ from imgtrain import cluster as cluster_mod
 from imgtrain import configfile, runs
 from imgtrain.config import (AUTO_BATCH, DEFAULT_BATCH, FEW_STEPS, TrainConfig, auto_batch_size, changed_fields,
                              steps_per_epoch, validate)
-from imgtrain.data import stream
 from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
 from imgtrain.ops import ownership, remote
 from imgtrain.ops.files import check_writable
@@ -56,6 +55,7 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
     cfg, from_environment = configfile.environment_settings(cfg)
     validate(cfg)
     tracking.require(cfg)  # a tracker asked for but not installed: before anything else
+    cluster_mod.warn_if_oversubscribed(cfg)  # before the display's live line, long before Ray starts them all
     display = display or TrainingDisplay()
     if from_environment:
         display.note(f"settings from {configfile.ENV_VAR}: {', '.join(from_environment)}")
@@ -151,8 +151,6 @@ class _Plan:
 def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: contextlib.ExitStack,
           locked: bool = False) -> _Plan:
     """Every check that can fail, before anything is written. ``locked``: the run's lock is held already."""
-    from imgtrain.data.format import verify_dataset
-
     exists = ownership.is_run(run_dir)
     if not exists and (run_dir.is_symlink() or run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))):
         raise ImgtrainError(f"{run_dir} already exists and is not an imgtrain run (no {ownership.MARKER_FILE}); "
@@ -195,6 +193,10 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
     if not cfg.data:
         raise ImgtrainError("--data is required for a new run (a directory made by `imgtrain data prepare`)")
     display.phase("checking the data set")
+    # numpy and pyarrow from here: a refusal before the data set is read never waits for them
+    from imgtrain.data import stream
+    from imgtrain.data.format import verify_dataset
+
     # one in an object store: copied here first, each file checked against its sha256 as it came
     manifest = verify_dataset(staging.local_data(cfg.data), check_hashes=not remote.is_remote(cfg.data))
     n_train = manifest["splits"]["train"]["num_samples"]

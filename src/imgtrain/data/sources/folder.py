@@ -8,7 +8,6 @@ import numpy as np
 
 from imgtrain.data.limits import check_class_count
 from imgtrain.data.listing import Listing, files_listing
-from imgtrain.data.sources.registry import SourceSpec, register
 from imgtrain.errors import ImgtrainError
 
 _JUNK_FILES = {"thumbs.db", "desktop.ini"}
@@ -58,10 +57,3 @@ def _image_files(class_dir: Path) -> list[Path]:
     return [p for p in class_dir.rglob("*")
             if not p.is_dir() and not any(part.startswith(".") for part in p.relative_to(class_dir).parts)
             and p.name.lower() not in _JUNK_FILES]
-
-
-register(SourceSpec(
-    name="folder", summary="PNG/JPEG images, one subfolder per class (train/ and test/ folders kept as splits)",
-    lister=lambda source_path, opts: list_image_folder(source_path, opts.seed),
-    source="DIR", walks_source=True,
-))

@@ -27,7 +27,6 @@ from imgtrain.data.class_labels import ClassBook
 from imgtrain.data.limits import TableRows, check_class_count
 from imgtrain.data.listing import MAX_LISTED_BAD, Chunk, Listing, Skipped
 from imgtrain.data.named_splits import SPLIT_CODES, fixed_splits
-from imgtrain.data.sources.registry import SourceSpec, register
 from imgtrain.data.tables import foreign_extension
 from imgtrain.errors import ImgtrainError
 
@@ -178,11 +177,3 @@ def _chunked(found: list[_Unit], image: str, book: ClassBook, skipped: Skipped, 
     codes = np.concatenate([np.full(len(u.rows), u.split, np.int8) for u in found])
     fixed_test, fixed_val = fixed_splits(None if (codes < 0).all() else codes, f"--source {source}")
     return Listing(classes, labels, chunks, fixed_test, np.concatenate([u.ids for u in found]), fixed_val, skipped)
-
-
-register(SourceSpec(
-    name="hf", summary="a Hugging Face data set saved locally (save_to_disk, or Parquet/Arrow files with "
-                       "the Image struct); ClassLabel names and train/validation/test splits kept",
-    lister=list_hf, source="a save_to_disk folder, or .parquet/.arrow files (a file or a folder)",
-    options=frozenset({"image_column", "label_column"}),
-))

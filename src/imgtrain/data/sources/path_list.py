@@ -9,7 +9,6 @@ import pyarrow as pa
 from imgtrain.data import tables
 from imgtrain.data.limits import MIN_PATH_ROW_BYTES
 from imgtrain.data.listing import Listing, files_listing, fixed_test
-from imgtrain.data.sources.registry import SourceSpec, register
 from imgtrain.errors import ImgtrainError, one_line
 
 
@@ -42,11 +41,3 @@ def list_file_table(path, path_column: str = "path", label_column: str = "label"
         raise ImgtrainError(f"column {path_column!r} of {path} must hold a path in every row, got {paths.type}")
     labels, classes = tables.labels_from_column(table.column(label_column), label_column)
     return files_listing(classes, paths.to_pylist(), labels, fixed_test(table), path.parent, seed)
-
-
-register(SourceSpec(
-    name="list", summary="a CSV or Parquet table of image paths and labels",
-    lister=lambda source_path, opts: list_file_table(source_path, opts.path_column, opts.label_column, opts.seed),
-    source="a .csv or .parquet file",
-    options=frozenset({"label_column", "path_column"}), ignores=frozenset({"image_column"}),
-))

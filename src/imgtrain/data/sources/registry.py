@@ -1,7 +1,8 @@
-"""The data sources ``data prepare`` knows, by name. Each source is one module of this package
-that registers a ``SourceSpec``: what ``--source`` names, which options it takes, and how it is
-listed. prepare's checks and the CLI's help ask the specs: nothing else compares source names.
-docs/data.md's table of sources is written by hand; ``tests/test_docs.py`` holds it to these specs.
+"""The data sources ``data prepare`` knows, by name. Each source has a ``SourceSpec``, registered
+in the package's ``__init__.py`` (its reader is a module of its own, imported when used): what
+``--source`` names, which options it takes, and how it is listed. prepare's checks and the CLI's
+help ask the specs: nothing else compares source names. docs/data.md's table of sources is
+written by hand; ``tests/test_docs.py`` holds it to these specs.
 
 A lister returns one of three things, and prepare writes each its own way:
 
@@ -15,15 +16,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Union
+from typing import TYPE_CHECKING, Callable, Union
 
-from imgtrain.data.listing import Listing, PixelListing
-from imgtrain.data.options import PrepareOptions
-from imgtrain.data.raw import RawDataset
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops.remote import is_remote
 
-Listed = Union[RawDataset, Listing, PixelListing]
+if TYPE_CHECKING:  # what a lister returns imports numpy and pyarrow: the specs, and --help, need neither
+    from imgtrain.data.listing import Listing, PixelListing
+    from imgtrain.data.options import PrepareOptions
+    from imgtrain.data.raw import RawDataset
+
+Listed = Union["RawDataset", "Listing", "PixelListing"]
 
 # The options only some sources take: the flags messages name, and their PrepareOptions fields.
 # The others apply to every source, unless its spec says its images or its split are fixed.

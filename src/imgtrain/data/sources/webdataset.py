@@ -25,7 +25,6 @@ from imgtrain.data.listing import CHUNK_FILES, Chunk, Listing, Skipped
 from imgtrain.data.named_splits import SPLIT_CODES, fixed_splits, splits_of_files
 from imgtrain.data.remote_shards import find_remote_shards
 from imgtrain.data.shard_patterns import find_shards, relative_name
-from imgtrain.data.sources.registry import SourceSpec, register
 from imgtrain.data.tar_members import Member, ShardScan, read_members
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops.remote import is_remote
@@ -173,12 +172,3 @@ def _chunked(found: _Found, paths: list[str], labels: np.ndarray, classes: list[
                             functools.partial(read_members, [paths[u] for u in used], which, offset[part], size[part])))
     return Listing(classes, labels[order], chunks, fixed_test, np.frombuffer(found.id, np.int64)[order],
                    fixed_val, skipped)
-
-
-register(SourceSpec(
-    name="webdataset", summary="WebDataset .tar shards: key.jpg|png with key.cls|json|txt labels "
-                               "(train/val/test shard names kept as splits)",
-    lister=list_webdataset, source="a folder of .tar shards, a glob or a brace pattern (shards-{000..099}.tar), "
-                                   "local or s3://bucket/... (copied into the cache first)",
-    options=frozenset({"label_column"}), remote_source=True,
-))
