@@ -101,3 +101,14 @@ def test_workers_that_fit_the_cores_or_a_joined_cluster_are_not_warned_of(tiny_d
         cluster.warn_if_oversubscribed(tiny_config(tiny_data, tmp_path, "local", workers=1, backend="local"))
     with pytest.warns(ImgtrainWarning, match="lower --cpus-per-worker"):
         cluster.warn_if_oversubscribed(tiny_config(tiny_data, tmp_path, "wide", workers=1, cpus_per_worker=cores + 1))
+
+
+def test_every_name_of_the_api_resolves_in_a_fresh_process_in_any_order():
+    """The API's names are imported when first used: each, the first touched or not, is the object itself."""
+    code = ("import imgtrain, sys; names = sys.argv[1:]; "
+            "print(*[type(getattr(imgtrain, n)).__name__ for n in names], imgtrain.__version__)")
+    names = [n for n in __import__("imgtrain").__all__ if n != "ImgtrainError"]
+    for order in (names, names[::-1]):
+        done = subprocess.run([sys.executable, "-c", code, *order], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split()[-1] != "unknown"  # the installed package's version

@@ -18,23 +18,24 @@ def blocked_in(status: str) -> set[int]:
     return {n for n in range(1, 65) if mask >> (n - 1) & 1}
 
 
-def test_a_hangup_interrupts_the_block_as_ctrl_c_does_and_says_so():
-    before = signal.getsignal(signal.SIGHUP)
-    with pytest.raises(KeyboardInterrupt), process.hangup_interrupts() as hangup:
-        os.kill(os.getpid(), signal.SIGHUP)
-        raise AssertionError("SIGHUP went by")
-    assert hangup.received
-    assert signal.getsignal(signal.SIGHUP) == before
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM])
+def test_a_hangup_or_sigterm_interrupts_the_block_as_ctrl_c_does_and_says_which(signum):
+    before = signal.getsignal(signum)
+    with pytest.raises(KeyboardInterrupt), process.stops_interrupt() as stop:
+        os.kill(os.getpid(), signum)
+        raise AssertionError("the signal went by")
+    assert stop.signum == signum
+    assert signal.getsignal(signum) == before
 
 
 def test_a_hangup_ignored_already_stays_ignored():
     """``nohup imgtrain train ...``: the run is to go on when the terminal closes."""
     saved = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        with process.hangup_interrupts() as hangup:
+        with process.stops_interrupt() as stop:
             assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
             os.kill(os.getpid(), signal.SIGHUP)
-        assert not hangup.received
+        assert stop.signum is None
     finally:
         signal.signal(signal.SIGHUP, saved)
 

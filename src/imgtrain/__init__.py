@@ -34,11 +34,11 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name == "__version__":
-        import importlib.metadata
+        from importlib import metadata
 
         try:
-            value = importlib.metadata.version("imgtrain")
-        except importlib.metadata.PackageNotFoundError:  # imported from a source tree
+            value = metadata.version("imgtrain")
+        except metadata.PackageNotFoundError:  # imported from a source tree
             value = "unknown"
     elif name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)

@@ -221,10 +221,10 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
     if problems:  # the file's problems and the resolved config's, in one message
         validate(cfg, [f"{config}: {p}" for p in problems])
     try:
-        with process.hangup_interrupts() as hangup, _json_alone_on_stdout(json_out):
+        with process.stops_interrupt() as stop, _json_alone_on_stdout(json_out):
             result = imgtrain.train(cfg, display=TrainingDisplay(console, quiet=quiet or json_out), overwrite=overwrite)
     except KeyboardInterrupt:  # said here, with the run's own resume command; sys.exit: main() would say it again
-        _train_interrupted(cfg, signal.SIGHUP if hangup.received else signal.SIGINT)
+        _train_interrupted(cfg, stop.signum or signal.SIGINT)
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
         return
@@ -238,9 +238,9 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
 
 
 def _train_interrupted(cfg, signum: int) -> None:
-    """Ctrl-C or a hangup stopped `train` (the run is marked interrupted): one line saying how to
-    resume it, then exit status 128 + the signal's number, as a shell reports a process the
-    signal ended (130 for SIGINT, 129 for SIGHUP). After a hangup the terminal may be gone:
+    """Ctrl-C, a hangup or SIGTERM stopped `train` (the run is marked interrupted): one line saying
+    how to resume it, then exit status 128 + the signal's number, as a shell reports a process the
+    signal ended (130 for SIGINT, 129 for SIGHUP, 143 for SIGTERM). After a hangup the terminal may be gone:
     the line is then written where stderr still goes, or nowhere."""
     import shlex
 

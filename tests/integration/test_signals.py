@@ -1,7 +1,7 @@
-"""Ctrl-C and a closed terminal stop `imgtrain train` as docs/training.md says: status.json
+"""Ctrl-C, a closed terminal and SIGTERM stop `imgtrain train` as docs/training.md says: status.json
 ``interrupted``, the progress display closed with "interrupted", one line on stderr naming the
-command that resumes the run, exit status 130 (SIGINT) or 129 (SIGHUP), every process the
-driver started gone, and that command then resumes the run from its checkpoint.
+command that resumes the run, exit status 130 (SIGINT), 129 (SIGHUP) or 143 (SIGTERM), every
+process the driver started gone, and that command then resumes the run from its checkpoint.
 
 Each run is real and tiny: rank 0 stops for good before step 3 (``hang:0:3``), after the step-2
 checkpoint, so the signal always finds a run in the middle of training with a checkpoint to
@@ -128,8 +128,10 @@ def test_ctrl_c_in_a_terminal_stops_the_run_and_says_how_to_resume(tiny_data, tm
     assert_resumes(command, run_dir)
 
 
-def test_sigint_to_the_driver_alone_stops_a_ray_run(tiny_data, tmp_path, monkeypatch):
-    """SIGINT to the driver only (``kill -INT PID``): Ray's processes get nothing, the driver stops them."""
+def test_sigterm_to_the_driver_alone_stops_a_ray_run(tiny_data, tmp_path):
+    """SIGTERM to the driver only, as a scheduler (Slurm, Kubernetes, ``kill PID``) stops a job:
+    Ray's processes get nothing and ray.init's own SIGTERM handler (``sys.exit``) is not left in
+    place; the driver stops them. (The resume command is the one the Ctrl-C test runs.)"""
     run_dir = tmp_path / "alone"
     proc = subprocess.Popen(train_command(tiny_data, tmp_path, "alone", "ray") + ["--quiet"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True,
@@ -137,18 +139,17 @@ def test_sigint_to_the_driver_alone_stops_a_ray_run(tiny_data, tmp_path, monkeyp
     try:
         wait_for(lambda: checkpointed(run_dir), 240, "the step-2 checkpoint", proc)
         tree = process_tree(proc.pid)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 130, err
+    assert proc.returncode == 143, err
     assert runs.read_status(run_dir)["status"] == "interrupted"
     assert "Traceback" not in out + err
-    command = resume_line(err, "alone", tmp_path)
+    resume_line(err, "alone", tmp_path)
     assert_all_gone(tree)
-    assert_resumes(command, run_dir)
 
 
 def test_a_closed_terminal_stops_a_ray_run_and_its_cluster(tiny_data, tmp_path, monkeypatch):
@@ -164,8 +165,6 @@ def test_a_closed_terminal_stops_a_ray_run_and_its_cluster(tiny_data, tmp_path, 
         os.killpg(term.proc.pid, signal.SIGHUP)
         assert term.wait(timeout=120) == 129, err_file.read_text()
     assert runs.read_status(run_dir)["status"] == "interrupted"
-    command = resume_line(err_file.read_text(), "hup", tmp_path)
+    resume_line(err_file.read_text(), "hup", tmp_path)
     assert "Traceback" not in err_file.read_text()
     assert_all_gone(tree)
-    monkeypatch.delenv(FAULT_ENV)
-    assert_resumes(command, run_dir)

@@ -74,37 +74,43 @@ def hangup_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
-class Hangup:
-    """Whether a hangup came (``received``): Ray's ``ray.get`` raises a KeyboardInterrupt of its
-    own for whatever interrupt its wait saw, so the exception cannot tell SIGHUP from SIGINT."""
+class Stop:
+    """Which signal stopped the block (``signum``; None for Ctrl-C): Ray's ``ray.get`` raises a
+    KeyboardInterrupt of its own for whatever interrupt its wait saw, so the exception cannot
+    tell SIGHUP or SIGTERM from SIGINT."""
 
-    received = False
+    signum: int | None = None
 
 
 @contextlib.contextmanager
-def hangup_interrupts():
-    """SIGHUP (the terminal closed, the SSH connection dropped) raises KeyboardInterrupt in the
-    block, as Ctrl-C does, so a command stops the same way: its records truthful, the processes
-    it started stopped. Python's default for SIGHUP ends the process on the spot, with no
-    cleanup at all. Yields a ``Hangup``. A hangup ignored already (``nohup``: the command is to
-    outlive its terminal) stays ignored; a block off the main thread changes nothing."""
+def stops_interrupt():
+    """SIGHUP (the terminal closed, the SSH connection dropped) and SIGTERM (a scheduler, k8s or
+    ``kill`` stopping the job) raise KeyboardInterrupt in the block, as Ctrl-C does, so a command
+    stops the same way: its records truthful, the processes it started stopped. Python's default
+    for either ends the process on the spot, with no cleanup at all. Yields a ``Stop``. A signal
+    ignored already (``nohup``: the command is to outlive its terminal) stays ignored; a block
+    off the main thread changes nothing."""
     import signal
     import threading
 
-    hangup = Hangup()
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
-        yield hangup
+    stop = Stop()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
         return
 
     def interrupt(signum, frame):
-        hangup.received = True
+        stop.signum = signum
         raise KeyboardInterrupt
 
-    saved = signal.signal(signal.SIGHUP, interrupt)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM)}
+    for s, handler in saved.items():
+        if handler != signal.SIG_IGN:
+            signal.signal(s, interrupt)
     try:
-        yield hangup
+        yield stop
     finally:
-        signal.signal(signal.SIGHUP, saved if saved is not None else signal.SIG_DFL)
+        for s, handler in saved.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 @contextlib.contextmanager
