@@ -13,6 +13,10 @@ options (a candidate recipe) to every run.
 
 ``--data sklearn-digits``: scikit-learn's 1,797 8x8 digits (UCI's, another origin and size than
 MNIST), prepared from a table of pixel arrays as a user's would be (1,438 train / 359 test).
+``--data sklearn-digits-160``: a small data set as a user's first photos are: 16 of those digits
+a class to train on (160), 40 a class to test on (400), 32x32 PNG files in class folders
+(``train/`` and ``test/``), no validation split; the default batch against ``--extra "--batch-size
+128"`` measures the batch a small data set gets (docs/training.md).
 """
 
 from __future__ import annotations
@@ -65,16 +69,40 @@ def sklearn_digits(out: Path) -> Path:
     return out
 
 
+def sklearn_digits_160(out: Path) -> Path:
+    """160 training and 400 test digits of scikit-learn's as PNG class folders, prepared once."""
+    if not (out / "manifest.json").is_file():
+        import numpy as np
+        from PIL import Image
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        folders = out.parent / (out.name + "-png")
+        for label in range(10):
+            rows = np.flatnonzero(digits.target == label)
+            for split, chosen in (("train", rows[:16]), ("test", rows[16:56])):
+                (folders / split / str(label)).mkdir(parents=True, exist_ok=True)
+                for i in chosen:
+                    pixels = np.round(digits.images[i] * 255 / 16).astype(np.uint8)
+                    Image.fromarray(pixels).resize((32, 32), Image.BILINEAR).save(folders / split / str(label) / f"{i}.png")
+        subprocess.run([sys.executable, "-m", "imgtrain.cli", "data", "prepare", "folder", str(out), "--source",
+                        str(folders), "--val-fraction", "0"], check=True, capture_output=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--extra", default="", help="more train options for every run")
     parser.add_argument("--data", type=Path, default=SAMPLE_DATA, help="another prepared data set: with a "
                         "validation split (--val-fraction), the accuracies are on it, for choosing a recipe "
-                        "without looking at the test split; sklearn-digits: scikit-learn's 8x8 digits")
+                        "without looking at the test split; sklearn-digits: scikit-learn's 8x8 digits; "
+                        "sklearn-digits-160: 160 of them to train on, as 32x32 PNG files")
     args = parser.parse_args()
     if str(args.data) == "sklearn-digits":
         args.data = sklearn_digits(SAMPLE_DATA.parent / "sklearn-digits")
+    elif str(args.data) == "sklearn-digits-160":
+        args.data = sklearn_digits_160(SAMPLE_DATA.parent / "sklearn-digits-160")
     elif args.data == SAMPLE_DATA:
         ensure_data(SAMPLE_DATA)
     extra = shlex.split(args.extra)

@@ -109,12 +109,12 @@ def ray_session(address: str | None, min_cpus: float, logs: Path, log_name: str,
         scoped.enter_context(process.output_to(logs))
         scoped.enter_context(process.loggers_to(logs / log_name, RAY_LOGGERS))
         scoped.enter_context(process.environment_restored())  # ray.init writes some of its own
-        scoped.enter_context(process.signal_handlers_restored())  # and a SIGTERM handler
         scoped.enter_context(process.environment(**env))
         # Ray Data's progress bars would draw over ours (and fill CI logs)
         scoped.enter_context(process.attribute(ray.data.DataContext.get_current(), "enable_progress_bars", False))
         try:
-            cluster = start_or_join(address, min_cpus, dashboard)
+            with process.signal_handlers_restored():  # ray.init sets SIGTERM to sys.exit: a stop would be a failure
+                cluster = start_or_join(address, min_cpus, dashboard)
         except BaseException:  # a half-started Ray (a SIGTERM during ray.init): its atexit hook is too late
             with contextlib.suppress(Exception):
                 ray.shutdown()

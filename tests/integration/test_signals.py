@@ -108,8 +108,10 @@ def assert_resumes(command: str, run_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("backend", ["ray", "local"])
-def test_ctrl_c_in_a_terminal_stops_the_run_and_says_how_to_resume(tiny_data, tmp_path, monkeypatch, backend):
-    """SIGINT to the command's process group, as a terminal sends Ctrl-C."""
+def test_ctrl_c_in_a_terminal_stops_the_run_and_says_how_to_resume(tiny_data, tmp_path, monkeypatch, request,
+                                                                   backend):
+    """SIGINT to the command's process group, as a terminal sends Ctrl-C. The Ray run resumes on
+    the session's running cluster (``--address`` may change on resume): one Ray start less."""
     monkeypatch.setenv(FAULT_ENV, "hang:0:3")
     run_dir = tmp_path / "cc"
     with Terminal(train_command(tiny_data, tmp_path, "cc", backend), cwd=tmp_path, columns=220) as term:
@@ -125,7 +127,8 @@ def test_ctrl_c_in_a_terminal_stops_the_run_and_says_how_to_resume(tiny_data, tm
     command = resume_line(screen, "cc", tmp_path)
     assert_all_gone(tree)
     monkeypatch.delenv(FAULT_ENV)
-    assert_resumes(command, run_dir)
+    joined = f" --address {request.getfixturevalue('ray_cluster')}" if backend == "ray" else ""
+    assert_resumes(command + joined, run_dir)
 
 
 def test_sigterm_to_the_driver_alone_stops_a_ray_run(tiny_data, tmp_path):
