@@ -17,6 +17,9 @@ MNIST), prepared from a table of pixel arrays as a user's would be (1,438 train 
 a class to train on (160), 40 a class to test on (400), 32x32 PNG files in class folders
 (``train/`` and ``test/``), no validation split; the default batch against ``--extra "--batch-size
 128"`` measures the batch a small data set gets (docs/training.md).
+``--data lfw-faces``: scikit-image's ``lfw_subset`` (100 25x25 faces and 100 other crops of
+photos, real images nobody here made) as a class folder, prepared with the defaults (a validation
+split carved from training).
 """
 
 from __future__ import annotations
@@ -90,6 +93,24 @@ def sklearn_digits_160(out: Path) -> Path:
     return out
 
 
+def lfw_faces(out: Path) -> Path:
+    """scikit-image's 200 face / non-face crops as a class folder (``faces/``, ``other/``), prepared once."""
+    if not (out / "manifest.json").is_file():
+        import numpy as np
+        from PIL import Image
+        from skimage.data import lfw_subset  # pip install scikit-image
+
+        crops = lfw_subset()  # the first 100 are faces
+        folders = out.parent / (out.name + "-png")
+        for i, crop in enumerate(crops):
+            folder = folders / ("faces" if i < 100 else "other")
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.round(crop * 255).astype(np.uint8)).save(folder / f"{i:03d}.png")
+        subprocess.run([sys.executable, "-m", "imgtrain.cli", "data", "prepare", "folder", str(out), "--source",
+                        str(folders)], check=True, capture_output=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
@@ -97,10 +118,13 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=SAMPLE_DATA, help="another prepared data set: with a "
                         "validation split (--val-fraction), the accuracies are on it, for choosing a recipe "
                         "without looking at the test split; sklearn-digits: scikit-learn's 8x8 digits; "
-                        "sklearn-digits-160: 160 of them to train on, as 32x32 PNG files")
+                        "sklearn-digits-160: 160 of them to train on, as 32x32 PNG files; lfw-faces: "
+                        "scikit-image's 200 face / non-face crops")
     args = parser.parse_args()
     if str(args.data) == "sklearn-digits":
         args.data = sklearn_digits(SAMPLE_DATA.parent / "sklearn-digits")
+    elif str(args.data) == "lfw-faces":
+        args.data = lfw_faces(SAMPLE_DATA.parent / "lfw-faces")
     elif str(args.data) == "sklearn-digits-160":
         args.data = sklearn_digits_160(SAMPLE_DATA.parent / "sklearn-digits-160")
     elif args.data == SAMPLE_DATA:

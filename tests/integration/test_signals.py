@@ -131,12 +131,14 @@ def test_ctrl_c_in_a_terminal_stops_the_run_and_says_how_to_resume(tiny_data, tm
     assert_resumes(command + joined, run_dir)
 
 
-def test_sigterm_to_the_driver_alone_stops_a_ray_run(tiny_data, tmp_path):
+def test_sigterm_to_the_driver_alone_stops_a_ray_run(tiny_data, tmp_path, ray_cluster):
     """SIGTERM to the driver only, as a scheduler (Slurm, Kubernetes, ``kill PID``) stops a job:
-    Ray's processes get nothing and ray.init's own SIGTERM handler (``sys.exit``) is not left in
-    place; the driver stops them. (The resume command is the one the Ctrl-C test runs.)"""
+    ray.init's own SIGTERM handler (``sys.exit``, a failure) is not left in place, and the run
+    ends interrupted. The driver joins the session's cluster (one Ray start less; the tests above
+    stop a cluster of the driver's own); the resume command is the one the Ctrl-C test runs."""
     run_dir = tmp_path / "alone"
-    proc = subprocess.Popen(train_command(tiny_data, tmp_path, "alone", "ray") + ["--quiet"], stdout=subprocess.PIPE,
+    command = train_command(tiny_data, tmp_path, "alone", "ray") + ["--quiet", "--address", ray_cluster]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True,
                             env={**os.environ, FAULT_ENV: "hang:0:3"})
     try:
