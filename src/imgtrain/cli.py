@@ -220,6 +220,7 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
     cfg = resolve(requested, stored)
     if problems:  # the file's problems and the resolved config's, in one message
         validate(cfg, [f"{config}: {p}" for p in problems])
+    stop = process.Stop()  # a Ctrl-C before the block's handlers are in place is a plain SIGINT
     try:
         with process.stops_interrupt() as stop, _json_alone_on_stdout(json_out):
             result = imgtrain.train(cfg, display=TrainingDisplay(console, quiet=quiet or json_out), overwrite=overwrite)
