@@ -1,7 +1,8 @@
 """imgtrain's import layers, read from the source (no import is run): a module imports its own
-layer and those below, never one above, and no top-level module or package imports another
-that imports it back, directly or round a loop. Imports inside functions count (deferred, they
-are still dependencies), and so do those under ``TYPE_CHECKING``."""
+layer and those below, never one above, and no module imports another that imports it back,
+directly or round a loop: neither between top-level modules and packages nor between the modules
+inside one package. Imports inside functions count (deferred, they are still dependencies), and
+so do those under ``TYPE_CHECKING``."""
 
 from __future__ import annotations
 
@@ -37,19 +38,19 @@ def unit_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def module_of(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def module_of(path: Path, package: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def is_module(name: str) -> bool:
-    path = PACKAGE.parent.joinpath(*name.split("."))
+def is_module(name: str, package: Path = PACKAGE) -> bool:
+    path = package.parent.joinpath(*name.split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
-def imported(path: Path):
-    """(imgtrain module, line) of every import in the file, wherever it stands."""
-    module = module_of(path)
+def imported(path: Path, package_root: Path = PACKAGE):
+    """(module, line) of every import in the file, wherever it stands."""
+    module = module_of(path, package_root)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -60,7 +61,7 @@ def imported(path: Path):
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:  # `from imgtrain import runs` imports the module imgtrain.runs
-                yield (f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}") else base), node.lineno
+                yield (f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}", package_root) else base), node.lineno
         elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
               and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
             yield node.args[0].value, node.lineno  # importlib.import_module("imgtrain.x"): a registry's lazy import
@@ -119,3 +120,73 @@ def test_no_import_cycle_between_top_level_modules_and_packages():
               if source in reach[target]
               for where in places]
     assert not cycles, "import cycles between top-level modules/packages:\n" + "\n".join(cycles)
+
+
+def module_loops(package: Path) -> list[str]:
+    """The import loops between the modules of the package at ``package`` (a package's
+    ``__init__`` is the module of its name), one entry per loop: its modules, then every import
+    that joins two of them, as ``path:LINE imports module``. A loop is a set of modules each of
+    which reaches all the others through imports; cutting any one listed import may not be enough,
+    but each one listed is part of the loop."""
+    top = package.name
+    edges = defaultdict(list)  # (importer, imported) -> where
+    for path in sorted(package.rglob("*.py")):
+        source = module_of(path, package)
+        for name, line in imported(path, package):
+            if (name == top or name.startswith(top + ".")) and name != source:
+                edges[source, name].append(f"{path.relative_to(package.parent)}:{line} imports {name}")
+    after = defaultdict(set)
+    for source, target in edges:
+        after[source].add(target)
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in after[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    reach = {module: reachable(module) for module in list(after)}
+    loops = []
+    for module in sorted(reach):
+        if module not in reach[module] or any(module in loop for loop, _ in loops):
+            continue  # not on a loop, or on one already told
+        loop = sorted({module} | {other for other in reach[module] if module in reach.get(other, ())})
+        joins = [where for (source, target), places in sorted(edges.items())
+                 if source in loop and target in loop for where in dict.fromkeys(places)]
+        loops.append((loop, joins))
+    return [" <-> ".join(loop) + ":\n    " + "\n    ".join(joins) for loop, joins in loops]
+
+
+def test_no_import_loop_between_modules():
+    loops = module_loops(PACKAGE)
+    assert not loops, (f"{len(loops)} import loop(s) between modules (move the names they share to the module "
+                       "where they belong, or to a small module of their own):\n" + "\n".join(loops))
+
+
+def test_the_loop_check_finds_a_planted_loop(tmp_path):
+    """A loop inside one package, through a deferred import and one under TYPE_CHECKING, and a
+    longer one through a relative import; a package ``__init__`` importing its members is no loop."""
+    package = tmp_path / "fake"
+    (package / "inner").mkdir(parents=True)
+    files = {
+        "__init__.py": "from fake import a\n",
+        "a.py": "import fake.b\n",
+        "b.py": "def late():\n    from fake.a import name\n",
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fake.b import x\n",
+        "inner/__init__.py": "import importlib\nimportlib.import_module('fake.inner.p')\n",
+        "inner/p.py": "from .q import y\n",
+        "inner/q.py": "from fake.inner import r\n",
+        "inner/r.py": "from fake.inner.p import z\n",
+    }
+    for name, text in files.items():
+        (package / name).write_text(text)
+    assert module_loops(package) == [
+        "fake.a <-> fake.b:\n    fake/a.py:1 imports fake.b\n    fake/b.py:2 imports fake.a",
+        "fake.inner.p <-> fake.inner.q <-> fake.inner.r:\n    fake/inner/p.py:1 imports fake.inner.q\n"
+        "    fake/inner/q.py:1 imports fake.inner.r\n    fake/inner/r.py:1 imports fake.inner.p",
+    ]
+    (package / "b.py").write_text("")
+    (package / "inner" / "r.py").write_text("")
+    assert module_loops(package) == []

@@ -261,7 +261,8 @@ resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30),) * 2)  # quadratic mem
 out = {}
 if sys.argv[2] == "inspect":
     from pathlib import Path
-    from imgtrain.data.inspection import Scan, findings
+    from imgtrain.data.inspection import findings
+    from imgtrain.data.inspection_scan import Scan
     manifest = {"classes": ["a", "b", "c"], "name": "shared", "source": "test", "storage": "encoded",
                 "image_shape": None, "splits": {"train": {}, "test": {}}}
     scan = Scan(split, np.arange(n), labels.astype(np.int32), np.zeros(n, np.uint32), np.zeros(n, np.uint32),

@@ -265,7 +265,7 @@ def test_images_upscaled_by_size_are_counted_in_one_warning_line(tmp_path, capsy
 
 
 def test_a_size_no_reader_accepts_is_refused_before_anything_is_written(tmp_path):
-    from imgtrain.data.format import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
+    from imgtrain.data.limits import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
 
     make_folder(tmp_path / "src", classes=("a", "b"), per_class=3)
     # 8193x1 would upsample cheaply, and every reader would refuse the manifest it wrote

@@ -127,7 +127,7 @@ def test_a_model_card_shows_names_from_the_data_set_and_the_run_as_text(tmp_path
     from markdown_it import MarkdownIt
 
     from imgtrain.inference.model_card import model_card
-    from imgtrain.inference.predictor import LoadedCheckpoint, Preprocess
+    from imgtrain.inference.preprocess import LoadedCheckpoint, Preprocess
 
     k = len(CARD_NAMES)
     loaded = LoadedCheckpoint(

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 import imgtrain
-from imgtrain.inference.predictor import LoadedCheckpoint, Preprocess
+from imgtrain.inference.preprocess import LoadedCheckpoint, Preprocess
 
 
 class ThreadsSeen(torch.nn.Module):

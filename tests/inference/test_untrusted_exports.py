@@ -22,7 +22,8 @@ import pytest
 
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.export import export
-from imgtrain.inference.onnx_engine import EXPORT_META, ONNX_FILE, file_sha256
+from imgtrain.inference.export_record import EXPORT_META
+from imgtrain.inference.onnx_engine import ONNX_FILE, file_sha256
 from imgtrain.inference.predictor import Predictor, load_checkpoint
 from tests.conftest import assert_one_line_error, cli_here
 

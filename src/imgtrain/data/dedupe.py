@@ -26,12 +26,11 @@ from imgtrain.data import duplicate_drops, duplicates, images, pool
 from imgtrain.data.fingerprint import MODES, TRANSFORM_WORDS, UNREADABLE, Prints, fingerprint_encoded
 from imgtrain.data.format import DEDUPE_FILE
 from imgtrain.data.listing import Listing
-from imgtrain.data.named_splits import SPLIT_CODES
+from imgtrain.data.named_splits import SPLIT_CODES, SPLIT_NAMES
 from imgtrain.data.options import PrepareOptions
 from imgtrain.ops import spreadsheet
 
 GRAY = {MODES.index(m) for m in ("1", "L", "LA", "I;16", "I", "F")}
-SPLIT_NAMES = {code: name for name, code in SPLIT_CODES.items()}
 COLUMNS = ("dropped_id", "dropped_name", "dropped_split", "dropped_class", "kept_id", "kept_name", "kept_split",
            "kept_class", "kind", "distance", "transform")
 

@@ -27,8 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from imgtrain.data import tables
-from imgtrain.data.images import MAX_DECODE_PIXELS
-from imgtrain.data.limits import MAX_CLASSES
+from imgtrain.data.limits import MAX_CLASSES, MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops.files import sha256_file
 
@@ -52,15 +51,11 @@ PathLike = Union[str, Path]
 
 # Bounds on the sizes a manifest declares. A data set is untrusted input and every reader sizes
 # allocations and loops by these numbers: a training resolution of 50,000 px made `train` try to
-# allocate 224 GiB, a listed row group of 10^9 rows 7.5 GiB, while `doctor` said ok.
-# Each side of the image shape (the stored shape, or the training resolution), in px: the bound a
-# checkpoint's image shape is held to when inference loads it (predictor.py), so a data set
-# within it trains a model that can be served.
-MAX_IMAGE_SIDE = 8192
-# Its height x width: no image with more pixels is decoded anywhere (images.MAX_DECODE_PIXELS:
-# prepare, predict, training), so a larger resolution could only be an upsampling. One decoded
-# RGB image is then at most 150 MiB.
-MAX_IMAGE_PIXELS = MAX_DECODE_PIXELS
+# allocate 224 GiB, a listed row group of 10^9 rows 7.5 GiB, while `doctor` said ok. The image
+# shape's bounds are limits.MAX_IMAGE_SIDE and limits.MAX_IMAGE_PIXELS.
+# Rows per Parquet row group, at most: the unit the streamed reader shuffles, and the bound on a
+# listed row group (the writer writes fewer for large encoded images).
+ROW_GROUP_ROWS = 1024
 # manifest.json itself is parsed whole: row groups and hashes of a data set of millions of
 # images take a few MB.
 MAX_MANIFEST_BYTES = 64 << 20
@@ -162,8 +157,6 @@ def manifest_problems(manifest: dict) -> list[str]:
 def _split_problems(split) -> list[str]:
     """A split's files and row counts: the streamed reader plans an epoch by them (a permutation
     of every listed row, a decoded buffer per row group) before it reads a file."""
-    from imgtrain.data.writer import ROW_GROUP_ROWS  # here: the writer imports this module
-
     if not isinstance(split, dict):
         return [f"is not an object ({short_repr(split)})"]
     files, n, groups = split.get("files"), split.get("num_samples"), split.get("row_groups")

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from imgtrain.data.fingerprint import TRANSFORM_WORDS, UNREADABLE
-from imgtrain.data.inspection import SPLIT_NAMES, Scan, read_block
+from imgtrain.data.inspection_scan import Scan, read_block
+from imgtrain.data.named_splits import SPLIT_NAMES
 from imgtrain.data.row_names import display_name
 from imgtrain.ops.files import atomic_write_text
 

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from imgtrain.data.images import MAX_DECODE_PIXELS
 from imgtrain.errors import ImgtrainError
+
+# Each side of a data set's image shape (the stored shape, or the training resolution), in px:
+# the bound a checkpoint's image shape is held to when inference loads it (predictor.py), so a
+# data set within it trains a model that can be served.
+MAX_IMAGE_SIDE = 8192
+# Its height x width: no image with more pixels is decoded anywhere (images.MAX_DECODE_PIXELS:
+# prepare, predict, training), so a larger resolution could only be an upsampling. One decoded
+# RGB image is then at most 150 MiB.
+MAX_IMAGE_PIXELS = MAX_DECODE_PIXELS
 
 # One class per label value up to the largest: a stray label of 20,000,000 would make as many
 # classes (and a 10-GB output layer). Real data sets with more classes than this are rare.

@@ -14,6 +14,7 @@ from imgtrain.errors import ImgtrainError
 SPLIT_WORDS = {"train": "train", "training": "train", "val": "val", "valid": "val", "validation": "val",
                "dev": "val", "test": "test", "testing": "test"}
 SPLIT_CODES = {"train": 0, "val": 1, "test": 2}  # as prepare.assign_splits numbers them
+SPLIT_NAMES = {code: name for name, code in SPLIT_CODES.items()}
 
 
 def split_of_name(name: str) -> str | None:

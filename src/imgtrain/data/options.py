@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from imgtrain.data.duplicates import check_threshold
-from imgtrain.data.format import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
+from imgtrain.data.limits import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
 from imgtrain.errors import ImgtrainError
 
 ON_ERROR = ("skip", "fail")

@@ -42,7 +42,7 @@ from imgtrain.config import rank_share
 from imgtrain.data import format as fmt
 from imgtrain.data import images
 from imgtrain.data.photo_augment import PhotoAugment
-from imgtrain.data.writer import ROW_GROUP_ROWS
+from imgtrain.data.format import ROW_GROUP_ROWS
 
 IN_MEMORY_MAX_BYTES = 256 << 20  # decoded images of the training split; above this, stream
 WINDOW_BLOCKS = 16  # row groups whose rows are shuffled together (about 16k rows)...

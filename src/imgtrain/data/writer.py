@@ -19,13 +19,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from imgtrain.data.format import FORMAT_VERSION, MANIFEST, SOURCES_FILE, load_manifest, manifest_problems, side_files
+from imgtrain.data.format import (FORMAT_VERSION, MANIFEST, ROW_GROUP_ROWS, SOURCES_FILE, load_manifest,
+                                  manifest_problems, side_files)
 from imgtrain.data.row_names import NamesWriter
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops.files import sha256_file, swap_in_folder
 
-ROW_GROUP_ROWS = 1024  # rows per Parquet row group: the unit the streamed reader shuffles
-ROW_GROUP_BYTES = 8 << 20  # ...or fewer, for large encoded images
+ROW_GROUP_BYTES = 8 << 20  # fewer rows than ROW_GROUP_ROWS in a row group, for large encoded images
 FILE_BYTES = 256 << 20  # a new part-NNNNN.parquet past this (shards of a few hundred MB)
 
 

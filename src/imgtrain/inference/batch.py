@@ -15,14 +15,8 @@ import numpy as np
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.inputs import CONVERTED_KEY, ERROR_KEY, ROW_KEY, read_task
 from imgtrain.inference.metrics import TOP_K, EvalSums, class_scores
-from imgtrain.inference.predictor import (
-    DEFAULT_TOP_K,
-    TTA,
-    LoadedCheckpoint,
-    Predictor,
-    check_tta,
-    load_checkpoint,
-)
+from imgtrain.inference.predictor import DEFAULT_TOP_K, TTA, Predictor, check_tta, load_checkpoint
+from imgtrain.inference.preprocess import LoadedCheckpoint
 from imgtrain.ops import process
 
 DEFAULT_BATCH_SIZE = 500

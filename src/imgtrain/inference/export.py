@@ -34,8 +34,10 @@ from imgtrain.data.images import EVAL_CROP
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops.files import swap_in_folder
 from imgtrain.inference.metrics import TOP_K, EvalSums
-from imgtrain.inference.onnx_engine import EXPORT_META, file_sha256, is_export
-from imgtrain.inference.predictor import LoadedCheckpoint, load_checkpoint
+from imgtrain.inference.export_record import EXPORT_META, INPUT_NAME, OUTPUT_NAME, is_export
+from imgtrain.inference.onnx_engine import file_sha256
+from imgtrain.inference.predictor import load_checkpoint
+from imgtrain.inference.preprocess import LoadedCheckpoint
 
 FORMATS = {"onnx": "model.onnx", "torchscript": "model.torchscript.pt", "pt2": "model.pt2"}
 RUNTIMES = {"onnx": "onnxruntime", "torchscript": "torch", "pt2": "torch"}
@@ -44,7 +46,6 @@ ONNX_OPSET = 18
 ONNX_ONE_FILE_MAX = 1_500_000_000  # bytes of weights; above, they go beside model.onnx (model.onnx.data)
 VERIFY_BATCH = 256
 MAX_ACCURACY_DROP = 0.01  # --quantize int8 is refused when it costs more test accuracy than this
-INPUT_NAME, OUTPUT_NAME = "images", "probabilities"
 
 
 def exportable(loaded: LoadedCheckpoint):

@@ -15,7 +15,7 @@ import re
 import unicodedata
 from datetime import datetime, timezone
 
-from imgtrain.inference.predictor import LoadedCheckpoint
+from imgtrain.inference.preprocess import LoadedCheckpoint
 
 RECIPE_KEYS = ("model", "pretrained", "epochs", "batch_size", "lr", "optimizer", "schedule", "weight_decay",
                "label_smoothing", "preset", "augment_policy", "mixup", "cutmix", "ema_decay", "average_last",

@@ -25,14 +25,11 @@ from imgtrain.checkpoint import MAX_META_BYTES
 from imgtrain.data.format import short_repr
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.export_files import external_data, inside, read_at_most
+from imgtrain.inference.export_record import EXPORT_META, is_export
+from imgtrain.inference.preprocess import LoadedCheckpoint, preprocess_of
 
 ENGINES = ("torch", "onnxruntime")
-EXPORT_META = "imgtrain.json"
 ONNX_FILE = "model.onnx"
-
-
-def is_export(path) -> bool:
-    return (Path(path) / EXPORT_META).is_file()
 
 
 def check_engine(engine: str, target) -> None:
@@ -79,9 +76,7 @@ class OnnxModel:
 
 def read_record(folder) -> dict:
     """An export folder's ``imgtrain.json``, held to a checkpoint's meta.json cap and bounds
-    (``predictor.preprocess_of``) before anything is sized by it; no file is hashed here."""
-    from imgtrain.inference.predictor import preprocess_of
-
+    (``preprocess.preprocess_of``) before anything is sized by it; no file is hashed here."""
     folder = Path(folder)
     path = inside(folder, EXPORT_META)
     try:
@@ -123,8 +118,6 @@ def read_export(folder) -> dict:
 
 def load_export(folder, threads: int = 0):
     """An ONNX export folder as a ``LoadedCheckpoint`` whose model is an ``OnnxModel`` (``read_export``'s checks first)."""
-    from imgtrain.inference.predictor import LoadedCheckpoint, preprocess_of
-
     folder = Path(folder)
     meta = read_export(folder)
     preprocess = preprocess_of(folder, meta, export=True)

@@ -29,7 +29,7 @@ def quantize_int8(model_file: Path, data_dir: Path, manifest: dict, split: str, 
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    from imgtrain.inference.export import INPUT_NAME
+    from imgtrain.inference.export_record import INPUT_NAME
 
     class Calibration(CalibrationDataReader):
         def __init__(self):

@@ -114,7 +114,8 @@ def args_problems(args) -> list[str]:
     value and the bound. They size what is built: the classifier by num_classes, a ViT's
     position embeddings by image_size squared (65,536 px: a 51-GB tensor). No torch
     needed: checkpoint.verify asks before any model is built."""
-    from imgtrain.data.format import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, short_repr
+    from imgtrain.data.format import short_repr
+    from imgtrain.data.limits import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
     from imgtrain.data.limits import MAX_CLASSES
 
     if not isinstance(args, dict):

@@ -33,7 +33,8 @@ from imgtrain.errors import ImgtrainError
 from imgtrain.models.zoo import build_from_args, model_args
 from imgtrain.training import faults, mechanics, mixing
 from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
-from imgtrain.training.averaging import WeightWindow, save_average
+from imgtrain.training.averaging import save_average
+from imgtrain.training.weight_window import WeightWindow
 from imgtrain.training.backend import Backend, Batch
 from imgtrain.training.calibration import calibrate_batchnorm
 from imgtrain.training.checkpointing import checkpoint_inside_epoch, restore, save

@@ -17,7 +17,7 @@ from imgtrain.training.backend import Backend
 from imgtrain.training.recipe import WeightAverage
 
 if TYPE_CHECKING:
-    from imgtrain.training.averaging import WeightWindow
+    from imgtrain.training.weight_window import WeightWindow
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Resumed:
     schedule: dict | None = None
     history: list[dict] = field(default_factory=list)  # the epoch records before this point
     restored_from: str | None = None  # the checkpoint's name
-    window: dict | None = None  # --average-last's weights of the last epochs (``averaging.WeightWindow``)
+    window: dict | None = None  # --average-last's weights of the last epochs (``weight_window.WeightWindow``)
     averaged: bool = False  # restored from the average checkpoint (made after the last epoch trained)
     grad_scaler: dict | None = None  # --precision fp16: the gradient scaler's state
 
