@@ -101,20 +101,22 @@ def test_no_import_goes_up_a_layer():
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
 
 
+def reachable(after: dict[str, set[str]], start: str) -> set[str]:
+    """Every node ``start`` leads to through the edges ``after`` (node -> the nodes it imports)."""
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in after[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
 def test_no_import_cycle_between_top_level_modules_and_packages():
     after = defaultdict(set)
     for source, target in dependencies():
         after[source].add(target)
 
-    def reachable(start: str) -> set[str]:
-        seen, todo = set(), [start]
-        while todo:
-            for nxt in after[todo.pop()] - seen:
-                seen.add(nxt)
-                todo.append(nxt)
-        return seen
-
-    reach = {unit: reachable(unit) for unit in units()}
+    reach = {unit: reachable(after, unit) for unit in units()}
     cycles = [f"{where} ({source} -> {target}, and {target} leads back to {source})"
               for (source, target), places in sorted(dependencies().items())
               if source in reach[target]
@@ -139,15 +141,7 @@ def module_loops(package: Path) -> list[str]:
     for source, target in edges:
         after[source].add(target)
 
-    def reachable(start: str) -> set[str]:
-        seen, todo = set(), [start]
-        while todo:
-            for nxt in after[todo.pop()] - seen:
-                seen.add(nxt)
-                todo.append(nxt)
-        return seen
-
-    reach = {module: reachable(module) for module in list(after)}
+    reach = {module: reachable(after, module) for module in list(after)}
     loops = []
     for module in sorted(reach):
         if module not in reach[module] or any(module in loop for loop, _ in loops):
