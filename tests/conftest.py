@@ -247,12 +247,3 @@ def wait_for(condition, timeout: float, what: str, proc=None, poll_s: float = 0.
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(poll_s)
 
-
-
-def pytest_collection_modifyitems(config, items):
-    """Files with integration tests first (tens of seconds to minutes each), the unit layer's
-    quick files last: `make test`'s two processes take whole files in this order, so the quick
-    ones fill the end and both processes finish together, instead of one waiting while the
-    other trains through a long file it picked up last. Order within a file is kept."""
-    slow_files = {item.path for item in items if item.get_closest_marker("integration")}
-    items.sort(key=lambda item: item.path not in slow_files)
