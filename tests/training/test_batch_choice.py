@@ -14,19 +14,9 @@ import pytest
 import imgtrain
 from imgtrain.config import AUTO_MIN_STEPS, DEFAULT_BATCH, FEW_STEPS, auto_batch_size, steps_per_epoch
 from imgtrain.errors import ImgtrainWarning
-from imgtrain.models import registry
 from tests.conftest import cli_here, quiet_display, subset, tiny_config
-from tests.test_model_registry import TINY_CNNS
 
 SMALL = dict(backend="local", workers=1, model="tinycnn_8", epochs=1, deterministic=True, bn_calibration=0)
-
-
-@pytest.fixture(scope="module")
-def tiny_cnn():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(registry, "_FAMILIES", list(registry._FAMILIES))
-        registry.register(TINY_CNNS)
-        yield
 
 
 @pytest.fixture(scope="module")

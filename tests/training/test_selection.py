@@ -20,27 +20,16 @@ from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.errors import ImgtrainError
-from imgtrain.models import registry
 from imgtrain.training.backend import Backend, single_process_collectives
 from imgtrain.training.evaluation import evaluate, f1_macro
 from imgtrain.training.faults import ENV_VAR
 from tests.conftest import cli_here, quiet_display, tiny_config
-from tests.test_model_registry import TINY_CNNS
 
 # 4 epochs asked, 2 trained (the planted stop), the average of both; every checkpoint kept so
 # the test can read each epoch's weights, and one inside each epoch
 SETTINGS = dict(backend="local", workers=1, model="tinycnn_8", epochs=4, limit_train_batches=2, deterministic=True,
                 select_metric="val_loss", early_stop=1, early_stop_min_delta=1000.0, average_last=2,
                 num_to_keep=100, checkpoint_every_steps=1)
-
-
-@pytest.fixture(scope="module")
-def tiny_cnn():
-    """The tests' tiny CNN family (one BatchNorm layer), registered while this module runs."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(registry, "_FAMILIES", list(registry._FAMILIES))
-        registry.register(TINY_CNNS)
-        yield
 
 
 @pytest.fixture(scope="module")
