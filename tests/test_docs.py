@@ -418,16 +418,18 @@ def extras_needed(arguments: list[str]) -> set[str]:
     """The pyproject extras an imgtrain command needs beyond the base install: a tracker's flag
     (the trackers say which extra is theirs), a timm model or optimizer, ONNX (export's default
     format, --engine onnxruntime)."""
-    from imgtrain.training.tracking import TRACKERS
+    from imgtrain.inference.export_formats import ENGINES, FORMATS
+    from imgtrain.training.tracking import registered
 
-    needed = {t.extra for t in TRACKERS if t.flag in arguments}
+    needed = {t.extra for t in registered() if t.flag in arguments}
     if any(a.startswith("timm:") for a in arguments) or {"lamb", "lars"} & set(arguments):
         needed.add("timm")
-    exporting = arguments[:1] == ["export"]
-    fmt = arguments[arguments.index("--format") + 1] if "--format" in arguments else "onnx"
-    if (exporting and fmt == "onnx") or "onnxruntime" in arguments:
-        needed.add("export")
-    return needed
+    if arguments[:1] == ["export"]:  # the format's extra, onnx's (export) by default
+        needed.add(FORMATS[arguments[arguments.index("--format") + 1] if "--format" in arguments else "onnx"].extra)
+    engine = arguments[arguments.index("--engine") + 1] if "--engine" in arguments else "torch"
+    if ENGINES.get(engine):  # an export's engine: its format's extra
+        needed.add(ENGINES[engine].extra)
+    return needed - {""}
 
 
 def test_every_readme_command_that_needs_an_extra_gets_it_from_make_install_or_says_so():

@@ -15,6 +15,7 @@ import pytest
 import imgtrain
 from imgtrain.inference import export as export_mod
 from imgtrain.inference.export import export
+from imgtrain.ops.files import sha256_file
 from tests.conftest import assert_one_line_error, cli_here, quiet_display, tiny_config
 
 # Loads each exported model with its own runtime only and prints its probabilities for the
@@ -185,7 +186,7 @@ def test_two_exports_to_one_folder_at_once_leave_one_whole_export(local_run, tmp
         assert code == 0 or (code == 2 and err.startswith("error: another export wrote")), (code, err)
     record = json.loads((out / export_mod.EXPORT_META).read_text())
     for name, digest in record["sha256"].items():  # every file of one export, whole
-        assert export_mod.file_sha256(out / name) == digest, name
+        assert sha256_file(out / name) == digest, name
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging or old folder left beside it
 
 

@@ -23,8 +23,9 @@ import pytest
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.export import export
 from imgtrain.inference.export_record import EXPORT_META
-from imgtrain.inference.onnx_engine import ONNX_FILE, file_sha256
+from imgtrain.inference.export_formats.onnx import ONNX_FILE
 from imgtrain.inference.predictor import Predictor, load_checkpoint
+from imgtrain.ops.files import sha256_file as file_sha256
 from tests.conftest import assert_one_line_error, cli_here
 
 QUICK_S = 0.5  # the refusals read imgtrain.json (and parse model.onnx) and compare numbers
@@ -124,9 +125,9 @@ def test_weights_in_a_subfolder_of_the_export_load_and_are_checked_by_their_sha2
 def test_an_export_whose_weights_lie_beside_its_model_records_their_sha256(local_run, tmp_path, monkeypatch):
     """A model over ONNX_ONE_FILE_MAX (1.5 GB of weights) is written with its weights beside
     model.onnx: the record holds their sha256 too, checked at every load as the model file's."""
-    from imgtrain.inference import export as export_mod
+    from imgtrain.inference.export_formats import onnx
 
-    monkeypatch.setattr(export_mod, "ONNX_ONE_FILE_MAX", 0)  # this 45-MB ResNet-18 written as a large one
+    monkeypatch.setattr(onnx, "ONNX_ONE_FILE_MAX", 0)  # this 45-MB ResNet-18 written as a large one
     out = export(local_run.path, "onnx", tmp_path / "large").out
     recorded = json.loads((out / EXPORT_META).read_text())["sha256"]
     (data_file,) = set(recorded) - {ONNX_FILE}

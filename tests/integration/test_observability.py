@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from imgtrain import runs
-from imgtrain.training.tracking import MLFLOW_RUN_FILE, TENSORBOARD_DIR
+from imgtrain.training.tracking.mlflow_tracker import MLFLOW_RUN_FILE
+from imgtrain.training.tracking.tensorboard_tracker import TENSORBOARD_DIR
 from tests.conftest import cli_here, wait_for
 from tests.terminal import Terminal
 

@@ -22,18 +22,10 @@ from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig, validate
 from imgtrain.errors import ImgtrainError
-from imgtrain.training.tracking import (
-    MLFLOW_RUN_FILE,
-    WANDB_RUN_FILE,
-    MLflowTracker,
-    TensorBoardTracker,
-    WandbTracker,
-    metrics_of,
-    open_trackers,
-    public_config,
-    require,
-    scrub,
-)
+from imgtrain.training.tracking import metrics_of, open_trackers, public_config, require, scrub
+from imgtrain.training.tracking.mlflow_tracker import MLFLOW_RUN_FILE, MLflowTracker
+from imgtrain.training.tracking.tensorboard_tracker import TensorBoardTracker
+from imgtrain.training.tracking.wandb_tracker import WANDB_RUN_FILE, WandbTracker
 
 MANIFEST = {"name": "tiny", "splits": {"train": {"num_samples": 256}, "test": {"num_samples": 100}}}
 

@@ -126,10 +126,10 @@ def _versions() -> Check:
 
 
 def _extras() -> Check:
-    from imgtrain.training.tracking import TRACKERS
+    from imgtrain.training.tracking import registered
 
     found, missing = [], []
-    for tracker in TRACKERS:
+    for tracker in (t for t in registered() if t.packages):  # those that need an extra
         versions = [f"{p} {package_version(p)}" for p in tracker.packages if package_version(p)]
         found += versions
         if not versions:

@@ -42,7 +42,7 @@ class InferenceOptions:
     engine: str = "torch"  # onnxruntime: an ONNX export folder instead of a checkpoint (onnx_engine.py)
 
     def validate(self) -> None:
-        from imgtrain.inference.onnx_engine import ENGINES
+        from imgtrain.inference.export_formats import ENGINES
 
         problems = []
         if self.engine not in ENGINES:

@@ -1,5 +1,7 @@
 """``imgtrain export``: a checkpoint's model as a file that ONNX Runtime, TorchScript or
 ``torch.export`` loads without imgtrain, verified on the test split before the command succeeds.
+What is the same for every format is here; how each format is written, loaded back and quantized
+is its own module's (``export_formats``).
 
 What is exported (``Exportable``) takes uint8 images [B, C, H, W] at the training size and
 returns class probabilities [B, K]: the scaling to [0, 1], the normalisation and the softmax are
@@ -32,18 +34,15 @@ import numpy as np
 
 from imgtrain.data.images import EVAL_CROP
 from imgtrain.errors import ImgtrainError, one_line
-from imgtrain.ops.files import swap_in_folder
+from imgtrain.inference import export_formats
 from imgtrain.inference.metrics import TOP_K, EvalSums
+from imgtrain.inference.export_formats import ExportFormat
 from imgtrain.inference.export_record import EXPORT_META, INPUT_NAME, OUTPUT_NAME, is_export
-from imgtrain.inference.onnx_engine import file_sha256
 from imgtrain.inference.predictor import load_checkpoint
 from imgtrain.inference.preprocess import LoadedCheckpoint
+from imgtrain.ops.files import sha256_file, swap_in_folder
 
-FORMATS = {"onnx": "model.onnx", "torchscript": "model.torchscript.pt", "pt2": "model.pt2"}
-RUNTIMES = {"onnx": "onnxruntime", "torchscript": "torch", "pt2": "torch"}
 AGREEMENT_MIN = 0.999  # top-1 agreement with PyTorch below this fails the export
-ONNX_OPSET = 18
-ONNX_ONE_FILE_MAX = 1_500_000_000  # bytes of weights; above, they go beside model.onnx (model.onnx.data)
 VERIFY_BATCH = 256
 MAX_ACCURACY_DROP = 0.01  # --quantize int8 is refused when it costs more test accuracy than this
 
@@ -111,13 +110,13 @@ def export(run, fmt: str, out, checkpoint: str = "best", storage: str = "./runs"
     """Export ``run``'s checkpoint as ``fmt`` into the folder ``out`` and verify it (module
     docstring). ``quantize="int8"`` (ONNX): ONNX Runtime's static int8 quantization, refused when
     it costs more than ``max_accuracy_drop`` of accuracy on the split (``quantize.py``)."""
-    if fmt not in FORMATS:
-        raise ImgtrainError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if quantize not in ("none", "int8") or (quantize == "int8" and fmt != "onnx"):
-        raise ImgtrainError(f"--quantize must be none, or int8 with --format onnx; got {quantize!r} with {fmt}")
+    spec = export_formats.get(fmt)
+    if quantize not in ("none", "int8") or (quantize == "int8" and spec.quantize is None):
+        takes = " or ".join(export_formats.quantizable())
+        raise ImgtrainError(f"--quantize must be none, or int8 with --format {takes}; got {quantize!r} with {fmt}")
     if not 0 <= max_accuracy_drop <= 1:
         raise ImgtrainError(f"--max-accuracy-drop is a fraction of the images in [0, 1], got {max_accuracy_drop}")
-    _check_runtime(fmt)
+    export_formats.require(spec)
     out = Path(out)
     if out.is_symlink():  # --overwrite would replace the link, or what it points to
         raise ImgtrainError(f"--out {out} is a symbolic link; give the folder itself")
@@ -134,19 +133,17 @@ def export(run, fmt: str, out, checkpoint: str = "best", storage: str = "./runs"
     # a folder of its own: two exports to one --out at once never write into each other's
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        model_file = staging / FORMATS[fmt]
-        _write(model, fmt, model_file, loaded.preprocess.image_shape)
+        model_file = staging / spec.file
+        _write(model, spec, model_file, loaded.preprocess.image_shape)
         verification, sums = _verify(model, _load(fmt, model_file), data_dir, manifest, split, loaded)
         if not verification.passed:
             raise ImgtrainError(f"the exported model disagrees with PyTorch: {verification.line()}; "
                                 f"nothing was written to {out}")
         test_metrics = _metrics(sums, loaded.preprocess.classes)
         if quantize == "int8":
-            from imgtrain.inference.quantize import quantize_int8
-
-            test_metrics["int8"] = quantize_int8(model_file, data_dir, manifest, split, loaded, test_metrics,
+            test_metrics["int8"] = spec.quantize(model_file, data_dir, manifest, split, loaded, test_metrics,
                                                  max_accuracy_drop, out)
-        _write_sidecars(staging, fmt, loaded, manifest, verification, test_metrics)
+        _write_sidecars(staging, spec, loaded, manifest, verification, test_metrics)
         try:
             swap_in_folder(staging, out)  # readers (serve) find the old export or the new one, whole
         except FileExistsError:
@@ -154,16 +151,7 @@ def export(run, fmt: str, out, checkpoint: str = "best", storage: str = "./runs"
                                 "to replace it with this one") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return ExportResult(out, fmt, out / FORMATS[fmt], str(loaded.path), verification, test_metrics)
-
-
-def _check_runtime(fmt: str) -> None:
-    if fmt == "onnx":
-        import importlib.util
-
-        missing = [m for m in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(m) is None]
-        if missing:
-            raise ImgtrainError(f"--format onnx needs {', '.join(missing)}: pip install 'imgtrain[export]'")
+    return ExportResult(out, fmt, out / spec.file, str(loaded.path), verification, test_metrics)
 
 
 def _test_data(loaded: LoadedCheckpoint, data: str | None, split: str) -> tuple[Path, dict]:
@@ -184,53 +172,29 @@ def _test_data(loaded: LoadedCheckpoint, data: str | None, split: str) -> tuple[
     return Path(data_dir), manifest
 
 
-# ---------------------------------------------------------------- writing and loading each format
+# ---------------------------------------------------------------- writing and loading: the format's
 
 
-def _write(model, fmt: str, path: Path, image_shape) -> None:
+def _write(model, spec: ExportFormat, path: Path, image_shape) -> None:
     import torch
 
     h, w, c = image_shape
     example = (torch.zeros(2, c, h, w, dtype=torch.uint8),)
-    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    any_batch = {"images": {0: torch.export.Dim("batch", min=1, max=1 << 16)}}
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporters' deprecation and tracer chatter
-            if fmt == "pt2":
-                torch.export.save(torch.export.export(model, example, dynamic_shapes={"images": {0: batch}}), path)
-            elif fmt == "torchscript":
-                torch.jit.trace(model, example).save(str(path))  # deprecated in PyTorch, still what many tools load
-            else:
-                # one file, as Triton and most tools expect, unless protobuf's 2 GB limit forbids it
-                large = sum(t.numel() * t.element_size() for t in model.state_dict().values()) > ONNX_ONE_FILE_MAX
-                torch.onnx.export(model, example, str(path), dynamo=True, opset_version=ONNX_OPSET,
-                                  input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], external_data=large,
-                                  dynamic_shapes={"images": {0: batch}}, verbose=False)
+            spec.write(model, path, example, any_batch)
     except ImgtrainError:
         raise
     except Exception as e:  # an exporter's refusal of this model: say which
-        raise ImgtrainError(f"PyTorch could not export this model as {fmt} ({one_line(e, 240)}); "
+        raise ImgtrainError(f"PyTorch could not export this model as {spec.name} ({one_line(e, 240)}); "
                             f"try another --format") from None
 
 
 def _load(fmt: str, path: Path):
     """The exported model loaded back by its own runtime: uint8 numpy [B, C, H, W] -> numpy [B, K]."""
-    import torch
-
-    if fmt == "onnx":
-        import onnxruntime
-
-        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        return lambda x: session.run([OUTPUT_NAME], {INPUT_NAME: x})[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        module = torch.jit.load(str(path)) if fmt == "torchscript" else torch.export.load(path).module()
-
-    def run(x):
-        with torch.no_grad():
-            return module(torch.from_numpy(x)).numpy()
-
-    return run
+    return export_formats.get(fmt).load(path)
 
 
 # ---------------------------------------------------------------- verification
@@ -265,7 +229,7 @@ def _metrics(sums: EvalSums, classes) -> dict:
                                    "f1": float(f1[i]), "support": int(support[i])} for i, c in enumerate(classes)}}
 
 
-def _write_sidecars(folder: Path, fmt: str, loaded: LoadedCheckpoint, manifest: dict,
+def _write_sidecars(folder: Path, spec: ExportFormat, loaded: LoadedCheckpoint, manifest: dict,
                     verification: Verification, test_metrics: dict) -> None:
     from imgtrain.inference.model_card import model_card
 
@@ -284,20 +248,19 @@ def _write_sidecars(folder: Path, fmt: str, loaded: LoadedCheckpoint, manifest: 
     check = {**asdict(verification), "agreement": verification.agreement, "required": AGREEMENT_MIN,
              "int8": test_metrics.get("int8")}
     (folder / "verification.json").write_text(json.dumps(check, indent=2) + "\n")
-    # what imgtrain's own engines need to run the export (onnx_engine.load_export)
+    # what imgtrain's own engines need to run the export (export_engine.load_export)
     meta = {key: loaded.meta.get(key) for key in ("model_args", "data", "epoch", "metrics", "imgtrain_version",
                                                   "torch_version")}
     config = loaded.meta.get("config") or {}
     meta["config"] = {k: config.get(k) for k in ("name", "data", "preset", "model")}
-    hashes = {FORMATS[fmt]: file_sha256(folder / FORMATS[fmt])}
-    if fmt == "onnx":  # the weights beside model.onnx of a model over ONNX_ONE_FILE_MAX, checked at load as it is
-        from imgtrain.inference.export_files import external_data
-
-        hashes.update({name: file_sha256(folder / name) for name in external_data(folder / FORMATS[fmt])})
-    meta.update(format=fmt, checkpoint=str(loaded.path), quantized=test_metrics.get("int8") is not None,
+    model_file = folder / spec.file
+    # the files beside it that the model reads (ONNX's external data), checked at load as it is
+    beside = spec.side_files(model_file) if spec.side_files else {}
+    hashes = {name: sha256_file(folder / name) for name in (spec.file, *beside)}
+    meta.update(format=spec.name, checkpoint=str(loaded.path), quantized=test_metrics.get("int8") is not None,
                 sha256=hashes)
     (folder / EXPORT_META).write_text(json.dumps(meta, indent=1) + "\n")
-    (folder / "MODEL_CARD.md").write_text(model_card(fmt, FORMATS[fmt], RUNTIMES[fmt], loaded, manifest,
+    (folder / "MODEL_CARD.md").write_text(model_card(spec.name, spec.file, spec.runtime, loaded, manifest,
                                                      verification.line(), test_metrics))
 
 

@@ -1,6 +1,6 @@
 """What an export folder (``imgtrain export``) is known by, to those that write it (``export.py``,
-``quantize.py``) and those that read it (``onnx_engine.py``, ``preprocess.py``): its record's
-file name and its model's input and output names."""
+``quantize.py``, the formats) and those that read it (``export_engine.py``, ``preprocess.py``): its
+record's file name and its model's input and output names."""
 
 from __future__ import annotations
 

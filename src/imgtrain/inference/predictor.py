@@ -38,15 +38,15 @@ def load_checkpoint(
     engine: str = "torch", threads: int = 0,
 ) -> LoadedCheckpoint:
     """Verify the checkpoint's checksums, rebuild its model and load the weights (eval mode).
-    ``engine="onnxruntime"``: an ONNX export folder instead (``onnx_engine.load_export``)."""
+    Another ``engine`` (``onnxruntime``): an export folder it runs instead (``export_engine.load_export``)."""
     import torch
 
-    from imgtrain.inference.onnx_engine import check_engine, load_export
+    from imgtrain.inference.export_engine import check_engine, load_export
     from imgtrain.models.zoo import build_from_args
 
     check_engine(engine, run_or_checkpoint)
-    if engine == "onnxruntime":
-        return load_export(run_or_checkpoint, threads)
+    if engine != "torch":
+        return load_export(run_or_checkpoint, engine, threads)
     path = runs.resolve_checkpoint(run_or_checkpoint, checkpoint, storage)  # verified
     meta = ckpt.read_meta(path)
     args = meta.get("model_args") or {}
@@ -76,7 +76,7 @@ def load_checkpoint(
 def preprocess_preset(checkpoint_dir: Path) -> str:
     """The evaluation transform a checkpoint's (or an export's) model was validated with."""
     from imgtrain.inference.export_record import is_export
-    from imgtrain.inference.onnx_engine import read_record
+    from imgtrain.inference.export_engine import read_record
 
     if is_export(checkpoint_dir):
         return preset_of(read_record(checkpoint_dir))  # held to its bounds first, as a checkpoint's is
@@ -145,7 +145,7 @@ class Predictor:
         import torch
 
         model, preprocess = self.loaded.model, self.loaded.preprocess
-        if hasattr(model, "probabilities"):  # an ONNX export (onnx_engine.OnnxModel): its own threads
+        if hasattr(model, "probabilities"):  # an export's engine (onnx_engine.OnnxModel): its own threads
             return model.probabilities(preprocess.checked(images), self.tta)
         with process.torch_threads(self.threads), torch.inference_mode():
             x = preprocess(images, self.device)  # [B, C, H, W]

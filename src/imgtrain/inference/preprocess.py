@@ -1,8 +1,8 @@
 """What a loaded model takes and where it came from: ``Preprocess`` (uint8 images -> the model's
 input, exactly as in training) and ``LoadedCheckpoint``, read from a checkpoint's ``meta.json``
-or an ONNX export's ``imgtrain.json`` (``preprocess_of``), whose untrusted fields are held to a
+or an export's ``imgtrain.json`` (``preprocess_of``), whose untrusted fields are held to a
 data set's own bounds before anything is sized by them. ``predictor.py`` loads checkpoints with
-them, ``onnx_engine.py`` ONNX exports."""
+them, ``export_engine.py`` exports."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from ray import serve
 from imgtrain import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError, one_line
-from imgtrain.inference.onnx_engine import check_engine, read_export
+from imgtrain.inference.export_engine import check_engine, read_export
 from imgtrain.inference.predictor import TTA, check_tta, preprocess_preset
 from imgtrain.inference.requests import RETRY_AFTER_S, Limits
 from imgtrain.inference.routes import REPLICA_CPUS, ModelServer
@@ -121,8 +121,8 @@ def _check_request(run, checkpoint, storage, host, port, limits, replicas, tta="
         raise ImgtrainError("; ".join(problems))
     # Verified here: a damaged checkpoint (or export) fails in one line, not in a replica's log.
     check_engine(engine, run)
-    if engine == "onnxruntime":  # its checksum here; the session only in the replica
-        read_export(run)
+    if engine != "torch":  # an export: its checksums here; the engine's model only in the replica
+        read_export(run, engine)
         path = Path(run)
     else:
         path = runs.resolve_checkpoint(run, checkpoint, storage)

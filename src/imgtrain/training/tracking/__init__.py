@@ -1,5 +1,8 @@
 """Experiment tracking: MLflow (``--mlflow URI``), TensorBoard (``--tensorboard``) and Weights &
-Biases (``--wandb PROJECT``), three implementations of one ``Tracker`` (``base.py``).
+Biases (``--wandb PROJECT``), three implementations of one ``Tracker`` (``base.py``), each in its
+own module that registers it (``registry.py``). Importing the package registers them, in the
+order of the import line below, the order they are opened: a new tracker is one module, its
+name in that line, and the ``setting(...)`` lines of what it reads in config.py.
 
 Only rank 0's records (and each rank's own timing records) reach the trackers, through the
 driver: the same records that go to ``metrics.jsonl`` and the progress display. Logging from
@@ -20,7 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from imgtrain.config import TrainConfig
-from imgtrain.errors import ImgtrainError
+# registered by being imported, in this order: the order they are opened
+from imgtrain.training.tracking import mlflow_tracker, tensorboard_tracker, wandb_tracker
 from imgtrain.training.tracking.base import (
     EPOCH_KEYS,
     MODEL_FILES,
@@ -35,28 +39,11 @@ from imgtrain.training.tracking.base import (
     scrub,
     tracked_config,
 )
-from imgtrain.training.tracking.mlflow_tracker import MLFLOW_RUN_FILE, MLflowTracker
-from imgtrain.training.tracking.tensorboard_tracker import TENSORBOARD_DIR, TensorBoardTracker
-from imgtrain.training.tracking.wandb_tracker import WANDB_RUN_FILE, WandbTracker
+from imgtrain.training.tracking.registry import get, register, registered, require, wanted
 
-__all__ = ["EPOCH_KEYS", "MLFLOW_RUN_FILE", "MODEL_FILES", "RANK_KEYS", "STEP_KEYS", "TENSORBOARD_DIR", "TRACKERS",
-           "WANDB_RUN_FILE", "MLflowTracker", "TensorBoardTracker", "Tracker", "WandbTracker", "metrics_of",
-           "open_trackers", "params_of", "public_config", "public_uri", "require", "scrub", "tracked_config", "wanted"]
-
-TRACKERS: tuple[type[Tracker], ...] = (MLflowTracker, TensorBoardTracker, WandbTracker)  # opened in this order
-
-
-def wanted(cfg: TrainConfig) -> list[type[Tracker]]:
-    """The trackers ``cfg`` asks for."""
-    return [kind for kind in TRACKERS if kind.wanted(cfg)]
-
-
-def require(cfg: TrainConfig) -> None:
-    """Fail in seconds, before Ray starts, when a tracker is asked for but cannot be used
-    (not installed; W&B without an API key)."""
-    problems = [problem for kind in wanted(cfg) if (problem := kind.problem(cfg))]
-    if problems:
-        raise ImgtrainError("; ".join(problems))
+__all__ = ["EPOCH_KEYS", "MODEL_FILES", "RANK_KEYS", "STEP_KEYS", "Tracker", "get", "metrics_of", "open_trackers",
+           "params_of", "public_config", "public_uri", "register", "registered", "require", "scrub",
+           "tracked_config", "wanted"]
 
 
 def open_trackers(cfg: TrainConfig, run_dir: Path, manifest: dict, note) -> list:

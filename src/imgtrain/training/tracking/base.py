@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from imgtrain.config import TrainConfig
+from imgtrain.config import TrainConfig, by_name
 from imgtrain.ops import remote
 
 STEP_KEYS = ("loss", "accuracy", "images_per_s", "data_wait_fraction", "lr", "grad_norm", "loss_scale")
@@ -112,27 +112,43 @@ class Tracker(abc.ABC):
     starts its run, or continues the one a resumed imgtrain run logged to, and logs the params;
     it raises ImgtrainError when the tracker cannot be used. The driver then sends it every
     record (``log``), calls ``finish`` once with the run's outcome, and ``close`` whatever happened.
-    A subclass says how metrics, a restart, the final model and the outcome reach its backend."""
+    A subclass declares what it is (the attributes below) and says how metrics, a restart, the final
+    model and the outcome reach its backend; ``registry.register`` makes it one of the trackers."""
 
+    key: str  # its name in the registry (``registry.py``): "mlflow"
     name: str  # in messages: "MLflow"
-    setting: str  # the TrainConfig field that turns it on
-    flag: str  # that field's option
-    extra: str  # pip install 'imgtrain[EXTRA]'
-    module: str  # what the extra installs, imported to check it is there
-    packages: tuple[str, ...]  # its distributions, for `imgtrain doctor`
+    settings: tuple[str, ...] = ()
+    """The TrainConfig fields it reads, the one that turns it on first (their ``setting(...)``
+    lines stay in config.py: TrainConfig is built, and crosses to the workers, without importing
+    any tracker). A tracker with none is on for every run while it is registered."""
+    secrets: tuple[str, ...] = ()
+    """Those of its settings that may hold a credential (a password in a URI): never written,
+    shown or tracked as given (``public_config``, ``tracked_config``)."""
+    extra: str = ""  # pip install 'imgtrain[EXTRA]'
+    module: str = ""  # what the extra installs, imported to check it is there
+    packages: tuple[str, ...] = ()  # its distributions, for `imgtrain doctor`
+    flag: str | None = None  # the option that turns it on: its first setting's (``__init_subclass__``)
     opened: str | None = None  # once open: a line for the terminal, where to look at the run
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # "--mlflow", as config.py spells it; an unknown setting is refused by ``registry.register``
+        known = by_name().get(cls.settings[0]) if cls.settings else None
+        cls.flag = known.flag.split("/")[0] if known else None
 
     @classmethod
     def wanted(cls, cfg: TrainConfig) -> bool:
-        return bool(getattr(cfg, cls.setting))
+        return bool(getattr(cfg, cls.settings[0])) if cls.settings else True
 
     @classmethod
     def problem(cls, cfg: TrainConfig) -> str | None:
         """Why the tracker cannot be used, found in seconds, before Ray or the run start; None if it can."""
+        if not cls.module:
+            return None
         try:
             importlib.import_module(cls.module)
         except ImportError:
-            return f"{cls.flag} needs {cls.name}: pip install 'imgtrain[{cls.extra}]'"
+            return f"{cls.flag or 'tracking'} needs {cls.name}: pip install 'imgtrain[{cls.extra}]'"
         return None
 
     def log(self, record: dict) -> None:

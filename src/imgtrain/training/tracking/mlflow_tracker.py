@@ -14,6 +14,7 @@ from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import process
 from imgtrain.training.tracking.base import Tracker, first_line, model_files, params_of, public_place, public_uri, scrub
+from imgtrain.training.tracking.registry import register
 
 MLFLOW_RUN_FILE = "mlflow.json"  # {"tracking_uri", "experiment_id", "run_id"}: a resumed run continues it
 
@@ -50,12 +51,15 @@ def _environment_forced(**values: str):
                 os.environ[key] = value
 
 
+@register
 class MLflowTracker(Tracker):
     """One MLflow run per imgtrain run: params at the start, metrics as records arrive, the
     final (best) model's files as artifacts, and the run's outcome as its MLflow status."""
 
-    name, setting, flag, extra, module = "MLflow", "mlflow", "--mlflow", "mlflow", "mlflow"
-    packages = ("mlflow-skinny", "mlflow")
+    key, name = "mlflow", "MLflow"
+    settings = ("mlflow", "mlflow_experiment")
+    secrets = ("mlflow",)  # http://user:password@host
+    extra, module, packages = "mlflow", "mlflow", ("mlflow-skinny", "mlflow")
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, manifest: dict):
         # For the tracker's life only (the library may run in a notebook): no telemetry leaves

@@ -7,16 +7,18 @@ from pathlib import Path
 
 from imgtrain.config import TrainConfig
 from imgtrain.training.tracking.base import Tracker, tracked_config
+from imgtrain.training.tracking.registry import register
 
 TENSORBOARD_DIR = "tensorboard"
 
 
+@register
 class TensorBoardTracker(Tracker):
     """The metrics as scalars and the config as text; no model (TensorBoard keeps none)."""
 
-    name, setting, flag, extra, module = "TensorBoard", "tensorboard", "--tensorboard", "tensorboard", \
-        "torch.utils.tensorboard"
-    packages = ("tensorboard",)
+    key, name = "tensorboard", "TensorBoard"
+    settings = ("tensorboard",)
+    extra, module, packages = "tensorboard", "torch.utils.tensorboard", ("tensorboard",)
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, manifest: dict | None = None):
         from torch.utils.tensorboard import SummaryWriter

@@ -14,6 +14,7 @@ from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import process
 from imgtrain.training.tracking.base import Tracker, first_line, model_files, params_of
+from imgtrain.training.tracking.registry import register
 
 WANDB_RUN_FILE = "wandb.json"  # {"project", "entity", "run_id"}: a resumed run continues it
 STEP_METRIC = "global_step"  # every metric's x axis: W&B's own _step only ever grows, ours restarts
@@ -27,12 +28,14 @@ PRIVATE = {"x_disable_meta": True, "x_disable_machine_info": True, "disable_git"
            "save_code": False}
 
 
+@register
 class WandbTracker(Tracker):
     """Params as the W&B run's config, metrics against ``global_step``, the final model as a
     ``model`` artifact, and the run's outcome as its exit code."""
 
-    name, setting, flag, extra, module = "W&B", "wandb", "--wandb", "wandb", "wandb"
-    packages = ("wandb",)
+    key, name = "wandb", "W&B"
+    settings = ("wandb", "wandb_entity")  # the API key: W&B's own (WANDB_API_KEY, `wandb login`), never a setting
+    extra, module, packages = "wandb", "wandb", ("wandb",)
 
     @classmethod
     def problem(cls, cfg: TrainConfig) -> str | None:
