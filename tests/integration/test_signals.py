@@ -5,12 +5,13 @@ process the driver started gone, and that command then resumes the run from its 
 
 Each run is real and tiny: rank 0 stops for good before step 3 (``hang:0:3``), after the step-2
 checkpoint, so the signal always finds a run in the middle of training with a checkpoint to
-resume from. Each driver with the Ray backend starts its own local Ray: the test snapshots the
-driver's process tree (GCS, raylet, workers) just before the signal and checks it is gone.
+resume from. The test snapshots the driver's process tree (with a cluster of its own: GCS,
+raylet, workers) and the run's Ray Train workers just before the signal and checks they are gone.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -22,6 +23,7 @@ import pytest
 
 from imgtrain import runs
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
+from imgtrain.training.watchdog import WORKERS_FILE
 from tests.conftest import run_cli, wait_for
 from tests.terminal import Terminal
 
@@ -82,6 +84,14 @@ def process_tree(root: int) -> set[tuple[int, str]]:
     return found
 
 
+def run_workers(run_dir: Path) -> set[tuple[int, str]]:
+    """The run's Ray Train workers (``workers.json``), as ``process_tree`` gives processes: on a
+    joined cluster they are not the driver's children."""
+    path = run_dir / WORKERS_FILE
+    pids = [w["pid"] for w in json.loads(path.read_text())["workers"]] if path.exists() else []
+    return {(pid, start) for pid in pids if (start := _started(pid)) is not None}
+
+
 def assert_all_gone(tree: set[tuple[int, str]]) -> None:
     def left():
         return [(pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:80]) for pid, start in tree if _started(pid) == start]
@@ -110,13 +120,18 @@ def assert_resumes(command: str, run_dir: Path) -> None:
 @pytest.mark.parametrize("backend", ["ray", "local"])
 def test_ctrl_c_in_a_terminal_stops_the_run_and_says_how_to_resume(tiny_data, tmp_path, monkeypatch, request,
                                                                    backend):
-    """SIGINT to the command's process group, as a terminal sends Ctrl-C. The Ray run resumes on
-    the session's running cluster (``--address`` may change on resume): one Ray start less."""
+    """SIGINT to the command's process group, as a terminal sends Ctrl-C. The Ray run joins the
+    session's running cluster, as a user of a cluster does (the hangup test below stops a cluster
+    of the driver's own): the driver stops the run's workers on a cluster it does not own, and the
+    resume, on that cluster too, finds the run free."""
     monkeypatch.setenv(FAULT_ENV, "hang:0:3")
     run_dir = tmp_path / "cc"
-    with Terminal(train_command(tiny_data, tmp_path, "cc", backend), cwd=tmp_path, columns=220) as term:
+    joined = ["--address", request.getfixturevalue("ray_cluster")] if backend == "ray" else []
+    with Terminal(train_command(tiny_data, tmp_path, "cc", backend) + joined, cwd=tmp_path, columns=220) as term:
         wait_for_checkpoint(term, run_dir)
-        tree = process_tree(term.proc.pid)
+        workers = run_workers(run_dir) if backend == "ray" else set()
+        assert workers or backend == "local", "no Ray Train worker recorded in workers.json"
+        tree = process_tree(term.proc.pid) | workers
         os.killpg(term.proc.pid, signal.SIGINT)
         assert term.wait(timeout=120) == 130, term.text()
         screen = term.text()
@@ -127,8 +142,7 @@ def test_ctrl_c_in_a_terminal_stops_the_run_and_says_how_to_resume(tiny_data, tm
     command = resume_line(screen, "cc", tmp_path)
     assert_all_gone(tree)
     monkeypatch.delenv(FAULT_ENV)
-    joined = f" --address {request.getfixturevalue('ray_cluster')}" if backend == "ray" else ""
-    assert_resumes(command + joined, run_dir)
+    assert_resumes(" ".join([command, *joined]), run_dir)
 
 
 def test_sigterm_to_the_driver_alone_stops_a_ray_run(tiny_data, tmp_path, ray_cluster):
@@ -143,7 +157,9 @@ def test_sigterm_to_the_driver_alone_stops_a_ray_run(tiny_data, tmp_path, ray_cl
                             env={**os.environ, FAULT_ENV: "hang:0:3"})
     try:
         wait_for(lambda: checkpointed(run_dir), 240, "the step-2 checkpoint", proc)
-        tree = process_tree(proc.pid)
+        workers = run_workers(run_dir)
+        assert workers, "no Ray Train worker recorded in workers.json"
+        tree = process_tree(proc.pid) | workers
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
