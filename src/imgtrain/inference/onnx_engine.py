@@ -26,9 +26,9 @@ from imgtrain.data.format import short_repr
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.export_files import external_data, inside, read_at_most
 from imgtrain.inference.export_record import EXPORT_META, is_export
+from imgtrain.inference.options import ENGINES
 from imgtrain.inference.preprocess import LoadedCheckpoint, preprocess_of
 
-ENGINES = ("torch", "onnxruntime")
 ONNX_FILE = "model.onnx"
 
 

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from imgtrain.config import TrainConfig
+from imgtrain.config import TrainConfig, settings
 from imgtrain.ops import remote
 
 STEP_KEYS = ("loss", "accuracy", "images_per_s", "data_wait_fraction", "lr", "grad_norm", "loss_scale")
@@ -57,14 +57,19 @@ def scrub(text: str) -> str:
     return re.sub(r"(\w+://)[^/?#\s]*@", r"\1", text)
 
 
+# The settings that may hold a credential (``setting(secret=True)``: the MLflow URI's user:password@).
+SECRET_SETTINGS = tuple(s.name for s in settings() if s.secret)
+
+
 def public_config(cfg: TrainConfig) -> dict:
-    """The config as it may be stored and shown: credentials removed from the MLflow URI."""
-    return dict(cfg.to_dict(), mlflow=public_uri(cfg.mlflow))
+    """The config as it may be stored and shown: credentials removed from the settings that may hold one."""
+    config = cfg.to_dict()
+    return {**config, **{k: public_uri(config[k]) for k in SECRET_SETTINGS}}
 
 
-# The settings that name a place: on this machine, a folder of the user's that no tracker is told
-# (a tracking server is often shared, and W&B's is another company's).
-PLACE_SETTINGS = ("data", "storage", "init_from")
+# The settings that name a place (``setting(place=True)``): on this machine, a folder of the user's
+# that no tracker is told (a tracking server is often shared, and W&B's is another company's).
+PLACE_SETTINGS = tuple(s.name for s in settings() if s.place)
 
 
 def public_place(place: str | None) -> str | None:
@@ -78,7 +83,7 @@ def public_place(place: str | None) -> str | None:
 def tracked_config(config: dict) -> dict:
     """A config (``TrainConfig.to_dict()`` or a checkpoint's) as trackers get it: no credential,
     no path of this machine."""
-    return {**config, "mlflow": public_uri(config.get("mlflow")),
+    return {**config, **{k: public_uri(config.get(k)) for k in SECRET_SETTINGS},
             **{k: public_place(config[k]) for k in PLACE_SETTINGS if k in config}}
 
 
