@@ -19,7 +19,7 @@ PACKAGE = ROOT / "src" / "imgtrain"
 # every unit it imports (the test says which unit is missing).
 LAYERS = [
     ["errors", "console", "ops"],  # utilities: ops/ imports nothing of imgtrain but errors
-    ["config", "checkpoint_policy"],  # every setting; how checkpoints are named, ranked and kept
+    ["settings", "config", "checkpoint_policy"],  # how options are declared; every setting; checkpoints' names and ranks
     ["data"],  # sources, the prepared data set, the streamed epoch, batch augmentation
     ["models"],  # model families by name, held to the data set's bounds
     ["checkpoint", "storage", "runs", "configfile"],  # the run store: checkpoints, bucket, run files

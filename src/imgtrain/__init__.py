@@ -25,10 +25,11 @@ from imgtrain.errors import ImgtrainError
 # numpy, pyarrow, Ray and PyTorch.
 _LAZY = {
     "TrainConfig": "imgtrain.config", "PrepareOptions": "imgtrain.data.options",
-    "EvalResult": "imgtrain.inference.batch", "InferenceOptions": "imgtrain.inference.batch",
+    "EvalResult": "imgtrain.inference.batch", "InferenceOptions": "imgtrain.inference.options",
     "evaluate": "imgtrain.inference.batch", "predict": "imgtrain.inference.batch",
     "Predictor": "imgtrain.inference.predictor", "load_model": "imgtrain.inference.predictor",
     "RunResult": "imgtrain.runs", "list_runs": "imgtrain.runs", "load_run": "imgtrain.runs",
+    "inspect_dataset": "imgtrain.data.inspection", "write_report": "imgtrain.inference.report",
 }
 
 
@@ -84,28 +85,14 @@ def prepare(kind: str, /, out_dir, source=None, options: PrepareOptions | None =
     return _prepare(kind, out_dir, source, options, progress)
 
 
-def inspect_dataset(data_dir, out=None, workers: int = 0, threshold: int | None = None, seed: int = 0,
-                    progress=None) -> dict:
-    """A look at a prepared data set: the findings, and their page written to ``out``. See
-    ``imgtrain.data.inspection.inspect_dataset``."""
-    from imgtrain.data.inspection import inspect_dataset as _inspect
-
-    return _inspect(data_dir, out, workers, threshold, seed, progress)
-
-
-def write_report(run, checkpoint: str = "best", storage: str = "./runs"):
-    """Plots and a self-contained HTML page in the run's report/ folder. See ``imgtrain.inference.report``."""
-    from imgtrain.inference.report import write_report as _write_report
-
-    return _write_report(run, checkpoint=checkpoint, storage=storage)
-
-
-def export(run, format: str, out, checkpoint: str = "best", storage: str = "./runs", **options):
+def export(run, format: str, out, **options):
     """The checkpoint's model as ONNX, TorchScript or pt2 in the folder ``out``, with its labels,
-    preprocessing and model card, verified against PyTorch. See ``imgtrain.inference.export``."""
+    preprocessing and model card, verified against PyTorch. ``options``: those of ``imgtrain
+    export``, with their defaults (``imgtrain.inference.options.ExportOptions``: checkpoint,
+    storage, data, split, overwrite, quantize, max_accuracy_drop). See ``imgtrain.inference.export``."""
     from imgtrain.inference.export import export as _export
 
-    return _export(run, format, out, checkpoint=checkpoint, storage=storage, **options)
+    return _export(run, format, out, **options)
 
 
 __all__ = [

@@ -1,25 +1,48 @@
 """The command line: one function per verb, each a thin layer over the Python API.
 
+Every option comes from a declaration (``settings.py``): the option dataclasses of the layer that
+acts on it (``TrainConfig``, ``PrepareOptions``, ``InferenceOptions``, ``ServeOptions``...), or,
+for the few only the command line has (``--json``, ``--yes``), an ``option(...)`` here.
+``_declared`` turns them into typer's options; a command receives the dataclass filled in.
+
 Every user error is printed as one line, ``error: ...``, with exit status 2; no traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import inspect
 import json
 import os
 import sys
+import typing
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 from rich.table import Table
 
+from imgtrain import kuberay
+from imgtrain.config import TrainConfig, parse_workers, resolve, validate
 from imgtrain.console import SafeConsole, err_console
+from imgtrain.data.options import InspectOptions, PrepareOptions
 from imgtrain.data.sources import registry as source_registry
 from imgtrain.errors import ImgtrainError, ImgtrainWarning
+from imgtrain.inference import export_formats
+from imgtrain.inference.options import (
+    EvaluateOptions,
+    ExportOptions,
+    InferenceOptions,
+    Limits,
+    PredictOptions,
+    ReportOptions,
+    ServeOptions,
+)
+from imgtrain.settings import REQUIRED, RUNS, Setting, option, settings_of, storage_option, values
+from imgtrain.sweep.request import SweepRequest
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train image classifiers with data-parallel PyTorch on Ray.")
@@ -32,7 +55,91 @@ for group, group_name in ((data_app, "data"), (runs_app, "runs"), (config_app, "
 # Messages hold paths and errors: never rich markup, never rich's colouring of numbers and paths.
 console = SafeConsole(soft_wrap=True)  # as err_console: one line per line printed
 
-STORAGE_HELP = "Where runs live: a local or shared path, or an object store (s3://bucket/prefix)."
+
+
+# ---------------------------------------------------------------- options from declarations
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fields:
+    """How a command takes a dataclass's declared fields. skip: fields it has no option for;
+    given: every option defaults to None (unset) and the command receives a dict of those given,
+    to layer over a config file (``train``, ``tune``); prefix: the start of a field's help."""
+
+    skip: frozenset = frozenset()
+    given: bool = False
+    prefix: Callable[[str], str] | None = None
+
+
+def _declared(fn):
+    """``fn``'s options from declarations: a parameter annotated with a dataclass of declared
+    fields becomes one option per field and receives the dataclass filled in (or, with
+    ``_Fields(given=True)``, a dict of the options given); a parameter whose default is a
+    declared field (``option(...)``) becomes that option. Arguments and typer.Context stay as
+    written. The declarations stay on the command (``declared_options``, ``declared_classes``) for
+    tests/test_cli_declarations.py."""
+    hints = typing.get_type_hints(fn)
+    parameters, declared, groups = [], {}, {}
+    for p in inspect.signature(fn).parameters.values():
+        kind = hints.get(p.name, p.annotation)
+        if dataclasses.is_dataclass(kind):
+            how = p.default if isinstance(p.default, _Fields) else _Fields()
+            groups[p.name] = (kind, how, [s for s in settings_of(kind) if s.cli and s.name not in how.skip])
+            taken = [(s, how) for s in groups[p.name][2]]
+        elif isinstance(p.default, dataclasses.Field):
+            taken = [(Setting.of(p.name, kind, p.default), _Fields())]
+        else:
+            parameters.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=kind))
+            continue
+        for s, how in taken:
+            declared[s.name] = s
+            parameters.append(_option(s, how))
+
+    @functools.wraps(fn)
+    def command(**values):
+        for name, (kind, how, fields) in groups.items():
+            taken = {s.name: _read(s, values.pop(s.name), how) for s in fields}
+            values[name] = {k: v for k, v in taken.items() if v is not None} if how.given else kind(**taken)
+        return fn(**{k: _read(declared[k], v, _Fields()) if k in declared else v for k, v in values.items()})
+
+    command.__signature__ = inspect.Signature(parameters)
+    command.__annotations__ = {p.name: p.annotation for p in parameters}
+    command.declared_options = declared  # option name -> Setting
+    command.declared_classes = [kind for kind, _, _ in groups.values()]
+    return command
+
+
+def _option(s: Setting, how: _Fields) -> inspect.Parameter:
+    """The typer option of one declared field."""
+    text = s.help
+    if how.prefix and (start := how.prefix(s.name)):
+        text = start + text[:1].lower() + text[1:]
+    text = text.replace("[", "\\[")  # rich reads [...] as markup: 'imgtrain[timm]', '[search]'
+    decls = [*s.flag.split("/"), *s.aliases]
+    if how.given:  # None: not given; --help names the default the command falls back on
+        default, annotation = None, Optional[str if s.parse else s.type]
+        if s.type is bool:
+            decls = [s.flag if "/" in s.flag else f"{s.flag}/--no-{s.flag[2:]}"]
+            shown = decls[0].split("/")[0 if s.default else 1]
+        else:
+            shown = s.shown_default or ("unset" if s.default is None else "")
+    else:
+        default, shown = s.default, s.shown_default if s.shown is not None else ""
+        annotation = Optional[str if s.parse else s.type] if s.optional else (str if s.parse else s.type)
+    if shown:
+        text += f" \\[default: {shown}]"
+    option = typer.Option(default, *decls, help=text, metavar=s.metavar, show_default=how.given or not shown)
+    return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+
+
+def _read(s: Setting, value, how: _Fields):
+    """An option's value as its declaration takes it: text read by ``parse`` (``--size 64x64``),
+    except where the command layers the text over a config file's (``--workers 1-4``)."""
+    return s.parse(value) if s.parse and isinstance(value, str) and not how.given else value
+
+
+JSON_OUT = option(False, "Print JSON.", flag="--json")
+RUN_ARGUMENT = typer.Argument(..., help="Run name (in --storage), run directory or checkpoint directory.")
 
 
 @contextlib.contextmanager
@@ -69,53 +176,26 @@ def _prepare_help() -> str:
 
 
 def _used_by(option: str) -> str:
-    """The start of a source-specific option's help: the sources that use it ("parquet, list: ")."""
-    return ", ".join(source_registry.using(option)) + ": "
+    """The start of a source-specific option's help: the sources that use it ("parquet, list: ");
+    "" for an option every source takes."""
+    users = source_registry.using(option)
+    return ", ".join(users) + ": " if users else ""
 
 
 @data_app.command("prepare", help=_prepare_help())
+@_declared
 def data_prepare(
     source: str = typer.Argument(..., help=" | ".join(source_registry.SOURCES)),
     out_dir: Path = typer.Argument(..., help="Directory to write the prepared data set to."),
-    source_path: Optional[str] = typer.Option(
-        None, "--source", help="What the source reads: a folder or a file (Sources, above); webdataset also "
-                               "s3://bucket/... (its shards are copied into IMGTRAIN_CACHE first)."),
-    download: bool = typer.Option(False, "--download",
-                                  help=_used_by("download") + "fetch the files into --source first (needs internet)."),
-    image_column: str = typer.Option("image", help=_used_by("image_column") + "the image column (PNG/JPEG bytes or "
-                                     "pixel arrays)."),
-    label_column: str = typer.Option("label", help=_used_by("label_column") + "the label column (class ids or names)."),
-    path_column: str = typer.Option("path", help=_used_by("path_column") + "the column of image paths (relative to "
-                                    "the table)."),
-    channels: Optional[int] = typer.Option(None, help="1 (grayscale) or 3 (RGB); default: 1 when every image is gray."),
-    size: Optional[str] = typer.Option(None, help="Resize (and re-encode) every image to HxW, e.g. 64x64; default: "
-                                        "keep them, train at their size (or the median one)."),
-    test_fraction: float = typer.Option(0.2, help="Share held out for testing when the source has no split."),
-    val_fraction: Optional[float] = typer.Option(
-        None, help="Share held out for validation, from the training images (picks the best checkpoint; the test "
-        "split then stays untouched until evaluate/report); 0 = none. Default: 0.1 where the source has no "
-        "validation split and every class has 10 or more training images."),
-    on_error: str = typer.Option("skip", help="Unreadable images: skip (and list them) or fail."),
-    workers: int = typer.Option(0, help="Processes checking and converting images; 0 = one per core."),
-    seed: int = typer.Option(0, help="Seed of the splits."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing data set in OUT_DIR."),
-    dedupe: str = typer.Option("off", help="Drop duplicates (exact, or near as `data inspect` finds them): "
-                               "cross-split (a copy of a test or val image leaves the lower split), all (also "
-                               "within a split: the first in source order stays), off. Listed in OUT_DIR/dedupe.csv."),
-    near_threshold: Optional[int] = typer.Option(None, help="--dedupe: the near duplicates' pHash distance in bits "
-                                                 "(default 4; 0 for grayscale images of 32 px or less)."),
+    source_path: Optional[str] = option(None, "What the source reads: a folder or a file (Sources, above); "
+                                        "webdataset also s3://bucket/... (its shards are copied into "
+                                        "IMGTRAIN_CACHE first).", flag="--source"),
+    options: PrepareOptions = _Fields(prefix=_used_by),
 ):
     from imgtrain.data.format import describe
-    from imgtrain.data.options import PrepareOptions, parse_size
     from imgtrain.data.prepare import prepare
     from imgtrain.ops.remote import is_remote
 
-    options = PrepareOptions(
-        download=download, image_column=image_column, label_column=label_column, path_column=path_column,
-        channels=channels, size=parse_size(size) if size else None, test_fraction=test_fraction,
-        val_fraction=val_fraction, seed=seed, overwrite=overwrite, on_error=on_error, workers=workers,
-        dedupe=dedupe, near_threshold=near_threshold,
-    )
     if source_path is not None and not is_remote(source_path):
         source_path = Path(source_path)  # s3://... stays text: a Path would make it s3:/...
     with _progress_bar("prepare") as progress:
@@ -146,15 +226,11 @@ def _progress_bar(label: str):
 
 
 @data_app.command("inspect")
+@_declared
 def data_inspect(
     data: str = typer.Argument(..., help="A prepared data set: a folder, or s3://... (copied to this machine first)."),
-    out: Optional[Path] = typer.Option(None, help="Where to write the page; default: <data set name>-inspect.html "
-                                       "in the current folder."),
-    json_out: bool = typer.Option(False, "--json", help="Print the findings as JSON on stdout (the page is written too)."),
-    near_threshold: Optional[int] = typer.Option(None, help="Near duplicates: pHash distance in bits (default 4; 0 "
-                                                 "for grayscale images of 32 px or less)."),
-    workers: int = typer.Option(0, help="Processes reading and hashing images; 0 = one per core."),
-    seed: int = typer.Option(0, help="Seed of the sample images shown per class."),
+    options: InspectOptions = _Fields(),
+    json_out: bool = option(False, "Print the findings as JSON on stdout (the page is written too).", flag="--json"),
 ):
     """A look at a prepared data set before training: classes and their balance, sizes, colour
     modes, samples per class, skipped files, and exact and near duplicates, across splits first.
@@ -163,7 +239,7 @@ def data_inspect(
     from imgtrain.storage import staging
 
     with _json_alone_on_stdout(json_out), _progress_bar("inspect") as progress:
-        result = inspect_dataset(staging.local_data(data), out, workers, near_threshold, seed, progress)
+        result = inspect_dataset(staging.local_data(data), **values(options), progress=progress)
     if json_out:
         print(json.dumps(result, indent=2))
         return
@@ -178,22 +254,17 @@ def data_inspect(
     console.print(f"page: {result['page']}")
 
 
-def _setting_option(s) -> inspect.Parameter:
-    """The ``train`` option of one TrainConfig field: flag, type and help come from the field."""
-    if s.type is bool:
-        decls = s.flag if "/" in s.flag else f"{s.flag}/--no-{s.flag[2:]}"
-        shown = decls.split("/")[0 if s.default else 1]
-    else:
-        decls, shown = s.flag, "unset" if s.default is None else s.default
-    kind = str if s.name == "workers" else s.type  # "N" or "MIN-MAX"
-    shown = f" \\[default: {shown}]" if shown != "" else ""  # escaped: rich reads [...] as markup
-    option = typer.Option(None, decls, help=s.summary.replace("[", "\\[") + shown,  # 'imgtrain[timm]' too
-                          metavar="N|MIN-MAX" if s.name == "workers" else None)
-    return inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kind])
-
-
-def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: bool = False, json_out: bool = False,
-              **given):
+@app.command("train")
+@_declared
+def train_cmd(
+    config: Optional[Path] = option(None, "TOML (or JSON) file of settings; flags given here override it. "
+                                    "`imgtrain config show --toml` prints a template.", flag="--config"),
+    overwrite: bool = option(False, "Replace an existing run NAME and start afresh (the old run is deleted once the "
+                             "new one has a checkpoint).", flag="--overwrite"),
+    quiet: bool = option(False, "No progress display.", flag="--quiet"),
+    json_out: bool = option(False, "Print the finished run as JSON.", flag="--json"),
+    given: TrainConfig = _Fields(given=True),
+):
     """Train a model on a prepared data set with Ray Train, or resume the run NAME.
 
     Settings come from the defaults, then the stored config of the run being resumed, then --config FILE, then the
@@ -203,12 +274,11 @@ def train_cmd(config: Optional[Path] = None, overwrite: bool = False, quiet: boo
 
     import imgtrain
     from imgtrain import runs
-    from imgtrain.config import TrainConfig, parse_workers, resolve, validate
     from imgtrain.configfile import read_config_file
     from imgtrain.ops import ownership, process
     from imgtrain.training.progress import TrainingDisplay
 
-    overrides = {k: v for k, v in given.items() if v is not None}
+    overrides = dict(given)
     if "workers" in overrides:
         overrides["min_workers"], overrides["workers"] = parse_workers(overrides["workers"])
     from_file, problems = read_config_file(config) if config else ({}, [])
@@ -246,7 +316,6 @@ def _train_interrupted(cfg, signum: int) -> None:
     import shlex
 
     from imgtrain import runs
-    from imgtrain.config import TrainConfig
 
     if runs.read_config(runs.run_path(cfg.storage, cfg.name)) is not None:  # written as training starts
         where = "" if cfg.storage == TrainConfig.storage else f" --storage {shlex.quote(cfg.storage)}"
@@ -258,33 +327,9 @@ def _train_interrupted(cfg, signum: int) -> None:
     sys.exit(128 + signum)
 
 
-def _train_signature() -> inspect.Signature:
-    """train's options: a few of its own, then one per TrainConfig field (config.py)."""
-    from imgtrain.config import settings
-
-    own = [
-        inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path], default=typer.Option(
-            None, "--config", help="TOML (or JSON) file of settings; flags given here override it. "
-            "`imgtrain config show --toml` prints a template.")),
-        inspect.Parameter("overwrite", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
-            False, "--overwrite", help="Replace an existing run NAME and start afresh (the old run is deleted once "
-            "the new one has a checkpoint).")),
-        inspect.Parameter("quiet", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
-                          default=typer.Option(False, "--quiet", help="No progress display.")),
-        inspect.Parameter("json_out", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
-                          default=typer.Option(False, "--json", help="Print the finished run as JSON.")),
-    ]
-    return inspect.Signature(own + [_setting_option(s) for s in settings() if s.cli])
-
-
-train_cmd.__signature__ = _train_signature()
-train_cmd.__annotations__ = {p.name: p.annotation for p in train_cmd.__signature__.parameters.values()}
-app.command("train")(train_cmd)
-
-
 @runs_app.command("list")
-def runs_list(storage: str = typer.Option("./runs", help=STORAGE_HELP),
-              json_out: bool = typer.Option(False, "--json", help="Print JSON.")):
+@_declared
+def runs_list(storage: str = storage_option(), json_out: bool = JSON_OUT):
     """List the runs in STORAGE."""
     from imgtrain.runs import list_runs
 
@@ -308,8 +353,8 @@ def runs_list(storage: str = typer.Option("./runs", help=STORAGE_HELP),
 
 
 @runs_app.command("show")
-def runs_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP),
-              json_out: bool = typer.Option(False, "--json", help="Print JSON.")):
+@_declared
+def runs_show(name: str, storage: str = storage_option(), json_out: bool = JSON_OUT):
     """Show one run: status, per-epoch metrics, checkpoints."""
     from imgtrain.runs import is_number, load_run
     from imgtrain.training.progress import epoch_line
@@ -352,7 +397,7 @@ def _finished_line(r) -> str:
     head = f"finished {r.name}: {which} epoch {best['epoch'] + 1}"
     if best.get("val_split", "test") == "val":
         storage = r.config.get("storage")
-        evaluate = f"imgtrain evaluate {r.name}" + (f" --storage {storage}" if storage not in (None, "./runs") else "")
+        evaluate = f"imgtrain evaluate {r.name}" + (f" --storage {storage}" if storage not in (None, RUNS) else "")
         return f"{head}, validation accuracy {best['val_accuracy']:.2%}; run `{evaluate}` for the test split"
     return (f"{head}, accuracy {best['val_accuracy']:.2%} on the test split that chose it (no val split): "
             "optimistic, not a test result")
@@ -380,23 +425,32 @@ tune_app = typer.Typer(invoke_without_command=True, help="Hyperparameter sweeps 
 app.add_typer(tune_app, name="tune")
 
 
-def tune_cmd(ctx: typer.Context, config: Optional[Path] = None, search: Optional[list[str]] = None,
-             trials: Optional[int] = None, scheduler: Optional[str] = None, metric: Optional[str] = None,
-             mode: Optional[str] = None, max_concurrent: Optional[int] = None, json_out: bool = False, **given):
+@tune_app.callback()
+@_declared
+def tune_cmd(
+    ctx: typer.Context,
+    config: Optional[Path] = option(None, "TOML file: training settings at the top level, [search] NAME = "
+                                    "\"FUNC(ARGS)\", [sweep] trials, scheduler, metric, mode, max_concurrent.",
+                                    flag="--config"),
+    search: Optional[list[str]] = option(None, "NAME=FUNC(ARGS), repeatable: uniform(a,b), loguniform(a,b), "
+                                         "randint(a,b) (both included), choice(v1,v2,...), grid(v1,v2,...).",
+                                         metavar="NAME=FUNC(ARGS)"),
+    sweep: SweepRequest = _Fields(given=True),
+    json_out: bool = option(False, "No progress lines; print the finished sweep as JSON.", flag="--json"),
+    given: TrainConfig = _Fields(given=True),
+):
     """Search training settings with Ray Tune; the same command again resumes an interrupted sweep.
 
     --name is the sweep's name: its trials are runs in STORAGE/NAME/trials/. `imgtrain tune show NAME` lists them.
     """
     if ctx.invoked_subcommand is not None:
         return
-    from imgtrain.config import parse_workers
     from imgtrain.sweep.driver import request_from, tune
 
-    overrides = {k: v for k, v in given.items() if v is not None}
+    overrides = dict(given)
     if "workers" in overrides:
         overrides["min_workers"], overrides["workers"] = parse_workers(overrides["workers"])
-    req = request_from(config, overrides, search or [], {"trials": trials, "scheduler": scheduler, "metric": metric,
-                                                         "mode": mode, "max_concurrent": max_concurrent})
+    req = request_from(config, overrides, search or [], sweep)
     terminal = SafeConsole(file=sys.stdout)  # held: Ray's output goes to the logs
     try:
         with _json_alone_on_stdout(json_out):
@@ -415,43 +469,9 @@ def tune_cmd(ctx: typer.Context, config: Optional[Path] = None, search: Optional
         raise typer.Exit(1)
 
 
-def _tune_signature() -> inspect.Signature:
-    """tune's own options, then one per training setting, as `train` has them."""
-    from imgtrain.config import settings
-    from imgtrain.sweep.space import METRICS, SCHEDULERS  # not the driver: it imports Ray Tune
-
-    def option(name, annotation, default, *decls, help, **more):
-        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                                 default=typer.Option(default, *decls, help=help, **more))
-
-    own = [
-        inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
-        option("config", Optional[Path], None, "--config", help="TOML file: training settings at the top level, "
-               "\\[search] NAME = \"FUNC(ARGS)\", \\[sweep] trials, scheduler, metric, mode, max_concurrent."),
-        option("search", Optional[list[str]], None, "--search", help="NAME=FUNC(ARGS), repeatable: uniform(a,b), "
-               "loguniform(a,b), randint(a,b) (both included), choice(v1,v2,...), grid(v1,v2,...).", metavar="NAME=FUNC(ARGS)"),
-        option("trials", Optional[int], None, "--trials", help="Trials to sample (each grid point this many times) "
-               "\\[default: 1]"),
-        option("scheduler", Optional[str], None, "--scheduler", help=f"{' or '.join(SCHEDULERS)}: ASHA stops weak "
-               "trials early, at epoch 1, 4, 16, ... \\[default: asha]"),
-        option("metric", Optional[str], None, "--metric", help=f"Per-epoch metric to optimise: {', '.join(METRICS)} "
-               "\\[default: val_accuracy]"),
-        option("mode", Optional[str], None, "--mode", help="max or min \\[default: the metric's own]"),
-        option("max_concurrent", Optional[int], None, "--max-concurrent", help="Trials at once, at most \\[default: "
-               "as many as the cluster's CPUs and GPUs hold]"),
-        option("json_out", bool, False, "--json", help="No progress lines; print the finished sweep as JSON."),
-    ]
-    return inspect.Signature(own + [_setting_option(s) for s in settings() if s.cli])
-
-
-tune_cmd.__signature__ = _tune_signature()
-tune_cmd.__annotations__ = {p.name: p.annotation for p in tune_cmd.__signature__.parameters.values()}
-tune_app.callback()(tune_cmd)
-
-
 @tune_app.command("show")
-def tune_show(name: str, storage: str = typer.Option("./runs", help=STORAGE_HELP),
-              json_out: bool = typer.Option(False, "--json", help="Print JSON.")):
+@_declared
+def tune_show(name: str, storage: str = storage_option(), json_out: bool = JSON_OUT):
     """A sweep's trials (searched values, status, epochs, best metric) and its best trial."""
     from imgtrain.sweep.state import summary
 
@@ -486,10 +506,11 @@ def _print_sweep(s: dict) -> None:
 
 
 @config_app.command("show")
+@_declared
 def config_show(
-    run: Optional[str] = typer.Option(None, "--run", help="Show this run's resolved config instead of the defaults."),
-    storage: str = typer.Option("./runs", help=STORAGE_HELP),
-    toml: bool = typer.Option(False, "--toml", help="Print a commented TOML file, ready for --config."),
+    run: Optional[str] = option(None, "Show this run's resolved config instead of the defaults.", flag="--run"),
+    storage: str = storage_option(),
+    toml: bool = option(False, "Print a commented TOML file, ready for --config.", flag="--toml"),
 ):
     """Every training setting with its default (or a run's value) and a one-line description."""
     from imgtrain.configfile import as_toml, describe_fields
@@ -505,53 +526,16 @@ def config_show(
         console.print(f"{field:<22} {value:<{width}}  {description}")
 
 
-CHECKPOINT_HELP = ("best (by the run's --select-metric), latest, average (--average-last's), or a checkpoint "
-                   "directory.")
-# Shared by evaluate and predict (typer options are plain metadata, safe to reuse).
-GPU_OPTION = typer.Option(False, "--gpu", help="One GPU per inference actor.")
-CONCURRENCY_OPTION = typer.Option(1, help="Inference actors in the Ray Data pool.")
-BATCH_OPTION = typer.Option(500, help="Images per inference batch.")
-THREADS_OPTION = typer.Option(0, help="torch threads per actor; 0 = cores / concurrency.")
-BACKEND_OPTION = typer.Option("ray", help="ray (Ray Data actor pool) or local (this process).")
-ADDRESS_OPTION = typer.Option(None, help="Join this Ray cluster; default: start one.")
-TTA_OPTION = typer.Option("none", help="Test-time augmentation: none, or flip (the probabilities averaged over "
-                          "each image and its mirror image: two forward passes; for photos, not digits).")
-
-
-ENGINE_OPTION = typer.Option("torch", help="torch: a run or checkpoint; onnxruntime: an ONNX export folder "
-                             "(imgtrain export --format onnx), int8 or not.")
-
-
-def _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k=3, tta="none",
-                       engine="torch"):
-    from imgtrain.inference.batch import InferenceOptions
-
-    return InferenceOptions(backend=backend, batch_size=batch_size, concurrency=concurrency,
-                            threads=threads, use_gpu=gpu, address=address, top_k=top_k, tta=tta, engine=engine)
-
-
 @app.command("evaluate")
-def evaluate_cmd(
-    run: str = typer.Argument(..., help="Run name (in --storage), run directory or checkpoint directory."),
-    checkpoint: str = typer.Option("best", help=CHECKPOINT_HELP),
-    split: str = typer.Option("test", help="Split of the data set to evaluate on."),
-    data: Optional[str] = typer.Option(None, help="Another prepared data set, a folder or s3://... (default: the run's)."),
-    gpu: bool = GPU_OPTION, concurrency: int = CONCURRENCY_OPTION, batch_size: int = BATCH_OPTION,
-    threads: int = THREADS_OPTION, backend: str = BACKEND_OPTION, address: Optional[str] = ADDRESS_OPTION,
-    tta: str = TTA_OPTION, engine: str = ENGINE_OPTION,
-    label_issues: int = typer.Option(0, help="Also list the N training images whose label the model most "
-                                     "confidently disagrees with (confident learning; see the report)."),
-    storage: str = typer.Option("./runs", help=STORAGE_HELP),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
-):
+@_declared
+def evaluate_cmd(run: str = RUN_ARGUMENT, *, options: EvaluateOptions,
+                 inference: InferenceOptions = _Fields(skip=frozenset({"top_k"})), json_out: bool = JSON_OUT):
     """Accuracy, top-5 accuracy, per-class and averaged precision/recall/F1, calibration (ECE) and
     confusion matrix of a checkpoint."""
     from imgtrain.inference.batch import evaluate
 
-    opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address, tta=tta, engine=engine)
     with _json_alone_on_stdout(json_out):
-        result = evaluate(run, checkpoint=checkpoint, storage=storage, split=split, data=data, options=opts,
-                          label_issues=label_issues)
+        result = evaluate(run, **values(options), options=inference)
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
         return
@@ -609,27 +593,17 @@ def _confusion_table(result) -> Table:
 
 
 @app.command("predict")
+@_declared
 def predict_cmd(
-    run: str = typer.Argument(..., help="Run name (in --storage), run directory or checkpoint directory."),
+    run: str = RUN_ARGUMENT,
     input: str = typer.Argument(..., help="Prepared data set, Parquet file, image folder, glob or one image."),
-    out: Path = typer.Option(..., "--out", help="Output file: .parquet or .csv."),
-    checkpoint: str = typer.Option("best", help=CHECKPOINT_HELP),
-    top_k: int = typer.Option(3, help="Classes listed per image, most probable first."),
-    on_error: str = typer.Option("skip", help="Unreadable image files: skip (reported) or fail."),
-    split: str = typer.Option("test", help="Prepared data set input: the split to predict."),
-    image_column: str = typer.Option("image", help="Parquet input: the image column."),
-    gpu: bool = GPU_OPTION, concurrency: int = CONCURRENCY_OPTION, batch_size: int = BATCH_OPTION,
-    threads: int = THREADS_OPTION, backend: str = BACKEND_OPTION, address: Optional[str] = ADDRESS_OPTION,
-    tta: str = TTA_OPTION, engine: str = ENGINE_OPTION,
-    storage: str = typer.Option("./runs", help=STORAGE_HELP),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
+    out: Path = option(REQUIRED, "Output file: .parquet or .csv.", flag="--out"),
+    *, options: PredictOptions, inference: InferenceOptions,
 ):
     """Predict classes for images; images of another size or colour mode are converted."""
     from imgtrain.inference.batch import predict
 
-    opts = _inference_options(backend, batch_size, concurrency, threads, gpu, address, top_k, tta, engine)
-    result = predict(run, input, out, checkpoint=checkpoint, storage=storage, on_error=on_error,
-                     split=split, image_column=image_column, options=opts, overwrite=overwrite)
+    result = predict(run, input, out, **values(options), options=inference)
     err = err_console
     for name, why in result.skipped:
         err.print(f"skipped {name}: {why}")
@@ -642,29 +616,19 @@ def predict_cmd(
 
 
 @app.command("export")
+@_declared
 def export_cmd(
-    run: str = typer.Argument(..., help="Run name (in --storage), run directory or checkpoint directory."),
-    out: Path = typer.Option(..., "--out", help="Folder to write the model, labels, preprocessing and model card into."),
-    format: str = typer.Option("onnx", "--format", help="onnx (ONNX Runtime, TensorRT, Triton), torchscript or "
-                               "pt2 (torch.export)."),
-    checkpoint: str = typer.Option("best", help=CHECKPOINT_HELP),
-    data: Optional[str] = typer.Option(None, help="The data set to verify on (default: the run's)."),
-    split: str = typer.Option("test", help="The split the export is verified and measured on."),
-    storage: str = typer.Option("./runs", help=STORAGE_HELP),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out folder."),
-    quantize: str = typer.Option("none", help="int8 (with --format onnx): ONNX Runtime's static quantization, "
-                                 "calibrated on training images."),
-    max_accuracy_drop: float = typer.Option(0.01, help="--quantize int8 is refused when it costs more test "
-                                            "accuracy than this fraction."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    run: str = RUN_ARGUMENT,
+    out: Path = option(REQUIRED, "Folder to write the model, labels, preprocessing and model card into.", flag="--out"),
+    format: str = option("onnx", export_formats.help_text() + ".", flag="--format"),
+    *, options: ExportOptions, json_out: bool = JSON_OUT,
 ):
     """Export a checkpoint's model (preprocessing and softmax inside, dynamic batch) with a model
     card, verified against PyTorch on the test split before it is written."""
     from imgtrain.inference.export import export
 
     with _json_alone_on_stdout(json_out):
-        result = export(run, format, out, checkpoint=checkpoint, storage=storage, data=data, split=split,
-                        overwrite=overwrite, quantize=quantize, max_accuracy_drop=max_accuracy_drop)
+        result = export(run, format, out, **values(options))
     if json_out:
         print(json.dumps(result.to_json(), indent=2))
         return
@@ -680,15 +644,13 @@ def export_cmd(
 
 
 @app.command("report")
-def report_cmd(
-    run: str = typer.Argument(..., help="Run name (in --storage) or run directory."),
-    checkpoint: str = typer.Option("best", help=CHECKPOINT_HELP),
-    storage: str = typer.Option("./runs", help=STORAGE_HELP),
-):
+@_declared
+def report_cmd(run: str = typer.Argument(..., help="Run name (in --storage) or run directory."), *,
+               options: ReportOptions):
     """Write the run's plots and one self-contained HTML page into its report/ folder."""
     from imgtrain.inference.report import EVAL_FILE, write_report
 
-    page = write_report(run, checkpoint=checkpoint, storage=storage)
+    page = write_report(run, **values(options))
     figures = json.loads((page.parent / EVAL_FILE).read_text())  # what the page shows: the split's own figure
     console.print(f"{figures['split']} accuracy {figures['accuracy']:.2%} on {figures['num_samples']:,} images, "
                   f"{Path(figures['checkpoint']).name}")
@@ -696,62 +658,27 @@ def report_cmd(
 
 
 @app.command("serve")
-def serve_cmd(
-    run: str = typer.Argument(..., help="Run name (in --storage), run directory or checkpoint directory."),
-    checkpoint: str = typer.Option("best", help=CHECKPOINT_HELP),
-    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0 exposes it to the network; "
-                             "there is no authentication or TLS: put a reverse proxy in front)."),
-    port: int = typer.Option(8000, help="HTTP port."),
-    max_request_bytes: int = typer.Option(1 << 20, help="Larger request bodies are refused with 413."),
-    max_image_pixels: int = typer.Option(0, help="Larger images are refused with 413 before decoding; "
-                                         "0 = 64 x the model's input, at least 1 megapixel."),
-    max_batch_images: int = typer.Option(64, help="Most images in one request."),
-    request_timeout: float = typer.Option(30.0, help="Seconds before an unanswered request gets 504 "
-                                          "with Retry-After."),
-    body_timeout: float = typer.Option(5.0, help="Seconds for a request's whole body to arrive; a slower one "
-                                       "gets 408 (a client trickling bytes holds no place for longer)."),
-    max_queued_requests: int = typer.Option(100, help="Requests waiting per replica (besides the batch being "
-                                            "computed) before new ones get 503 with Retry-After, at once."),
-    max_batch_size: int = typer.Option(32, help="Most images per forward pass, gathered from concurrent "
-                                       "requests."),
-    batch_wait_ms: float = typer.Option(0.0, help="Extra wait for a batch to fill. 0 (measured best): each "
-                                        "forward pass takes the requests that arrived during the last one."),
-    replicas: int = typer.Option(1, help="Model replicas (Ray Serve deployment); each takes an equal share "
-                                 "of the cores. On 2 cores, two served no more than one (BENCHMARKS.md)."),
-    openapi: bool = typer.Option(False, "--openapi", help="Also serve the API schema at /openapi.json."),
-    ingress: str = typer.Option("auto", help="direct: the replica answers HTTP itself (Serve's direct ingress: "
-                                "2-3x the requests per second under load on 2 cores); proxy: through Ray "
-                                "Serve's proxy, needed for several replicas or a joined cluster. auto: direct "
-                                "where it can."),
-    tta: str = TTA_OPTION, engine: str = ENGINE_OPTION,
-    address: Optional[str] = typer.Option(None, help="Join this Ray cluster; default: start one."),
-    storage: str = typer.Option("./runs", help=STORAGE_HELP),
-):
+@_declared
+def serve_cmd(run: str = RUN_ARGUMENT, *, options: ServeOptions, limits: Limits):
     """Serve the model over HTTP with Ray Serve: POST /predict, GET /healthz. Ctrl-C stops it."""
-    from imgtrain.inference.requests import Limits
     from imgtrain.inference.serve import run_server
 
-    limits = Limits(max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels,
-                    max_batch_images=max_batch_images, request_timeout_s=request_timeout, body_timeout_s=body_timeout,
-                    max_queued_requests=max_queued_requests, max_batch_size=max_batch_size,
-                    batch_wait_ms=batch_wait_ms)
-    run_server(run, checkpoint=checkpoint, storage=storage, host=host, port=port, limits=limits,
-               replicas=replicas, address=address, openapi=openapi, ingress=ingress, tta=tta, engine=engine,
-               announce=lambda line: console.print(line))
+    run_server(run, **values(options), limits=limits, announce=lambda line: console.print(line))
 
 
-YES_OPTION = typer.Option(False, "--yes", "-y", help="Delete without asking.")
-DRY_RUN_OPTION = typer.Option(False, "--dry-run", help="Only list what would be deleted.")
+YES = option(False, "Delete without asking.", flag="--yes", aliases=("-y",))
+DRY_RUN = option(False, "Only list what would be deleted.", flag="--dry-run")
 
 
 @clean_app.command("runs")
+@_declared
 def clean_runs(
     names: Optional[list[str]] = typer.Argument(None, help="Runs to delete."),
-    all_runs: bool = typer.Option(False, "--all", help="Every run in --storage."),
-    storage: str = typer.Option("./runs", help=STORAGE_HELP),
-    yes: bool = YES_OPTION, dry_run: bool = DRY_RUN_OPTION,
-    force: bool = typer.Option(False, "--force", help="Also delete runs recorded as being trained on another "
-                               "host whose driver is gone (a run locked on this machine is never deleted)."),
+    all_runs: bool = option(False, "Every run in --storage.", flag="--all"),
+    storage: str = storage_option(),
+    yes: bool = YES, dry_run: bool = DRY_RUN,
+    force: bool = option(False, "Also delete runs recorded as being trained on another host whose driver is gone (a "
+                         "run locked on this machine is never deleted).", flag="--force"),
 ):
     """Delete runs: their checkpoints, metrics, logs and reports. Never a run being trained."""
     from imgtrain.commands.clean import plan_runs
@@ -760,9 +687,10 @@ def clean_runs(
 
 
 @clean_app.command("data")
+@_declared
 def clean_data(
     data_dirs: list[Path] = typer.Argument(..., help="Prepared data set directories."),
-    yes: bool = YES_OPTION, dry_run: bool = DRY_RUN_OPTION,
+    yes: bool = YES, dry_run: bool = DRY_RUN,
 ):
     """Delete prepared data sets: the manifest and the Parquet files it lists, nothing else."""
     from imgtrain.commands.clean import plan_dataset
@@ -797,12 +725,13 @@ def _clean(plan, yes: bool, dry_run: bool) -> None:
 
 
 @app.command("doctor")
+@_declared
 def doctor_cmd(
-    storage: str = typer.Option("./runs", help=STORAGE_HELP),
-    address: Optional[str] = typer.Option(None, help="Check this Ray cluster (default: RAY_ADDRESS, or one running here)."),
-    data: Optional[str] = typer.Option(None, help="Also check this prepared data set (a folder or s3://...), and "
-                                       "that every node reads it."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    storage: str = storage_option(),
+    address: Optional[str] = option(None, "Check this Ray cluster (default: RAY_ADDRESS, or one running here)."),
+    data: Optional[str] = option(None, "Also check this prepared data set (a folder or s3://...), and that every "
+                                 "node reads it."),
+    json_out: bool = JSON_OUT,
 ):
     """Versions, CUDA, the Ray cluster's resources, whether storage is writable and shared: a verdict.
 
@@ -828,45 +757,14 @@ cluster_app = typer.Typer(no_args_is_help=True, help="Run imgtrain on Kubernetes
 app.add_typer(cluster_app, name="cluster")
 
 
-def _installed_ray() -> str:
-    from importlib.metadata import version
-
-    return version("ray")
-
-
 @cluster_app.command("manifest")
+@_declared
 def cluster_manifest(
     command: Optional[list[str]] = typer.Argument(None, metavar="-- COMMAND", help=(
         "The imgtrain command the cluster runs, after --, e.g. -- train --data s3://b/data --storage s3://b/runs "
         "--name big --workers 4 (`--address auto` is added). Required for a RayJob.")),
-    kind: str = typer.Option("rayjob", help="rayjob: a RayJob, a cluster made for the command and gone after it; "
-                             "raycluster: a RayCluster alone, to `ray job submit` commands to."),
-    name: Optional[str] = typer.Option(None, help="The RayJob's or RayCluster's name, a DNS-1035 label "
-                                       "\\[default: imgtrain-RUN, RUN the command's --name]"),
-    image: Optional[str] = typer.Option(None, help="Container image holding imgtrain and the same Ray as "
-                                        "--ray-version (no public image has imgtrain: docs/clusters.md shows a "
-                                        "Dockerfile). Required."),
-    pods: int = typer.Option(2, help="Worker pods, beside the head pod (which runs the driver, no training)."),
-    cpus_per_pod: int = typer.Option(4, help="CPUs of each worker pod (the command's Ray Train workers and Ray Data "
-                                     "share them)."),
-    gpus_per_pod: int = typer.Option(0, help="NVIDIA GPUs of each worker pod (nvidia.com/gpu)."),
-    memory_per_pod: str = typer.Option("8Gi", help="Memory of each worker pod, in Kubernetes' units."),
-    head_cpus: int = typer.Option(2, help="CPUs of the head pod."),
-    head_memory: str = typer.Option("8Gi", help="Memory of the head pod."),
-    secret: Optional[str] = typer.Option(None, help="A Kubernetes Secret whose keys become the environment of the "
-                                         "head and worker containers: the bucket's AWS_ACCESS_KEY_ID, "
-                                         "AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL, AWS_REGION); MLflow's "
-                                         "MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD. Credentials in the "
-                                         "command are refused."),
-    service_account: Optional[str] = typer.Option(None, help="The pods' service account (e.g. one bound to a "
-                                                  "cloud role that reaches the bucket)."),
-    pvc: Optional[str] = typer.Option(None, help="CLAIM:/mount/path: a ReadWriteMany PersistentVolumeClaim mounted "
-                                      "in every pod; a local --storage is then allowed under that path."),
-    ray_version: Optional[str] = typer.Option(None, help=f"Ray version of the image \\[default: {_installed_ray()}, "
-                                              "this machine's]"),
-    auth: str = typer.Option("token", help="token: KubeRay turns on Ray's token authentication (KubeRay 1.6+, "
-                             "Ray 2.52+); none: anyone who reaches the pods may submit jobs."),
-    out: Optional[Path] = typer.Option(None, help="Write the manifest to this file \\[default: stdout]."),
+    spec: kuberay.Spec = _Fields(),
+    out: Optional[Path] = option(None, "Write the manifest to this file", shown="stdout"),
 ):
     """Write a KubeRay manifest (YAML) that runs an imgtrain command on Kubernetes.
 
@@ -876,13 +774,8 @@ def cluster_manifest(
 
     The command is checked first: it must parse, keep its runs where every pod sees them, and fit the pods.
     """
-    from imgtrain import kuberay
-
     parsed = kuberay.parse_command(typer.main.get_command(app), command) if command else None
-    spec = kuberay.Spec(kind=kind, name=name if name is not None else kuberay.default_name(parsed), image=image or "",
-                        pods=pods, cpus_per_pod=cpus_per_pod, gpus_per_pod=gpus_per_pod, memory_per_pod=memory_per_pod,
-                        head_cpus=head_cpus, head_memory=head_memory, secret=secret, service_account=service_account,
-                        pvc=pvc, ray_version=ray_version or _installed_ray(), auth=auth)
+    spec = spec.completed(parsed)
     kuberay.check(spec, parsed)
     text = kuberay.to_yaml(spec, parsed)
     if out is None:

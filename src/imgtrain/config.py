@@ -1,10 +1,12 @@
 """Training configuration: one typed dataclass, the only place a setting is defined.
 
-Each field is declared with ``setting(default, doc, ...)``: its description (the first sentence
-becomes the ``--help`` line and ``config show``), its command-line flag, the values or range it
-accepts, and whether it may change when a run is resumed. The ``train`` options, the config
-file parser, ``config show`` and ``validate`` are all generated from these fields, so adding a
-setting is one line here (docs/development.md, "Adding a setting").
+Each field is declared with ``setting(default, doc, ...)`` (``settings.py``): its description
+(the first sentence becomes the ``--help`` line and ``config show``), its command-line flag, the
+values or range it accepts, whether it may change when a run is resumed or a sweep run again,
+its row in the model card, and whether a tracker may be told it as it is. The ``train`` and
+``tune`` options, the config file parser, ``config show``, ``validate``, a sweep's identity
+(``sweep/request.py``), the model card's recipe and the config trackers get are all generated
+from these fields, so adding a setting is one line here (docs/development.md, "Adding a setting").
 
 The worker boundary is a plain dict (``dataclasses.asdict``) turned back into a
 ``TrainConfig`` at once on the other side (``TrainConfig(**d)``).
@@ -15,26 +17,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from imgtrain.checkpoint_policy import DEFAULT_METRIC, SELECTION_METRICS
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import ownership
-
-
-def setting(default, doc: str, *, flag: str | None = None, choices: tuple = (), range: str | None = None,
-            resumable: bool = False, cli: bool = True):
-    """A TrainConfig field with its metadata.
-
-    flag: the option's spelling when it is not ``--field-name`` (``--gpu/--cpu``); choices: the
-    allowed values; range: interval notation, ``"[0, 1)"`` (brackets include the bound);
-    resumable: may differ when a run is resumed (operational, not part of the experiment);
-    cli: False for a field set through another option (``min_workers`` by ``--workers 1-4``).
-    """
-    return field(default=default, metadata={"doc": " ".join(doc.split()), "flag": flag, "choices": choices,
-                                            "range": range, "resumable": resumable, "cli": cli})
-
+from imgtrain.settings import RUNS, Setting, setting, settings_of
 
 BACKENDS = ("ray", "local")
 INGESTS = ("ray-data", "torch")
@@ -45,13 +33,23 @@ STRATEGIES = ("ddp", "fsdp")
 WANDB_FORBIDDEN = "/\\#?%:"  # W&B refuses these in project names
 
 
+def parse_workers(text: str) -> tuple[int, int]:
+    """'2' -> (0, 2): a fixed world size; '1-4' -> (1, 4): elastic. (min_workers, workers)"""
+    low, sep, high = str(text).partition("-")
+    try:
+        return (int(low), int(high)) if sep else (0, int(low))
+    except ValueError:
+        raise ImgtrainError(f"--workers {text!r} is not a number N or a range MIN-MAX such as 1-4") from None
+
+
 @dataclass
 class TrainConfig:
-    data: str = setting("", "Prepared data set directory (``imgtrain data prepare ...``); not needed to resume.")
+    data: str = setting("", "Prepared data set directory (``imgtrain data prepare ...``); not needed to resume.",
+                        place=True)
     name: str = setting("", "Run name; the run lives in ``{storage}/{name}``. Same name again resumes.")
-    storage: str = setting("./runs", "Where runs live: a local path, a shared filesystem path (NFS) on a cluster, "
+    storage: str = setting(RUNS, "Where runs live: a local path, a shared filesystem path (NFS) on a cluster, "
                            "or an object store (``s3://bucket/prefix``; endpoint and credentials from the environment).",
-                           resumable=True)
+                           resumable=True, place=True)
 
     backend: str = setting("ray", "Where the loop runs: ``ray`` (Ray Train workers) or ``local`` (one plain "
                            "PyTorch process).", choices=BACKENDS)
@@ -64,7 +62,8 @@ class TrainConfig:
                             "hold the plain model.pt either way; a run keeps its strategy when resumed.",
                             choices=STRATEGIES)
     workers: int = setting(2, "Data-parallel training workers: N, or MIN-MAX for elastic training (continues with "
-                           "fewer when nodes leave, grows back when they return).", range="[1, 10000]", resumable=True)
+                           "fewer when nodes leave, grows back when they return).", range="[1, 10000]", resumable=True,
+                           recipe=17, metavar="N|MIN-MAX", parse=parse_workers)
     min_workers: int = setting(0, "Elastic training (``--workers MIN-MAX``): the fewest workers to go on with when "
                                "nodes leave; 0 = a fixed ``workers``. The global batch stays the same at every "
                                "world size.", range="[0, 10000]", resumable=True, cli=False)
@@ -75,17 +74,17 @@ class TrainConfig:
     threads_per_worker: int = setting(0, "torch intra-op threads per worker; 0 = this node's cores divided by "
                                       "workers on it, or 2 for a worker on a GPU (its host work is small).", range="[0, 1024]", resumable=True)
     address: str | None = setting(None, "Ray cluster to join (``HOST:6379``, ``auto``, ``ray://host:10001``); unset "
-                                  "starts a local cluster.", resumable=True)
+                                  "starts a local cluster.", resumable=True, run_only=True)
     preprocess_cpus: int = setting(0, "CPUs each worker's data pipeline decodes and augments with (streamed data "
                                    "sets); 0 = the logical CPUs the training workers leave free, shared among them.",
                                    range="[0, 1024]", resumable=True)
     dashboard: bool = setting(False, "Start the Ray dashboard with a local cluster (about ten more processes; off to "
-                              "start fast).", resumable=True)
+                              "start fast).", resumable=True, run_only=True)
 
     model: str = setting("resnet18", "The architecture: a torchvision classification model (resnet18/34/50, "
                          "mobilenet_v3_small/large, efficientnet_b0, convnext_tiny, vit_b_16, ...) or ``timm:NAME`` "
                          "(``pip install 'imgtrain[timm]'``). The first layer takes the data set's channels and the "
-                         "classifier its classes. The default is the tutorial's ResNet-18.")
+                         "classifier its classes. The default is the tutorial's ResNet-18.", recipe=1)
     stem: str = setting("auto", "The model's first layers: ``standard``; ``small`` for small images (a 3x3 "
                         "stride-1 first convolution and no max-pool, as CIFAR ResNets have: more resolution kept, "
                         "about 16x the compute of a ResNet's standard stem); ``auto``: small for images of at most "
@@ -95,35 +94,35 @@ class TrainConfig:
                                     "torchvision's or timm's) or an imgtrain run or checkpoint folder. Tensors are "
                                     "matched by name; the first convolution is adapted to the channels, the "
                                     "classifier made new for another class count; a file for another "
-                                    "architecture is refused.")
+                                    "architecture is refused.", place=True)
     pretrained: bool = setting(False, "Start from the model's published ImageNet weights (downloaded once into "
-                               "torch's hub cache; offline, fails at once: use --init-from with a file).")
+                               "torch's hub cache; offline, fails at once: use --init-from with a file).", recipe=2)
     freeze_backbone: int = setting(0, "Train only the classifier for the first N epochs (the other weights stay "
                                    "as loaded; BatchNorm statistics still adapt).", range="[0, 100000]")
     backbone_lr_scale: float = setting(1.0, "The learning rate of every layer but the classifier, as a fraction of "
                                        "--lr (fine-tuning: 0.1 is usual).", range="(0, 1]")
 
-    epochs: int = setting(12, "Passes over the training split.", range="[1, 100000]", resumable=True)
+    epochs: int = setting(12, "Passes over the training split.", range="[1, 100000]", resumable=True, recipe=3)
     batch_size: int = setting(0, "Global batch size, split across workers; 0 (the default) chooses it from the "
                               "training split: 128, halved while an epoch would have fewer than 8 steps, not below "
                               "16, and a split too small for 8 steps of 16 cut into equal steps (rows // steps). "
                               "The run's config.json keeps the batch chosen; a resumed run trains on with it. When "
                               "it does not divide, the first ``batch_size % workers`` ranks take one extra sample, "
                               "so the global batch is exact. An epoch is ``train rows // batch_size`` steps at "
-                              "every world size.", range="[0, 1048576]")
+                              "every world size.", range="[0, 1048576]", recipe=4)
     optimizer: str = setting("adamw", "The optimizer: ``adamw``, ``sgd`` (Nesterov, --momentum), or ``lamb`` or "
                              "``lars`` for large global batches (timm's: ``pip install 'imgtrain[timm]'``). LAMB and "
                              "LARS leave biases and normalisation weights undecayed, as timm does; LAMB clips the "
-                             "gradient norm to 1, timm's default.", choices=OPTIMIZERS)
+                             "gradient norm to 1, timm's default.", choices=OPTIMIZERS, recipe=6)
     momentum: float = setting(0.9, "Momentum of ``sgd`` and ``lars`` (the one-cycle schedule cycles it between "
                               "0.85 and 0.95 itself; AdamW and LAMB use their betas).", range="[0, 1)")
-    lr: float = setting(3e-3, "Peak learning rate of the schedule.", range="(0, 10]")
+    lr: float = setting(3e-3, "Peak learning rate of the schedule.", range="(0, 10]", recipe=5)
     weight_decay: float = setting(0.05, "Weight decay: decoupled for AdamW, L2 for SGD (where about 5e-4 is "
-                                  "usual).", range="[0, 10]")
+                                  "usual).", range="[0, 10]", recipe=8)
     schedule: str = setting("onecycle", "LR schedule, stepped every optimizer step: ``onecycle`` (torch's "
                             "OneCycleLR, warm-up by --warmup-fraction), ``cosine`` (to --min-lr at the end), ``step`` "
                             "(times --decay-rate every --decay-epochs epochs) or ``constant``; the last three warm up "
-                            "linearly over --warmup-epochs.", choices=SCHEDULES)
+                            "linearly over --warmup-epochs.", choices=SCHEDULES, recipe=7)
     warmup_fraction: float = setting(0.15, "Share of steps spent warming the LR up to its peak (one-cycle "
                                      "pct_start); --warmup-epochs replaces it when set.", range="[0, 1)")
     warmup_epochs: float = setting(0.0, "Epochs of linear LR warm-up, from near 0 to --lr (may be fractional: "
@@ -141,7 +140,7 @@ class TrainConfig:
                                  "grouping, torchvision's their stem, blocks in order, then the classifier "
                                  "(docs/training.md).", range="[0, 1]")
     label_smoothing: float = setting(0.0, "Cross-entropy label smoothing. Off: on the embedded split 0.1 cost "
-                                     "0.2-0.4 points (docs/NOTES.md).", range="[0, 1)")
+                                     "0.2-0.4 points (docs/NOTES.md).", range="[0, 1)", recipe=9)
     accumulate: int = setting(1, "Gradient accumulation: each worker's share of the global batch goes through the "
                               "model in N pieces, their gradients summed into one optimizer step. The gradient is "
                               "the whole batch's (BatchNorm sees the smaller pieces); --batch-size, steps, "
@@ -163,7 +162,7 @@ class TrainConfig:
     preset: str = setting("auto", "Augmentation and evaluation transforms: ``digits`` (a random affine: rotation, "
                           "zoom, shift), ``photos`` (random resized crop and horizontal flip; resize and centre crop "
                           "for evaluation), or ``auto``: the data set's own (digits for small grayscale images).",
-                          choices=("auto", "digits", "photos"))
+                          choices=("auto", "digits", "photos"), recipe=10)
     max_rotate_deg: float = setting(15.0, "Largest random rotation, degrees.", range="[0, 180]")
     max_shift: float = setting(0.1, "Largest random shift, as a fraction of the image size.", range="[0, 1]")
     max_scale: float = setting(0.15, "Largest random zoom in or out, as a fraction.", range="[0, 1)")
@@ -175,7 +174,7 @@ class TrainConfig:
                                   "torchvision's ``randaugment`` (2 operations of ``--augment-magnitude``), "
                                   "``trivialaugment`` (one operation, random strength) or ``autoaugment`` (the "
                                   "ImageNet policy); ``none``. Runs in the decoding tasks, on their CPUs.",
-                                  choices=("none", "randaugment", "trivialaugment", "autoaugment"))
+                                  choices=("none", "randaugment", "trivialaugment", "autoaugment"), recipe=11)
     augment_magnitude: int = setting(9, "RandAugment's strength, of 31 levels (0-30); timm's and torchvision's "
                                      "default is 9.", range="[0, 30]")
     color_jitter: float = setting(0.0, "Photos: random brightness, contrast and saturation, each by up to this "
@@ -185,9 +184,10 @@ class TrainConfig:
                                     range="[0, 1]")
     mixup: float = setting(0.0, "Mixup's alpha (0.2-0.8 in timm's recipes): each image blended with its mirror in "
                            "the global batch by a Beta(alpha, alpha) weight, the targets blended alike; 0 = off. "
-                           "Training accuracy then counts the label with the larger share.", range="[0, 100]")
+                           "Training accuracy then counts the label with the larger share.", range="[0, 100]",
+                           recipe=12)
     cutmix: float = setting(0.0, "CutMix's alpha (1.0 in timm's recipes): a box of the mirror image pasted in, the "
-                            "targets weighed by the areas; 0 = off.", range="[0, 100]")
+                            "targets weighed by the areas; 0 = off.", range="[0, 100]", recipe=13)
     mix_switch_prob: float = setting(0.5, "With both --mixup and --cutmix: the share of mixed steps that use CutMix.",
                                      range="[0, 1]")
     mix_prob: float = setting(1.0, "The share of steps that mix (when --mixup or --cutmix is on).", range="[0, 1]")
@@ -207,7 +207,7 @@ class TrainConfig:
                                "what gets evaluated and saved as model.pt; 0 turns it off. Smooths the "
                                "epoch-to-epoch jitter. The decay warms up as (1 + n) / (10 + n) at step n and "
                                "stops at this value: 0.98 from step 440 on, so a shorter run (the demo takes "
-                               "372 steps) averages the same whatever it is set to.", range="[0, 1)")
+                               "372 steps) averages the same whatever it is set to.", range="[0, 1)", recipe=14)
     bn_momentum: float = setting(0.1, "Momentum of every BatchNorm layer's running statistics (as timm's "
                                  "--bn-momentum), PyTorch's default. torchvision's MobileNet-V3 and EfficientNet "
                                  "define 0.01, for 600-epoch ImageNet runs: in a run of a few hundred steps their "
@@ -218,7 +218,7 @@ class TrainConfig:
                                   "evaluation (no augmentation); model.pt keeps them. The statistics gathered "
                                   "during training come from augmented images, which evaluation never sees "
                                   "(docs/NOTES.md). 0 keeps those.", range="[0, 1000000]")
-    seed: int = setting(0, "Seeds model init, shuffling and augmentation.", range="[0, 4294967295]")
+    seed: int = setting(0, "Seeds model init, shuffling and augmentation.", range="[0, 4294967295]", recipe=18)
 
     channels_last: bool = setting(True, "NHWC memory layout for convolutions: measured 5-10% faster on CPU here, "
                                   "and the usual choice on GPUs. The saved state_dict loads into a model of either "
@@ -230,7 +230,7 @@ class TrainConfig:
                              "bfloat16 instructions, fp16 several times slower. With fp16 a step whose gradients "
                              "overflow is skipped and the scale lowered; the scale is checkpointed. Validation runs "
                              "in float32, so recorded accuracies match a later ``imgtrain evaluate``.",
-                             choices=PRECISIONS)
+                             choices=PRECISIONS, recipe=16)
     compile: bool = setting(False, "Compile the training forward and backward pass with ``torch.compile``. The "
                             "first steps pay for the compilation (tens of seconds); worth it on GPUs for long runs.",
                             resumable=True)
@@ -257,7 +257,7 @@ class TrainConfig:
     average_last: int = setting(0, "After the last epoch, save a checkpoint holding the uniform average of the "
                                 "last K epochs' evaluated weights (the moving average's when --ema-decay is on), "
                                 "its BatchNorm statistics recomputed (--bn-calibration) and validated; it competes "
-                                "as ``best`` and is ``--checkpoint average``. 0 = off.", range="[0, 100000]")
+                                "as ``best`` and is ``--checkpoint average``. 0 = off.", range="[0, 100000]", recipe=15)
     max_failures: int = setting(0, "Worker-group failures Ray Train retries from the latest checkpoint before "
                                 "giving up; -1 = without limit.", range="[-1, 1000]", resumable=True)
     checkpoint_every_steps: int = setting(0, "Also checkpoint every N optimizer steps inside an epoch (0 = only at "
@@ -267,7 +267,7 @@ class TrainConfig:
                                      "after which a rank is named, its Python stacks and log files printed, and "
                                      "killed, failing or retrying the run (before its first step, at least 120 s); "
                                      "0 = wait forever.",
-                                     flag="--stall-timeout", range="[0, 604800]", resumable=True)
+                                     flag="--stall-timeout", range="[0, 604800]", resumable=True, run_only=True)
     deterministic: bool = setting(False, "Deterministic kernels only (torch.use_deterministic_algorithms): a "
                                   "resumed run ends with the same weights as an uninterrupted one.", resumable=True)
     ledger: bool = setting(False, "Record the sample ids every rank trains on at every step in "
@@ -277,16 +277,18 @@ class TrainConfig:
 
     mlflow: str | None = setting(None, "MLflow tracking URI (``sqlite:///mlflow.db``, ``http://host:5000``): log "
                                  "params, step and epoch metrics and the final model there. Needs ``pip install "
-                                 "'imgtrain[mlflow]'``.", resumable=True)
+                                 "'imgtrain[mlflow]'``.", resumable=True, run_only=True,
+                                 secret=True)
     mlflow_experiment: str = setting("imgtrain", "MLflow experiment the run is logged under (created when "
-                                     "missing).", resumable=True)
+                                     "missing).", resumable=True, run_only=True)
     tensorboard: bool = setting(False, "Write TensorBoard event files to ``{run}/tensorboard``. Needs ``pip install "
-                                "'imgtrain[tensorboard]'``.", resumable=True)
+                                "'imgtrain[tensorboard]'``.", resumable=True, run_only=True)
     wandb: str | None = setting(None, "Weights & Biases project: log params, step and epoch metrics and the final "
                                 "model to a W&B run there (``WANDB_MODE=offline``: to ``{run}/wandb`` only, for "
-                                "``wandb sync``). Needs ``pip install 'imgtrain[wandb]'``.", resumable=True)
+                                "``wandb sync``). Needs ``pip install 'imgtrain[wandb]'``.", resumable=True,
+                                run_only=True)
     wandb_entity: str | None = setting(None, "W&B entity (user or team) the ``--wandb`` project belongs to; unset: "
-                                       "your default entity.", resumable=True)
+                                       "your default entity.", resumable=True, run_only=True)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -302,46 +304,9 @@ class TrainConfig:
 # ---------------------------------------------------------------- the fields, as data
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One field of TrainConfig with everything said about it."""
-
-    name: str
-    type: type  # int, float, bool or str (``str | None`` fields: str, with ``optional``)
-    optional: bool
-    default: object
-    doc: str
-    flag: str  # "--batch-size", "--gpu/--cpu"
-    choices: tuple
-    range: str | None
-    resumable: bool
-    cli: bool
-
-    @property
-    def summary(self) -> str:
-        """The description's first sentence: the --help line and ``config show``'s column."""
-        import re
-
-        return re.split(r"(?<=\.)\s+(?=[A-Z`(])", self.doc.replace("``", ""), maxsplit=1)[0]
-
-    @property
-    def flag_names(self) -> list[str]:
-        """Every spelling a config file may use too: the field, and the flag's names."""
-        return [part.removeprefix("--").replace("-", "_") for part in self.flag.split("/")]
-
-
-def settings() -> list[Setting]:
-    hints = typing.get_type_hints(TrainConfig)
-    found = []
-    for f in dataclasses.fields(TrainConfig):
-        kind = hints[f.name]
-        optional = type(None) in typing.get_args(kind)
-        if optional:
-            kind = next(t for t in typing.get_args(kind) if t is not type(None))
-        m = f.metadata
-        found.append(Setting(f.name, kind, optional, f.default, m["doc"], m["flag"] or "--" + f.name.replace("_", "-"),
-                             m["choices"], m["range"], m["resumable"], m["cli"]))
-    return found
+def settings() -> tuple[Setting, ...]:
+    """Every field of TrainConfig, as declared (``settings.Setting``)."""
+    return settings_of(TrainConfig)
 
 
 def by_name() -> dict[str, Setting]:
@@ -351,15 +316,6 @@ def by_name() -> dict[str, Setting]:
 def flag(name: str) -> str:
     """The command-line spelling of a field: ``--batch-size``, ``--gpu``, ``--stall-timeout``."""
     return by_name()[name].flag.split("/")[0]
-
-
-def parse_workers(text: str) -> tuple[int, int]:
-    """'2' -> (0, 2): a fixed world size; '1-4' -> (1, 4): elastic. (min_workers, workers)"""
-    low, sep, high = str(text).partition("-")
-    try:
-        return (int(low), int(high)) if sep else (0, int(low))
-    except ValueError:
-        raise ImgtrainError(f"--workers {text!r} is not a number N or a range MIN-MAX such as 1-4") from None
 
 
 # ---------------------------------------------------------------- checking and resolving

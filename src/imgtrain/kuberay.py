@@ -18,16 +18,14 @@ import re
 import shlex
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import version
 from pathlib import PurePosixPath
 
-import yaml
-
-from imgtrain.cluster import required_cpus
 from imgtrain.config import TrainConfig, parse_workers, resolve, validate
 from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
 from imgtrain.ops.remote import is_remote
+from imgtrain.settings import option
 
 KINDS = ("rayjob", "raycluster")
 AUTH_MODES = ("token", "none")
@@ -64,24 +62,45 @@ USERINFO_NAMES_NO_USER = ("abfs", "abfss")
 SECRET_PARAMETER = re.compile(r"secret|passw|pwd|token|key|signature|^sig$", re.IGNORECASE)
 
 
+def installed_ray() -> str:
+    """This machine's Ray: the image's unless --ray-version says."""
+    return version("ray")
+
+
 @dataclass(frozen=True)
 class Spec:
     """What the manifest asks Kubernetes for: every option of ``imgtrain cluster manifest``."""
 
-    kind: str = "rayjob"
-    name: str = ""  # "" = imgtrain-{the run's --name}, or imgtrain
-    image: str = ""
-    pods: int = 2  # worker pods; the head pod comes on top
-    cpus_per_pod: int = 4
-    gpus_per_pod: int = 0
-    memory_per_pod: str = "8Gi"
-    head_cpus: int = 2
-    head_memory: str = "8Gi"
-    secret: str | None = None  # a Secret whose keys become every Ray container's environment
-    service_account: str | None = None
-    pvc: str | None = None  # "CLAIM:/mount/path", mounted in every pod
-    ray_version: str = ""
-    auth: str = "token"
+    kind: str = option("rayjob", "rayjob: a RayJob, a cluster made for the command and gone after it; raycluster: "
+                       "a RayCluster alone, to `ray job submit` commands to.", choices=KINDS)
+    name: str | None = option(None, "The RayJob's or RayCluster's name, a DNS-1035 label",
+                              shown="imgtrain-RUN, RUN the command's --name")  # None: ``default_name``
+    image: str | None = option(None, "Container image holding imgtrain and the same Ray as --ray-version (no public "
+                               "image has imgtrain: docs/clusters.md shows a Dockerfile). Required.")
+    pods: int = option(2, "Worker pods, beside the head pod (which runs the driver, no training).")
+    cpus_per_pod: int = option(4, "CPUs of each worker pod (the command's Ray Train workers and Ray Data share "
+                               "them).")
+    gpus_per_pod: int = option(0, "NVIDIA GPUs of each worker pod (nvidia.com/gpu).")
+    memory_per_pod: str = option("8Gi", "Memory of each worker pod, in Kubernetes' units.")
+    head_cpus: int = option(2, "CPUs of the head pod.")
+    head_memory: str = option("8Gi", "Memory of the head pod.")
+    secret: str | None = option(None, "A Kubernetes Secret whose keys become the environment of the head and worker "
+                                "containers: the bucket's AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and "
+                                "AWS_ENDPOINT_URL, AWS_REGION); MLflow's MLFLOW_TRACKING_USERNAME, "
+                                "MLFLOW_TRACKING_PASSWORD. Credentials in the command are refused.")
+    service_account: str | None = option(None, "The pods' service account (e.g. one bound to a cloud role that "
+                                         "reaches the bucket).")
+    pvc: str | None = option(None, "CLAIM:/mount/path: a ReadWriteMany PersistentVolumeClaim mounted in every pod; a "
+                             "local --storage is then allowed under that path.")
+    ray_version: str | None = option(None, "Ray version of the image", shown=lambda: f"{installed_ray()}, this "
+                                     "machine's")  # None: ``installed_ray``
+    auth: str = option("token", "token: KubeRay turns on Ray's token authentication (KubeRay 1.6+, Ray 2.52+); "
+                       "none: anyone who reaches the pods may submit jobs.", choices=AUTH_MODES)
+
+    def completed(self, command: Command | None) -> Spec:
+        """The spec with what was left unset filled in: the name from the command, this machine's Ray."""
+        return replace(self, name=default_name(command) if self.name is None else self.name,
+                       ray_version=self.ray_version or installed_ray())
 
     @property
     def mount(self) -> tuple[str, PurePosixPath] | None:
@@ -327,6 +346,8 @@ def _check_fit(spec: Spec, cfg: TrainConfig) -> None:
             f"workers ({cfg.cpus_per_worker:g} CPU{' and 1 GPU' if cfg.use_gpu else ''} each): raise --pods or "
             f"{'--gpus-per-pod' if cfg.use_gpu and per_pod == spec.gpus_per_pod else '--cpus-per-pod'}, or lower "
             "the command's --workers")
+    from imgtrain.cluster import required_cpus  # the cluster and run store: not for `imgtrain --help`
+
     needed, total = required_cpus(cfg), spec.pods * spec.cpus_per_pod
     if total < needed:
         raise ImgtrainError(f"{spec.pods} pod(s) of {spec.cpus_per_pod} CPU hold {total} CPUs; the command's "
@@ -407,17 +428,18 @@ def header(spec: Spec, command: Command | None) -> list[str]:
         lines.append(f"  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$(kubectl get secret {spec.name} "
                      "-o jsonpath='{.data.auth_token}' | base64 -d)")
     example = "imgtrain train --address auto --storage s3://... --name NAME ..."
-    job = command.line(version("ray")) if command else example  # `ray job submit` here: the Ray beside imgtrain
+    job = command.line(installed_ray()) if command else example  # `ray job submit` here: the Ray beside imgtrain
     return lines + [f"  ray job submit --address http://127.0.0.1:8265 -- {job}"]
-
-
-class _Dumper(yaml.SafeDumper):
-    def ignore_aliases(self, data):  # the same dict twice is written twice, never as &id001 / *id001
-        return True
 
 
 def to_yaml(spec: Spec, command: Command | None) -> str:
     """The manifest as YAML, its header as comments: the whole text is one YAML document."""
+    import yaml  # here: the CLI reads Spec's options for every --help
+
+    class _Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data):  # the same dict twice is written twice, never as &id001 / *id001
+            return True
+
     body = yaml.dump(manifest(spec, command), Dumper=_Dumper, sort_keys=False, default_flow_style=False,
                      width=10_000)
     return "".join(f"# {line}\n" for line in header(spec, command)) + body

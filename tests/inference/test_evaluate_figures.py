@@ -102,7 +102,7 @@ def test_serve_replicas_predict_with_the_tta_they_were_given(local_run, test_ima
     # ModelServer's forward passes are its Predictor's predict_proba. The class as written, outside
     # Serve: @serve.ingress wraps it in a subclass whose (async) __init__ starts the HTTP app, so
     # the class under it is built directly. The real server: tests/integration/test_serve.py.
-    from imgtrain.inference.requests import Limits
+    from imgtrain.inference.options import Limits
     from imgtrain.inference.routes import ModelServer
 
     wrapper = ModelServer.func_or_class

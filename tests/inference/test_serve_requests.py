@@ -9,7 +9,8 @@ import pytest
 from starlette.requests import Request
 
 from imgtrain.errors import ImgtrainError
-from imgtrain.inference.requests import Limits, RequestError, pixels_from_json, read_body
+from imgtrain.inference.options import Limits
+from imgtrain.inference.requests import RequestError, pixels_from_json, read_body
 from imgtrain.inference.serve import choose_ingress, direct_ingress_env
 
 SHAPE = (4, 3, 1)

@@ -27,7 +27,7 @@ from PIL import Image
 from imgtrain.data.format import read_split
 from imgtrain.inference.inputs import conform
 from imgtrain.inference.predictor import Predictor
-from imgtrain.inference.requests import Limits
+from imgtrain.inference.options import Limits
 from tests.browser import BrowserPage
 from tests.conftest import assert_one_line_error, cli_here, copy_run, run_cli, wait_for
 

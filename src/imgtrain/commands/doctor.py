@@ -50,7 +50,8 @@ class Diagnosis:
                 "checks": [asdict(c) for c in self.checks]}
 
 
-def diagnose(storage: str = "./runs", address: str | None = None, data: str | None = None) -> Diagnosis:
+def diagnose(storage: str, address: str | None, data: str | None) -> Diagnosis:
+    """The checks of ``imgtrain doctor`` (its options: ``cli.doctor_cmd``)."""
     from imgtrain.ops.remote import is_remote
     from imgtrain.runs import storage_root
 

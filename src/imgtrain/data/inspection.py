@@ -21,17 +21,20 @@ from imgtrain.data import format as fmt
 from imgtrain.data.fingerprint import MODES, TRANSFORM_WORDS, UNREADABLE, Prints
 from imgtrain.data.inspection_scan import Scan, scan
 from imgtrain.data.named_splits import SPLIT_CODES, SPLIT_NAMES
+from imgtrain.data.options import InspectOptions
 from imgtrain.errors import ImgtrainError
 
 IMBALANCE_FLAG = 3.0  # largest / smallest training class at or above this is flagged
 MAX_JSON_PAIRS = 100_000  # pairs listed in the JSON (all are counted)
 
 
-def inspect_dataset(data_dir, out=None, workers: int = 0, threshold: int | None = None, seed: int = 0,
+def inspect_dataset(data_dir, out=InspectOptions.out, workers: int = InspectOptions.workers,
+                    threshold: int | None = InspectOptions.threshold, seed: int = InspectOptions.seed,
                     progress: Callable[[int, int], None] | None = None) -> dict:
     """Scan the prepared data set ``data_dir``, write the page to ``out`` (default:
     ``<name>-inspect.html`` here) and return the findings, the page's path among them.
-    ``threshold``: the near duplicates' Hamming distance (None: ``duplicates.default_threshold``)."""
+    ``threshold``: the near duplicates' Hamming distance (None: ``duplicates.default_threshold``);
+    the options are declared in ``options.InspectOptions``."""
     from imgtrain.data import inspection_page
 
     data_dir = Path(data_dir)

@@ -1,54 +1,61 @@
-"""How ``data prepare`` reads a source and writes the data set: ``PrepareOptions``, and the
-checks of the options every source shares. Which of the others a source takes, its spec says
-(``sources/registry.py``)."""
+"""The options of ``data prepare`` (``PrepareOptions``) and ``data inspect`` (``InspectOptions``),
+each declared once (``settings.option``: the CLI's flags and help and the Python API's keywords
+come from here), and the checks of the options every source shares. Which of the others a source
+takes, its spec says (``sources/registry.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
+from pathlib import Path
 
-import numpy as np
-
-from imgtrain.data.duplicates import check_threshold
-from imgtrain.data.limits import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
 from imgtrain.errors import ImgtrainError
+from imgtrain.settings import option
 
 ON_ERROR = ("skip", "fail")
 DEDUPE = ("off", "cross-split", "all")
+THRESHOLD_HELP = "pHash distance in bits (default 4; 0 for grayscale images of 32 px or less)."
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """'28x28' or '28' -> (H, W); for the CLI's --size flag."""
+    parts = str(text).lower().replace("×", "x").split("x")
+    try:
+        hw = tuple(int(p) for p in parts) * (2 if len(parts) == 1 else 1)
+    except ValueError:
+        hw = ()
+    if len(hw) != 2 or min(hw) <= 0:
+        raise ImgtrainError(f"--size must look like HxW, e.g. 28x28, got {text!r}")
+    return hw  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
 class PrepareOptions:
-    download: bool = False
-    """Fetch the source first (mnist: the IDX files, with torchvision; needs the internet)."""
-    image_column: str = "image"
-    """The table's column of images: PNG/JPEG bytes or pixel arrays."""
-    label_column: str = "label"
-    """The table's column of labels: class ids or class names."""
-    path_column: str = "path"
-    """The table's column of image paths (relative to the table's folder, or absolute)."""
-    channels: int | None = None
-    """1 (grayscale) or 3 (RGB); None: 1 when every image is grayscale."""
-    size: tuple[int, int] | None = None
-    """Resize (and re-encode) every image to (H, W); None: keep them, train at their size."""
-    test_fraction: float = 0.2
-    """Share held out for testing when the source has no split of its own."""
-    val_fraction: float | None = None
-    """Share held out for validation, drawn from the training rows; 0: none; None: the default
-    (``splits.DEFAULT_VAL_FRACTION`` when every class has enough training images, docs/data.md)."""
-    seed: int = 0
-    """Seed of the splits and of the order images are written in."""
-    overwrite: bool = False
-    """Replace an existing data set in the output folder."""
-    on_error: str = "skip"
-    """Unreadable images: skip (and list them in the manifest) or fail."""
-    workers: int = 0
-    """Processes checking and converting images; 0: one per core."""
-    dedupe: str = "off"
-    """Drop duplicates before writing: cross-split (a copy of a higher split's image; test > val >
-    train), all (within a split too: the first in source order stays) or off."""
-    near_threshold: int | None = None
-    """--dedupe's near duplicates: pHash distance in bits; None: ``duplicates.default_threshold``."""
+    """How ``data prepare`` reads a source and writes the data set. The options only some sources
+    take (``registry.SOURCE_OPTIONS``) are shown in --help after the sources that use them."""
+
+    download: bool = option(False, "Fetch the files into --source first (needs internet).")
+    image_column: str = option("image", "The image column (PNG/JPEG bytes or pixel arrays).")
+    label_column: str = option("label", "The label column (class ids or names).")
+    path_column: str = option("path", "The column of image paths (relative to the table).")
+    channels: int | None = option(None, "1 (grayscale) or 3 (RGB); default: 1 when every image is gray.")
+    size: tuple[int, int] | None = option(None, "Resize (and re-encode) every image to HxW, e.g. 64x64; default: "
+                                          "keep them, train at their size (or the median one).", parse=parse_size)
+    test_fraction: float = option(0.2, "Share held out for testing when the source has no split.")
+    val_fraction: float | None = option(
+        None, "Share held out for validation, from the training images (picks the best checkpoint; the test "
+        "split then stays untouched until evaluate/report); 0 = none. Default: 0.1 where the source has no "
+        "validation split and every class has 10 or more training images.")
+    # (that 0.1 is splits.DEFAULT_VAL_FRACTION, docs/data.md)
+    on_error: str = option("skip", "Unreadable images: skip (and list them) or fail.", choices=ON_ERROR)
+    workers: int = option(0, "Processes checking and converting images; 0 = one per core.")
+    seed: int = option(0, "Seed of the splits.")  # and of the order images are written in
+    overwrite: bool = option(False, "Replace an existing data set in OUT_DIR.", flag="--overwrite")
+    dedupe: str = option("off", "Drop duplicates (exact, or near as `data inspect` finds them): cross-split (a copy "
+                         "of a test or val image leaves the lower split), all (also within a split: the first in "
+                         "source order stays), off. Listed in OUT_DIR/dedupe.csv.", choices=DEDUPE)
+    near_threshold: int | None = option(None, "--dedupe: the near duplicates' " + THRESHOLD_HELP)
 
     def changed(self) -> set[str]:
         """The options set to something other than their default."""
@@ -66,6 +73,8 @@ class PrepareOptions:
         if self.dedupe not in DEDUPE:
             issues.append(f"--dedupe must be one of {', '.join(DEDUPE)}, got {self.dedupe!r}")
         if self.near_threshold is not None:
+            from imgtrain.data.duplicates import check_threshold  # numpy: not for --help
+
             if self.dedupe == "off":
                 issues.append("--near-threshold applies to --dedupe cross-split or all")
             try:
@@ -79,23 +88,22 @@ class PrepareOptions:
         return issues
 
 
-def parse_size(text: str) -> tuple[int, int]:
-    """'28x28' or '28' -> (H, W); for the CLI's --size flag."""
-    parts = str(text).lower().replace("×", "x").split("x")
-    try:
-        hw = tuple(int(p) for p in parts) * (2 if len(parts) == 1 else 1)
-    except ValueError:
-        hw = ()
-    if len(hw) != 2 or min(hw) <= 0:
-        raise ImgtrainError(f"--size must look like HxW, e.g. 28x28, got {text!r}")
-    return hw  # type: ignore[return-value]
+@dataclass(frozen=True)
+class InspectOptions:
+    """How ``data inspect`` looks at a prepared data set."""
+
+    out: Path | None = option(None, "Where to write the page; default: <data set name>-inspect.html in the "
+                              "current folder.")
+    workers: int = option(0, "Processes reading and hashing images; 0 = one per core.")
+    threshold: int | None = option(None, "Near duplicates: " + THRESHOLD_HELP, flag="--near-threshold")
+    seed: int = option(0, "Seed of the sample images shown per class.")
 
 
 def check_channels_size(channels, size) -> None:
     if channels not in (None, 1, 3):
         raise ImgtrainError(f"channels must be 1 (grayscale) or 3 (RGB), got {channels!r}")
     if size is not None and not (
-        len(size) == 2 and all(isinstance(v, (int, np.integer)) and v > 0 for v in size)
+        len(size) == 2 and all(isinstance(v, numbers.Integral) and v > 0 for v in size)  # numpy's too
     ):
         raise ImgtrainError(f"size must be (height, width) in pixels, e.g. 28x28, got {size!r}")
     if size is not None:
@@ -105,6 +113,8 @@ def check_channels_size(channels, size) -> None:
 def check_image_size(size, hint: str) -> None:
     """A training resolution (H, W) every reader accepts: prepare must not write a data set whose
     manifest ``format.manifest_problems`` refuses."""
+    from imgtrain.data.limits import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE  # numpy and PIL: not for --help
+
     h, w = size
     if max(h, w) > MAX_IMAGE_SIDE or h * w > MAX_IMAGE_PIXELS:
         raise ImgtrainError(f"size {h}x{w} is over the bound of {MAX_IMAGE_SIDE} px a side and "

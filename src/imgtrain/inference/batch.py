@@ -1,6 +1,7 @@
 """Batch inference from a checkpoint alone: ``evaluate`` and ``predict`` (``predictor.py`` loads
 the model). ``evaluate`` and ``predict`` run the ``Predictor`` on a Ray Data actor pool (``backend="ray"``),
-or in this process (``backend="local"``, no Ray) for small inputs and debugging.
+or in this process (``backend="local"``, no Ray) for small inputs and debugging. Their options
+(the CLI's too) are declared in ``options.py``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import numpy as np
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.inputs import CONVERTED_KEY, ERROR_KEY, ROW_KEY, read_task
 from imgtrain.inference.metrics import TOP_K, EvalSums, class_scores
-from imgtrain.inference.predictor import DEFAULT_TOP_K, TTA, Predictor, check_tta, load_checkpoint
+from imgtrain.inference.options import ON_ERROR, EvaluateOptions, InferenceOptions, PredictOptions
+from imgtrain.inference.predictor import Predictor, check_tta, load_checkpoint
 from imgtrain.inference.preprocess import LoadedCheckpoint
 from imgtrain.ops import process
 
-DEFAULT_BATCH_SIZE = 500
 # evaluate's confusion matrix is the dense K x K list of lists (rows: true class) up to this many
 # classes; above, only the pairs that occur (``confusion_json``). A checkpoint's K is its owner's
 # choice, up to limits.MAX_CLASSES = 100,000: dense, 80 GB.
@@ -27,47 +28,6 @@ DENSE_CONFUSION_MAX_CLASSES = 1_000
 
 
 # ---------------------------------------------------------------- running it over many images
-
-
-@dataclass
-class InferenceOptions:
-    backend: str = "ray"  # ray: Ray Data actor pool; local: this process, no Ray
-    batch_size: int = DEFAULT_BATCH_SIZE
-    concurrency: int = 1  # actors (GPU: one GPU each)
-    threads: int = 0  # torch threads per actor; 0 = this machine's cores / concurrency
-    use_gpu: bool = False
-    address: str | None = None  # join this Ray cluster; default: start a private one
-    top_k: int = DEFAULT_TOP_K
-    tta: str = "none"  # flip: softmax averaged over each image and its mirror image (photos)
-    engine: str = "torch"  # onnxruntime: an ONNX export folder instead of a checkpoint (onnx_engine.py)
-
-    def validate(self) -> None:
-        from imgtrain.inference.export_formats import ENGINES
-
-        problems = []
-        if self.engine not in ENGINES:
-            problems.append(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.engine == "onnxruntime" and self.use_gpu:
-            problems.append("--engine onnxruntime runs on CPUs here; drop --gpu")
-        if self.backend not in ("ray", "local"):
-            problems.append(f"backend must be ray or local, got {self.backend!r}")
-        if self.batch_size < 1:
-            problems.append(f"batch size must be at least 1, got {self.batch_size}")
-        if self.concurrency < 1:
-            problems.append(f"concurrency must be at least 1, got {self.concurrency}")
-        if self.threads < 0:
-            problems.append(f"threads must be 0 (auto) or more, got {self.threads}")
-        if self.top_k < 1:
-            problems.append(f"top-k must be at least 1, got {self.top_k}")
-        if self.tta not in TTA:
-            problems.append(f"tta must be one of {', '.join(TTA)}, got {self.tta!r}")
-        if problems:
-            raise ImgtrainError("; ".join(problems))
-
-    def threads_per_actor(self) -> int:
-        from imgtrain.cluster import threads_for
-
-        return threads_for(self.concurrency, self.threads)
 
 
 def predictions(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, on_error: str = "skip",
@@ -217,8 +177,9 @@ def per_class_json(scores, classes) -> dict[str, dict]:
 
 
 def evaluate(
-    run, checkpoint: str = "best", storage: str = "./runs", split: str = "test",
-    data: str | None = None, options: InferenceOptions | None = None, label_issues: int = 0,
+    run, checkpoint: str = EvaluateOptions.checkpoint, storage: str = EvaluateOptions.storage,
+    split: str = EvaluateOptions.split, data: str | None = EvaluateOptions.data, options: InferenceOptions | None = None,
+    label_issues: int = EvaluateOptions.label_issues,
 ) -> EvalResult:
     """Accuracy, top-5 accuracy, per-class and averaged scores, calibration and confusion matrix
     of a checkpoint on a prepared split (``metrics.py`` defines them)."""
@@ -316,14 +277,14 @@ class PredictResult:
 
 
 def predict(
-    run, input: str, out, checkpoint: str = "best", storage: str = "./runs", on_error: str = "skip",
-    split: str = "test", image_column: str = "image", options: InferenceOptions | None = None,
-    overwrite: bool = False,
+    run, input: str, out, checkpoint: str = PredictOptions.checkpoint, storage: str = PredictOptions.storage,
+    on_error: str = PredictOptions.on_error, split: str = PredictOptions.split,
+    image_column: str = PredictOptions.image_column, options: InferenceOptions | None = None,
+    overwrite: bool = PredictOptions.overwrite,
 ) -> PredictResult:
     """Predict every image of ``input`` (see ``imgtrain.inference.inputs``) and write ``out``
     (.parquet/.csv) batch by batch: memory stays bounded however many images there are."""
     from imgtrain.inference.inputs import (
-        ON_ERROR,
         TableWriter,
         check_output,
         list_inputs,

@@ -38,13 +38,13 @@ from imgtrain.inference import export_formats
 from imgtrain.inference.metrics import TOP_K, EvalSums
 from imgtrain.inference.export_formats import ExportFormat
 from imgtrain.inference.export_record import EXPORT_META, INPUT_NAME, OUTPUT_NAME, is_export
+from imgtrain.inference.options import ExportOptions
 from imgtrain.inference.predictor import load_checkpoint
 from imgtrain.inference.preprocess import LoadedCheckpoint
 from imgtrain.ops.files import sha256_file, swap_in_folder
 
 AGREEMENT_MIN = 0.999  # top-1 agreement with PyTorch below this fails the export
 VERIFY_BATCH = 256
-MAX_ACCURACY_DROP = 0.01  # --quantize int8 is refused when it costs more test accuracy than this
 
 
 def exportable(loaded: LoadedCheckpoint):
@@ -104,9 +104,10 @@ class ExportResult:
                 "test_metrics": self.test_metrics}
 
 
-def export(run, fmt: str, out, checkpoint: str = "best", storage: str = "./runs", data: str | None = None,
-           split: str = "test", overwrite: bool = False, quantize: str = "none",
-           max_accuracy_drop: float = MAX_ACCURACY_DROP) -> ExportResult:
+def export(run, fmt: str, out, checkpoint: str = ExportOptions.checkpoint, storage: str = ExportOptions.storage,
+           data: str | None = ExportOptions.data, split: str = ExportOptions.split,
+           overwrite: bool = ExportOptions.overwrite, quantize: str = ExportOptions.quantize,
+           max_accuracy_drop: float = ExportOptions.max_accuracy_drop) -> ExportResult:
     """Export ``run``'s checkpoint as ``fmt`` into the folder ``out`` and verify it (module
     docstring). ``quantize="int8"`` (ONNX): ONNX Runtime's static int8 quantization, refused when
     it costs more than ``max_accuracy_drop`` of accuracy on the split (``quantize.py``)."""

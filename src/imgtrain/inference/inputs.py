@@ -35,7 +35,6 @@ from imgtrain.data.images import (
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import spreadsheet
 
-ON_ERROR = ("skip", "fail")
 TASK_FILES = 64  # images per task
 TASK_ROWS = 256  # rows of a Parquet row group per task (the Hub's image files hold 100 to 1,000 a group)
 GROUP_SLICES = 16  # tasks of one row group at most: each decodes the rows before its own (no skipping in Parquet)

@@ -15,11 +15,11 @@ import re
 import unicodedata
 from datetime import datetime, timezone
 
+from imgtrain.config import settings
 from imgtrain.inference.preprocess import LoadedCheckpoint
 
-RECIPE_KEYS = ("model", "pretrained", "epochs", "batch_size", "lr", "optimizer", "schedule", "weight_decay",
-               "label_smoothing", "preset", "augment_policy", "mixup", "cutmix", "ema_decay", "average_last",
-               "precision", "workers", "seed")
+# The training recipe's rows: the settings declared with ``recipe=N``, in that order.
+RECIPE_KEYS = tuple(s.name for s in sorted((s for s in settings() if s.recipe), key=lambda s: s.recipe))
 PER_CLASS_ROWS = 50  # a card with 1,000 classes lists the 50 weakest; labels.json has them all
 # What marks up inline Markdown text (CommonMark, and GitHub's tables, strikethrough and math):
 # escaped, no link, image, emphasis, code span or cell end can start. The characters that start a

@@ -22,12 +22,9 @@ from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.data.format import short_repr
 from imgtrain.errors import ImgtrainError, one_line
+from imgtrain.inference.options import DEFAULT_TOP_K, TTA
 from imgtrain.inference.preprocess import LoadedCheckpoint, preprocess_of, preset_of
 from imgtrain.ops import process
-
-DEFAULT_TOP_K = 3
-# Test-time augmentation: none, or flip (the softmax averaged over the image and its mirror image).
-TTA = ("none", "flip")
 
 
 # ---------------------------------------------------------------- loading a checkpoint

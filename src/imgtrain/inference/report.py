@@ -27,6 +27,7 @@ import numpy as np
 from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError
+from imgtrain.inference.options import ReportOptions
 from imgtrain.ops import remote
 from imgtrain.ops.files import atomic_write_text
 from imgtrain.storage import mirror
@@ -64,7 +65,7 @@ PLOTS = (
 )
 
 
-def write_report(run, checkpoint: str = "best", storage: str = "./runs") -> Path:
+def write_report(run, checkpoint: str = ReportOptions.checkpoint, storage: str = ReportOptions.storage) -> Path:
     """Write the plots, ``evaluation.json`` and ``report.html`` for ``run`` (a run name in
     ``storage`` or a run directory); return the page's path."""
     from imgtrain.data import stream

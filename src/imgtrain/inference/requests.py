@@ -6,61 +6,19 @@ Image files of another size or colour mode are converted as ``imgtrain predict``
 with ``{"error": "..."}``, never a 500: bodies over ``--max-request-bytes`` (413), images over
 ``--max-image-pixels`` (413, checked from the header before decoding), more than
 ``--max-batch-images`` images in one request (413), JSON nested too deep (400), a body not received
-whole within ``Limits.body_timeout_s`` (408, and the connection is closed).
+whole within ``Limits.body_timeout_s`` (408, and the connection is closed). ``Limits`` is declared
+with the other options of ``serve`` (``options.py``).
 """
 
 import asyncio
-import dataclasses
 import json
-import math
-from dataclasses import dataclass
 
 import numpy as np
 from fastapi import Request
 
-from imgtrain.data.images import MAX_DECODE_PIXELS
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait: a batch takes milliseconds, the queue drains in about a second
 RETRY_AFTER = {"Retry-After": str(RETRY_AFTER_S)}
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may cost the server."""
-
-    max_request_bytes: int = 1 << 20
-    """Larger bodies get 413."""
-    max_image_pixels: int = 0
-    """Larger images (width x height, from the header) get 413 before decoding; 0 = 64 times the
-    model's input, at least 1 megapixel (a 64 KiB PNG can hold 16.7 MP, ~80 MiB decoded). Never
-    more than images.MAX_DECODE_PIXELS, whatever is asked (``image_pixels``)."""
-    max_batch_images: int = 64
-    """Images per request (JSON batches)."""
-    request_timeout_s: float = 30.0
-    """A request not answered by then gets 504 (408 from Ray's proxy) instead of waiting on."""
-    body_timeout_s: float = 5.0
-    """A request body not received whole by then gets 408. One deadline for the whole body, not one
-    per read: a client sending a byte every few seconds would renew a per-read timeout forever, and
-    hold its connection and memory. 1 MiB (--max-request-bytes) in 5 s is 200 KiB/s."""
-    max_queued_requests: int = 100
-    """Requests waiting per replica, besides the batch being computed, before new ones get 503."""
-    max_batch_size: int = 32
-    """Most images in one forward pass, gathered from concurrent requests."""
-    batch_wait_ms: float = 0.0
-    """Extra wait for a batch to fill; 0: each forward pass takes what arrived during the last one."""
-
-    def problems(self) -> list[str]:
-        may_be_zero = ("max_image_pixels", "batch_wait_ms")
-        return [f"--{name.replace('_', '-').removesuffix('-s')} must be "
-                f"{'0 or ' if name in may_be_zero else ''}a positive number, got {value}"
-                for name, value in dataclasses.asdict(self).items()
-                if not (0 < value < math.inf or name in may_be_zero and value == 0)]
-
-    def image_pixels(self, shape) -> int:
-        # Capped: 64 times a large model's input is up to 3.2 gigapixels (10 GB decoded as RGB), and
-        # nothing larger than MAX_DECODE_PIXELS is decoded anywhere else.
-        asked = self.max_image_pixels or max(64 * shape[0] * shape[1], 1 << 20)
-        return min(asked, MAX_DECODE_PIXELS)
 
 
 class RequestError(Exception):

@@ -43,8 +43,9 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from imgtrain.inference.batcher import Batcher
+from imgtrain.inference.options import Limits
 from imgtrain.inference.predictor import Predictor
-from imgtrain.inference.requests import RETRY_AFTER, Limits, RequestError, decode_request, read_body
+from imgtrain.inference.requests import RETRY_AFTER, RequestError, decode_request, read_body
 from imgtrain.inference.try_page import CONTENT_SECURITY_POLICY, PAGE
 
 REPLICA_CPUS = 0.5  # logical: a replica mostly waits for requests; its torch threads: serve._deploy

@@ -24,15 +24,15 @@ from imgtrain import cluster as cluster_mod
 from imgtrain import runs
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.inference.export_engine import check_engine, read_export
-from imgtrain.inference.predictor import TTA, check_tta, preprocess_preset
-from imgtrain.inference.requests import RETRY_AFTER_S, Limits
+from imgtrain.inference.options import INGRESS, TTA, Limits, ServeOptions
+from imgtrain.inference.predictor import check_tta, preprocess_preset
+from imgtrain.inference.requests import RETRY_AFTER_S
 from imgtrain.inference.routes import REPLICA_CPUS, ModelServer
 from imgtrain.ops.files import link_dir
 
 APP_NAME = "imgtrain"
 STARTUP_TIMEOUT_S = 180.0  # Ray + Serve + model load: ~45 s on 2 busy cores; past this, stuck
 PROXY_GRACE_S = 5.0  # Ray's proxy gives up this long after the replica's own timeout: a backstop only
-INGRESS = ("auto", "direct", "proxy")
 
 
 def direct_ingress_env(port: int) -> dict[str, str]:
@@ -65,10 +65,11 @@ def choose_ingress(ingress: str, replicas: int, joins_cluster: bool) -> str:
 # ---------------------------------------------------------------- the driver
 
 
-def run_server(run, checkpoint: str = "best", storage: str = "./runs", host: str = "127.0.0.1",
-               port: int = 8000, limits: Limits = Limits(), replicas: int = 1,
-               address: str | None = None, openapi: bool = False, ingress: str = "auto", announce=print,
-               tta: str = "none", engine: str = "torch") -> None:
+def run_server(run, checkpoint: str = ServeOptions.checkpoint, storage: str = ServeOptions.storage,
+               host: str = ServeOptions.host, port: int = ServeOptions.port, limits: Limits = Limits(),
+               replicas: int = ServeOptions.replicas, address: str | None = ServeOptions.address,
+               openapi: bool = ServeOptions.openapi, ingress: str = ServeOptions.ingress, announce=print,
+               tta: str = ServeOptions.tta, engine: str = ServeOptions.engine) -> None:
     """Serve the checkpoint until SIGINT or SIGTERM; returns after a clean shutdown. ``tta="flip"``:
     each answer's probabilities are averaged over the image and its mirror image (``Predictor``).
     ``engine="onnxruntime"``: ``run`` is an ONNX export folder, served with ONNX Runtime."""

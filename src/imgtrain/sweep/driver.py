@@ -27,37 +27,13 @@ from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import ownership
 from imgtrain.ops.files import link_dir
 from imgtrain.sweep import state as st
-from imgtrain.sweep.space import METRICS, SCHEDULERS, Dimension
+from imgtrain.sweep.request import SWEEP_KEYS, SweepRequest
+from imgtrain.sweep.space import METRICS, SCHEDULERS
 from imgtrain.sweep.trial import EPOCHS_DONE, run_trial
 from imgtrain.training import tracking
 
 # A trial's own CPU reservation in Ray: Tune refuses 0, and its workers hold the real CPUs.
 TRIAL_CPU = 0.01
-
-
-@dataclasses.dataclass
-class SweepRequest:
-    base: TrainConfig  # every trial's settings before the searched ones; base.name is the sweep's
-    search: dict[str, Dimension]
-    trials: int = 1  # Tune's num_samples (each grid() point that many times)
-    scheduler: str = "asha"
-    metric: str = "val_accuracy"
-    mode: str | None = None  # None: the metric's natural direction
-    max_concurrent: int = 0  # 0: as many as the cluster holds
-
-    def total_trials(self) -> int:
-        return self.trials * math.prod(len(d.args) for d in self.search.values() if d.func == "grid")
-
-    def stored(self) -> dict:
-        """What identifies the experiment in sweep.json (a re-run must ask for the same)."""
-        base = {k: v for k, v in self.base.to_dict().items() if k not in RUN_ONLY}
-        return {"base": base, "search": {k: d.text() for k, d in self.search.items()}, "trials": self.trials,
-                "scheduler": self.scheduler, "metric": self.metric, "mode": self.mode}
-
-
-# Settings that may differ on a re-run without changing the experiment (where, how fast, logs).
-RUN_ONLY = ("address", "dashboard", "stall_timeout_s", "mlflow", "mlflow_experiment", "tensorboard", "wandb",
-            "wandb_entity")
 
 
 def check(req: SweepRequest) -> SweepRequest:
@@ -300,9 +276,6 @@ def _recover_history(run_dir: Path) -> None:
     if latest:
         meta = ckpt.read_meta(latest)
         runs.MetricsLog(run_dir).reconcile(meta.get("step", 0), ckpt.history(meta), latest.name)
-
-
-SWEEP_KEYS = {"trials": int, "scheduler": str, "metric": str, "mode": str, "max_concurrent": int}
 
 
 def request_from(config_file: Path | None, settings: dict, search: list[str], sweep: dict) -> SweepRequest:

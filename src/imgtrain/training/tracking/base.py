@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from imgtrain.config import TrainConfig, by_name
+from imgtrain.config import TrainConfig, by_name, settings
 from imgtrain.ops import remote
 
 STEP_KEYS = ("loss", "accuracy", "images_per_s", "data_wait_fraction", "lr", "grad_norm", "loss_scale")
@@ -57,14 +57,19 @@ def scrub(text: str) -> str:
     return re.sub(r"(\w+://)[^/?#\s]*@", r"\1", text)
 
 
+# The settings that may hold a credential (``setting(secret=True)``: the MLflow URI's user:password@).
+SECRET_SETTINGS = tuple(s.name for s in settings() if s.secret)
+
+
 def public_config(cfg: TrainConfig) -> dict:
-    """The config as it may be stored and shown: credentials removed from the MLflow URI."""
-    return dict(cfg.to_dict(), mlflow=public_uri(cfg.mlflow))
+    """The config as it may be stored and shown: credentials removed from the settings that may hold one."""
+    config = cfg.to_dict()
+    return {**config, **{k: public_uri(config[k]) for k in SECRET_SETTINGS}}
 
 
-# The settings that name a place: on this machine, a folder of the user's that no tracker is told
-# (a tracking server is often shared, and W&B's is another company's).
-PLACE_SETTINGS = ("data", "storage", "init_from")
+# The settings that name a place (``setting(place=True)``): on this machine, a folder of the user's
+# that no tracker is told (a tracking server is often shared, and W&B's is another company's).
+PLACE_SETTINGS = tuple(s.name for s in settings() if s.place)
 
 
 def public_place(place: str | None) -> str | None:
@@ -78,7 +83,7 @@ def public_place(place: str | None) -> str | None:
 def tracked_config(config: dict) -> dict:
     """A config (``TrainConfig.to_dict()`` or a checkpoint's) as trackers get it: no credential,
     no path of this machine."""
-    return {**config, "mlflow": public_uri(config.get("mlflow")),
+    return {**config, **{k: public_uri(config.get(k)) for k in SECRET_SETTINGS},
             **{k: public_place(config[k]) for k in PLACE_SETTINGS if k in config}}
 
 
@@ -122,8 +127,9 @@ class Tracker(abc.ABC):
     lines stay in config.py: TrainConfig is built, and crosses to the workers, without importing
     any tracker). A tracker with none is on for every run while it is registered."""
     secrets: tuple[str, ...] = ()
-    """Those of its settings that may hold a credential (a password in a URI): never written,
-    shown or tracked as given (``public_config``, ``tracked_config``)."""
+    """Those of its settings that may hold a credential (a password in a URI), from their own
+    declaration (``setting(secret=True)``, ``__init_subclass__``): never written, shown or tracked
+    as given (``public_config``, ``tracked_config``)."""
     extra: str = ""  # pip install 'imgtrain[EXTRA]'
     module: str = ""  # what the extra installs, imported to check it is there
     packages: tuple[str, ...] = ()  # its distributions, for `imgtrain doctor`
@@ -133,8 +139,10 @@ class Tracker(abc.ABC):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         # "--mlflow", as config.py spells it; an unknown setting is refused by ``registry.register``
-        known = by_name().get(cls.settings[0]) if cls.settings else None
+        declared = by_name()
+        known = declared.get(cls.settings[0]) if cls.settings else None
         cls.flag = known.flag.split("/")[0] if known else None
+        cls.secrets = tuple(name for name in cls.settings if name in declared and declared[name].secret)
 
     @classmethod
     def wanted(cls, cfg: TrainConfig) -> bool:

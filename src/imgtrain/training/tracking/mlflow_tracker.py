@@ -58,7 +58,6 @@ class MLflowTracker(Tracker):
 
     key, name = "mlflow", "MLflow"
     settings = ("mlflow", "mlflow_experiment")
-    secrets = ("mlflow",)  # http://user:password@host
     extra, module, packages = "mlflow", "mlflow", ("mlflow-skinny", "mlflow")
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, manifest: dict):

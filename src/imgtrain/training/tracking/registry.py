@@ -1,8 +1,9 @@
 """The experiment trackers by name. Each tracker is a ``Tracker`` subclass (``base.py``) that
 registers itself in its own module (``@register``) and says there what it is: its name, the
-TrainConfig settings it reads (the first turns it on) and which of them may hold a credential,
-the extra that installs it. The package's ``__init__.py`` imports the modules, in the order the
-trackers are opened; a tracker of one's own registers where it likes (a test registers one).
+TrainConfig settings it reads (the first turns it on; which of them may hold a credential is said
+where each is declared, ``setting(secret=True)``), the extra that installs it. The package's
+``__init__.py`` imports the modules, in the order the trackers are opened; a tracker of one's own
+registers where it likes (a test registers one).
 
 Nothing here imports a tracker's library: ``require`` looks for it, the tracker imports it when
 it opens."""
@@ -18,16 +19,13 @@ TRACKERS: dict[str, type[Tracker]] = {}
 
 
 def register(tracker: type[Tracker]) -> type[Tracker]:
-    """Add a tracker (a class decorator). Its settings must be TrainConfig's, its secrets among them."""
+    """Add a tracker (a class decorator). Its settings must be TrainConfig's."""
     if tracker.key in TRACKERS:
         raise ValueError(f"tracker {tracker.key!r} is registered twice")
     known = by_name()
     unknown = [s for s in tracker.settings if s not in known]
     if unknown:
         raise ValueError(f"tracker {tracker.key!r} reads settings TrainConfig does not have: {unknown}")
-    if not set(tracker.secrets) <= set(tracker.settings):
-        raise ValueError(f"tracker {tracker.key!r} declares secrets that are not its settings: "
-                         f"{sorted(set(tracker.secrets) - set(tracker.settings))}")
     TRACKERS[tracker.key] = tracker
     return tracker
 
