@@ -74,7 +74,8 @@ def test_checkpoints_made_while_the_store_was_unreachable_are_kept_and_uploaded_
 
     monkeypatch.setattr(driver.Records, "send", slow_first_epoch)
     try:
-        cfg = tiny_config(tiny_data, env, "outage", backend="local", workers=1)  # 2 epochs
+        # 2 epochs; a small model: ResNet-18's checkpoints took most of the time going up (what is tested is the mirror)
+        cfg = tiny_config(tiny_data, env, "outage", backend="local", workers=1, model="timm:test_resnet")
         with pytest.raises(ImgtrainError, match=f"storage {env}"):  # its last upload failed: said, not hidden
             driver.train(cfg, display=quiet_display())
         assert proxy.was_cut.is_set()

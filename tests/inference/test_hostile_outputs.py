@@ -74,7 +74,7 @@ def test_a_report_of_a_run_in_an_object_store_names_it_by_its_uri_not_by_the_cac
     local = pafs.LocalFileSystem()
     pafs.copy_files(str(tiny_data), f"{where}/data".removeprefix("s3://"), local, s3)
     config = tiny_config(f"{where}/data", str(tmp_path / "runs"), "leak", backend="local", workers=1, epochs=1,
-                         limit_train_batches=2)
+                         limit_train_batches=2, model="timm:test_resnet")  # small: its checkpoints go to the store
     result = imgtrain.train(config, display=quiet_display())  # trained from the store's data set
     pafs.copy_files(str(result.path), f"{where}/runs/leak".removeprefix("s3://"), local, s3)  # the run, uploaded
 

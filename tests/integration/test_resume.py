@@ -33,8 +33,11 @@ QUIET = quiet_display()
 # 256 rows / batch 32 = 8 steps per epoch, 24 in all; step checkpoints at global steps 4, 12, 20.
 # One torch thread per worker, whatever the machine: more than the cores make OpenMP spin against
 # the other processes (5 times slower on a busy machine here).
+# A small model (timm's test ResNet): nine checkpoints a run, and ResNet-18's are 135 MB each;
+# what is proved is the resumption, whatever the model.
 SETTINGS = dict(workers=2, epochs=3, batch_size=32, eval_batch_size=50, log_every_steps=1,
-                checkpoint_every_steps=4, deterministic=True, ledger=True, max_failures=0, threads_per_worker=1)
+                checkpoint_every_steps=4, deterministic=True, ledger=True, max_failures=0, threads_per_worker=1,
+                model="timm:test_resnet")
 STEPS_PER_EPOCH = 8
 HISTORY_KEYS = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_f1_macro",
                 "train_samples", "val_samples", "lr")

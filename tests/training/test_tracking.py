@@ -467,7 +467,7 @@ def test_no_credential_reaches_any_file_or_object_and_no_local_path_any_tracker(
     done = subprocess.run(
         [sys.executable, "-m", "imgtrain.cli", "train", "--data", str(tiny_data), "--storage", "s3://imgtrain/leaks",
          "--name", "all3", "--backend", "local", "--epochs", "1", "--limit-train-batches", "2", "--batch-size", "32",
-         "--mlflow", uri, "--tensorboard", "--wandb", "imgtrain-tests"],
+         "--model", "timm:test_resnet", "--mlflow", uri, "--tensorboard", "--wandb", "imgtrain-tests"],
         capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert PASSWORD not in done.stdout + done.stderr
