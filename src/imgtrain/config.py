@@ -28,7 +28,8 @@ BACKENDS = ("ray", "local")
 INGESTS = ("ray-data", "torch")
 OPTIMIZERS = ("adamw", "sgd", "lamb", "lars")
 PRECISIONS = ("fp32", "bf16", "fp16")
-SCHEDULES = ("onecycle", "cosine", "step", "constant")
+SCHEDULES = ("onecycle", "cosine", "step", "constant")  # each one's curve: training/recipe.py
+AUGMENT_POLICIES = ("none", "randaugment", "trivialaugment", "autoaugment")  # each one's transform: data/photo_augment.py
 STRATEGIES = ("ddp", "fsdp")
 WANDB_FORBIDDEN = "/\\#?%:"  # W&B refuses these in project names
 
@@ -174,7 +175,7 @@ class TrainConfig:
                                   "torchvision's ``randaugment`` (2 operations of ``--augment-magnitude``), "
                                   "``trivialaugment`` (one operation, random strength) or ``autoaugment`` (the "
                                   "ImageNet policy); ``none``. Runs in the decoding tasks, on their CPUs.",
-                                  choices=("none", "randaugment", "trivialaugment", "autoaugment"), recipe=11)
+                                  choices=AUGMENT_POLICIES, recipe=11)
     augment_magnitude: int = setting(9, "RandAugment's strength, of 31 levels (0-30); timm's and torchvision's "
                                      "default is 9.", range="[0, 30]")
     color_jitter: float = setting(0.0, "Photos: random brightness, contrast and saturation, each by up to this "

@@ -92,3 +92,10 @@ def test_photo_options_on_digits_are_refused_before_training(tiny_data, tmp_path
                     "--backend", "local", "--augment-policy", "randaugment")
     assert_one_line_error(proc, "--augment-policy", "digits preset")
     assert not (tmp_path / "d").exists()
+
+
+def test_every_policy_the_setting_offers_has_a_transform():
+    from imgtrain.config import AUGMENT_POLICIES
+    from imgtrain.data.photo_augment import POLICIES
+
+    assert set(AUGMENT_POLICIES) == {"none", *POLICIES}

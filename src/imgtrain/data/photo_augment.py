@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-POLICIES = ("none", "randaugment", "trivialaugment", "autoaugment")
+# Each policy's transform, by its --augment-policy name (config.AUGMENT_POLICIES, which the check
+# uses, lists the same names): a new policy is its name there and its line here.
+POLICIES = {
+    "randaugment": lambda v2, aug, fill: v2.RandAugment(num_ops=2, magnitude=aug.magnitude, fill=fill),
+    "trivialaugment": lambda v2, aug, fill: v2.TrivialAugmentWide(fill=fill),
+    "autoaugment": lambda v2, aug, fill: v2.AutoAugment(fill=fill),
+}
 
 
 @dataclass(frozen=True)
@@ -55,12 +61,8 @@ def _transform(aug: PhotoAugment):
 
     steps = []
     fill = list(aug.fill)
-    if aug.policy == "randaugment":
-        steps.append(v2.RandAugment(num_ops=2, magnitude=aug.magnitude, fill=fill))
-    elif aug.policy == "trivialaugment":
-        steps.append(v2.TrivialAugmentWide(fill=fill))
-    elif aug.policy == "autoaugment":
-        steps.append(v2.AutoAugment(fill=fill))
+    if aug.policy != "none":
+        steps.append(POLICIES[aug.policy](v2, aug, fill))
     if aug.color_jitter > 0:
         j = aug.color_jitter
         steps.append(v2.ColorJitter(brightness=j, contrast=j, saturation=j))
