@@ -57,6 +57,7 @@ def files_under(folder: Path) -> set[str]:
 # ---------------------------------------------------------------- 1. an outage never deletes a checkpoint
 
 
+@pytest.mark.integration  # trains, its checkpoints going to the S3 server
 def test_checkpoints_made_while_the_store_was_unreachable_are_kept_and_uploaded_when_it_is_back(
         env, s3_server, tiny_data, monkeypatch):
     from imgtrain.training import driver

@@ -63,6 +63,7 @@ def test_inspect_finds_the_leaked_test_image_the_turned_copy_and_the_imbalance(p
     assert Path(found["page"]) == tmp_path / "page.html" and (tmp_path / "page.html").stat().st_size > 10_000
 
 
+@pytest.mark.integration  # a browser process
 def test_the_page_shows_the_planted_problems_with_its_images_in_chromium(planted, capsys, tmp_path):
     data, ids = planted
     found = run_inspect(capsys, str(data), "--out", str(tmp_path / "page.html"))

@@ -23,6 +23,8 @@ from tests.conftest import assert_one_line_error, cli_here, quiet_display, tiny_
 FRESH_PROCESS = r"""
 import json, sys
 import numpy as np
+
+pytestmark = pytest.mark.integration  # trains models and exports them (ONNX, int8, TorchScript, pt2): minutes, not a unit
 out = {}
 for path, images in json.loads(sys.argv[1]):
     images = np.load(images)

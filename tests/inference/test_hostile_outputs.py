@@ -12,6 +12,7 @@ from html.parser import HTMLParser
 import numpy as np
 import pandas as pd
 import pyarrow.fs as pafs
+import pytest
 from matplotlib import cbook
 from PIL import Image
 
@@ -64,6 +65,7 @@ def test_plots_draw_class_names_literally(tmp_path):
     assert report._literal(r"$\nope$") == r"\$\nope\$"
 
 
+@pytest.mark.integration  # trains from, and into, the S3 server
 def test_a_report_of_a_run_in_an_object_store_names_it_by_its_uri_not_by_the_cache(
         s3_server, tiny_data, tmp_path, monkeypatch):
     for key, value in s3_server.items():

@@ -13,6 +13,8 @@ from imgtrain import checkpoint as ckpt
 from imgtrain import runs
 from tests.conftest import cli_here, run_cli
 
+pytestmark = pytest.mark.integration  # trains runs with and without a validation split
+
 NO_VAL_NOTE = ("note: this data set has no val split, so training validates on, and picks the best checkpoint by, the "
                "test split: its test figure is optimistic; prepare the data set again with --val-fraction 0.1 to fix")
 

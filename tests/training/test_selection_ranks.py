@@ -13,12 +13,15 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from imgtrain import checkpoint as ckpt
 from imgtrain.checkpoint_policy import POLICY
 from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.integration  # trains with two ranks, each a process
 
 SETTINGS = dict(model="tinycnn_8", epochs=4, limit_train_batches=2, deterministic=True, select_metric="val_loss",
                 early_stop=1, early_stop_min_delta=1000.0, average_last=2, num_to_keep=100, log_every_steps=1,

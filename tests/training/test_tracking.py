@@ -62,6 +62,7 @@ def test_metric_names():
     assert metrics_of({"kind": "start", "step": 0}) == {}
 
 
+@pytest.mark.integration  # a tracker's server or service process, and a run
 def test_mlflow_gets_params_metrics_the_model_and_the_outcome_and_a_resume_continues_the_run(run_dir, tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -158,6 +159,7 @@ def files_holding(run_dir, secret: str) -> list[str]:
             if p.is_file() and secret.encode() in p.read_bytes()]
 
 
+@pytest.mark.integration  # a tracker's server or service process, and a run
 def test_a_password_in_an_http_mlflow_uri_is_never_printed_nor_stored_and_the_server_gets_the_run(
         mlflow_server, run_dir, capfd, monkeypatch):
     from mlflow.tracking import MlflowClient
@@ -191,6 +193,7 @@ def test_a_password_in_an_http_mlflow_uri_is_never_printed_nor_stored_and_the_se
     assert sorted(a.path for a in client.list_artifacts(run_id, "model")) == ["model/meta.json", "model/model.pt"]
 
 
+@pytest.mark.integration  # a tracker's server or service process, and a run
 def test_credentials_stay_out_of_errors_and_of_mlflow_log_lines(run_dir, tmp_path, capfd, monkeypatch):
     # A password holding "@" (requests reads up to the authority's last one)
     assert scrub("API request to http://u:p@ss@host:5000/api failed; see http://h/x") == \
@@ -345,6 +348,7 @@ def wandb_services() -> list[str]:
     return found
 
 
+@pytest.mark.integration  # a tracker's server or service process, and a run
 def test_wandb_gets_params_metrics_the_model_and_the_outcome_and_a_resume_continues_the_run(run_dir, wandb_offline):
     notes, hooks = [], (sys.exit, sys.excepthook)
     cfg = TrainConfig(name="t", data="/d", epochs=1, wandb="imgtrain-tests")
