@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import runs
 from tests.conftest import cli_here, run_cli
 
 NO_VAL_NOTE = ("note: this data set has no val split, so training validates on, and picks the best checkpoint by, the "

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from imgtrain import checkpoint as ckpt
 from imgtrain.checkpoint_policy import POLICY
+from imgtrain.storage import checkpoint as ckpt
 from tests.conftest import tiny_config
 
 SETTINGS = dict(model="tinycnn_8", epochs=4, limit_train_batches=2, deterministic=True, select_metric="val_loss",
