@@ -36,7 +36,7 @@ from common import (  # noqa: E402
 )
 from train_throughput import GPU_FLAGS, ROOT, _steps, settle, steady_rate  # noqa: E402
 
-from imgtrain.runs import epoch_history, read_metrics  # noqa: E402
+from imgtrain.storage.runs import epoch_history, read_metrics  # noqa: E402
 
 
 def rate(run_dir: Path, every: int) -> float:

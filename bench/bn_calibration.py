@@ -24,11 +24,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SAMPLE_DATA, ensure_data, environment, write_result  # noqa: E402
 
-from imgtrain import checkpoint as ckpt  # noqa: E402
 from imgtrain.checkpoint_policy import POLICY  # noqa: E402
 from imgtrain.data.format import read_split  # noqa: E402
 from imgtrain.data.tensors import random_affine, to_model_input  # noqa: E402
 from imgtrain.models.resnet18 import build_resnet18  # noqa: E402
+from imgtrain.storage import checkpoint as ckpt  # noqa: E402
 
 
 def accuracy(model, images, labels) -> float:

@@ -148,7 +148,7 @@ def training(work: Path, images: int, gpu: bool = False, variants: dict[str, lis
     flags per named run (an augmentation policy, fewer decoding CPUs), on the same cluster."""
     data = work / f"data-{images}"
     device = ["--gpu", "--workers", "1", "--precision", "bf16"] if gpu else ["--workers", "2"]
-    from imgtrain import runs
+    from imgtrain.storage import runs
 
     results = {}
     with ray_head(os.cpu_count() if gpu else 4):

@@ -138,7 +138,7 @@ def inspect_row(data: Path, work: Path) -> dict:
 
 def first_step(data: Path, work: Path, name: str) -> float:
     """Seconds from ``train``'s start to the end of its first step, Ray already running."""
-    from imgtrain import runs
+    from imgtrain.storage import runs
 
     start = time.time()
     run_measured(["train", "--data", str(data), "--name", name, "--storage", str(work / "runs"), "--workers", "1",

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SAMPLE_DATA as DATA  # noqa: E402
 from common import ensure_data, environment, fmt, ray_head, summarize, write_result
 
-from imgtrain.runs import read_metrics as records  # noqa: E402
+from imgtrain.storage.runs import read_metrics as records  # noqa: E402
 
 
 def imgtrain(*args: str) -> list[str]:

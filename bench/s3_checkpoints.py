@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SAMPLE_DATA, ensure_data, environment, fmt, summarize, write_result
 
-from imgtrain import runs
+from imgtrain.storage import location, runs
 
 
 def start_s3() -> tuple[object, dict]:
@@ -89,7 +89,7 @@ def main() -> None:
                     name = f"{kind}{i}"
                     subprocess.run([sys.executable, "-m", "imgtrain.cli", "train", "--name", name, "--storage", storage,
                                     *common], check=True, stdout=subprocess.DEVNULL)
-                    figures[f"{kind}_images_per_s"].append(step_rate(runs.run_path(storage, name)))
+                    figures[f"{kind}_images_per_s"].append(step_rate(location.run_path(storage, name)))
                     print(kind, round(figures[f"{kind}_images_per_s"][-1]), "images/s", flush=True)
             checkpoint = runs.load_run(tmp, "local0").latest_checkpoint
             for _ in range(3):

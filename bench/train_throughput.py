@@ -51,7 +51,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
-from imgtrain.runs import read_jsonl, read_metrics  # noqa: E402
+from imgtrain.storage.runs import read_jsonl, read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SAMPLE_DATA, ensure_data, environment, fmt, summarize, write_result
 
-from imgtrain import runs
+from imgtrain.storage import runs
 
 
 def timed(args: list[str]) -> float:

@@ -3,8 +3,8 @@ import os
 import pytest
 import torch
 
-from imgtrain import checkpoint as ckpt
 from imgtrain.models.resnet18 import build_resnet18
+from imgtrain.storage import checkpoint as ckpt
 
 
 def save_one(path):

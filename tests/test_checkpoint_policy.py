@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from imgtrain import checkpoint as ckpt
 from imgtrain.checkpoint_policy import POLICY, RAY_SNAPSHOT_FILE, CheckpointName
 from imgtrain.config import TrainConfig
+from imgtrain.storage import checkpoint as ckpt
 
 
 def test_names_as_they_appear_in_a_run_folder_and_back():

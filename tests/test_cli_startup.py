@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from imgtrain import cluster, runs
+from imgtrain import cluster
 from imgtrain.errors import ImgtrainWarning
-from imgtrain.ops import ownership
+from imgtrain.storage import location, ownership, runs
 from imgtrain.training import tracking
 from tests.conftest import quiet_display, tiny_config
 
@@ -43,8 +43,8 @@ for args, extra in commands:
 def _stored_run(storage, data, name: str) -> None:
     """A run NAME in ``storage`` as the driver leaves it: its marker and its config."""
     cfg = tiny_config(data, storage, name)
-    ownership.claim(runs.run_path(str(storage), name))
-    runs.write_config(runs.run_path(str(storage), name), {**tracking.public_config(cfg), **runs.versions()})
+    ownership.claim(location.run_path(str(storage), name))
+    runs.write_config(location.run_path(str(storage), name), {**tracking.public_config(cfg), **runs.versions()})
 
 
 def test_version_help_and_refusals_import_neither_torch_nor_ray(tmp_path):

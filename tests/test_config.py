@@ -59,7 +59,7 @@ def test_resumable_fields_do_not_count_as_a_different_experiment():
 
 def test_the_versions_a_config_json_records_are_not_settings():
     from imgtrain.config import resolve
-    from imgtrain.runs import versions
+    from imgtrain.storage.runs import versions
 
     now = TrainConfig(name="a", epochs=5)
     by_another_version = {**now.to_dict(), "imgtrain_version": "0.0.1", "torch_version": "2.0.0", "ray_version": None}

@@ -63,7 +63,7 @@ def test_unreadable_and_malformed_files_are_one_clear_error(tmp_path):
 
 
 def test_a_runs_config_json_is_a_config_file(tmp_path):
-    from imgtrain.runs import versions
+    from imgtrain.storage.runs import versions
 
     cfg = TrainConfig(name="a", data="d", lr=0.01, address=None, mlflow=None)
     values, problems = read_config_file(write(tmp_path, json.dumps({**cfg.to_dict(), **versions()}), "config.json"))

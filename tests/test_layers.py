@@ -18,11 +18,11 @@ PACKAGE = ROOT / "src" / "imgtrain"
 # "__init__" is imgtrain/__init__.py itself. A new unit goes in the lowest layer at or above
 # every unit it imports (the test says which unit is missing).
 LAYERS = [
-    ["errors", "console", "ops"],  # utilities: ops/ imports nothing of imgtrain but errors
+    ["errors", "console", "ops"],  # utilities: ops/ (files, processes, an object store's files) imports only errors
     ["settings", "config", "checkpoint_policy"],  # how options are declared; every setting; checkpoints' names and ranks
     ["data"],  # sources, the prepared data set, the streamed epoch, batch augmentation
     ["models"],  # model families by name, held to the data set's bounds
-    ["checkpoint", "storage", "runs", "configfile"],  # the run store: checkpoints, bucket, run files
+    ["storage", "configfile"],  # the run store (a run's folder, lock, files, checkpoints, bucket mirror); --config files
     ["cluster", "finetune", "kuberay"],  # starting or joining Ray; --init-from's weights; KubeRay manifests
     ["training", "inference"],
     ["sweep"],  # a trial is a training run
@@ -60,7 +60,7 @@ def imported(path: Path, package_root: Path = PACKAGE):
             if node.level:  # relative: from the file's package, one level up per extra dot
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            for alias in node.names:  # `from imgtrain import runs` imports the module imgtrain.runs
+            for alias in node.names:  # `from imgtrain.storage import runs` imports the module imgtrain.storage.runs
                 yield (f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}", package_root) else base), node.lineno
         elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
               and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):

@@ -1,8 +1,8 @@
 import json
 
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import runs
 
 
 def test_metrics_log_drops_records_past_a_restart_point(tmp_path):
@@ -89,7 +89,7 @@ def test_json_output_is_alone_on_stdout_whatever_else_prints_meanwhile(tmp_path,
         print("(raylet) WARNING: 8 PYTHON worker processes have been started")
         return []
 
-    monkeypatch.setattr("imgtrain.runs.list_runs", listing_that_chatters)
+    monkeypatch.setattr("imgtrain.storage.runs.list_runs", listing_that_chatters)
     proc = cli_here(capsys, "runs", "list", "--storage", str(tmp_path), "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == []

@@ -20,7 +20,6 @@ import pytest
 from PIL import Image
 
 import imgtrain
-from imgtrain import runs
 from imgtrain.commands.clean import plan_dataset, plan_runs, remove
 from imgtrain.config import TrainConfig, validate
 from imgtrain.data import format as parquet
@@ -32,8 +31,8 @@ from imgtrain.data.prepare import prepare
 from imgtrain.data.sources.mnist import load_mnist_idx
 from imgtrain.data.writer import write_dataset
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import ownership
 from imgtrain.ops.files import atomic_write_text
+from imgtrain.storage import ownership, runs
 from imgtrain.training import tracking
 from tests.conftest import assert_one_line_error, cli_here, copy_run, quiet_display
 from tests.conftest_data_helpers import (
@@ -221,7 +220,7 @@ def test_a_run_in_use_cannot_be_trained_or_deleted_by_another_process(local_run,
     copy_run(local_run, tmp_path)
     run_dir = tmp_path / local_run.name
     holder = subprocess.Popen(  # another process holds the run's lock, as a training driver does
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from imgtrain.ops import ownership\n"
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from imgtrain.storage import ownership\n"
          f"with ownership.locked(Path({str(run_dir)!r}), 'trained'):\n print('held', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -398,7 +397,7 @@ def test_logs_without_a_run_go_to_a_folder_of_this_users_own(tmp_path, monkeypat
 
 
 def test_a_checkpoint_claiming_a_huge_model_is_refused_before_building_it(tmp_path):
-    from imgtrain import checkpoint as ckpt
+    from imgtrain.storage import checkpoint as ckpt
     from imgtrain.inference.predictor import load_checkpoint
 
     args = {"architecture": "resnet18", "in_channels": 1, "num_classes": 10**9}  # a 2-TB output layer

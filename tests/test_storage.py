@@ -1,4 +1,4 @@
-"""The object-store working copy (the ``storage`` package) against a real S3 server (moto), no Ray."""
+"""The object-store working copy (``storage.mirror``, ``storage.lease``) against a real S3 server (moto), no Ray."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import time
 import pyarrow.fs as pafs
 import pytest
 
-from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY, RAY_SNAPSHOT_FILE
+from imgtrain.data import staging
 from imgtrain.data.format import verify_dataset
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import ownership, remote
-from imgtrain.storage import lease, mirror, staging
+from imgtrain.ops import remote
+from imgtrain.storage import lease, location, mirror, ownership, runs
 from tests.conftest import wait_for
 
 
@@ -26,7 +26,7 @@ def s3(s3_server, monkeypatch, tmp_path):
     for key, value in s3_server.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("IMGTRAIN_CACHE", str(tmp_path / "cache"))
-    return remote.store(f"s3://imgtrain/unit-{time.monotonic_ns()}")
+    return location.store(f"s3://imgtrain/unit-{time.monotonic_ns()}")
 
 
 def write(path, text: str) -> None:
@@ -150,10 +150,10 @@ def test_a_manifest_cannot_reach_outside_its_folder(s3):
 def test_storage_uris_and_their_errors(s3, monkeypatch):
     assert remote.is_remote("s3://b/p") and not remote.is_remote("./runs") and not remote.is_remote("file:///x")
     with pytest.raises(ImgtrainError, match="name a bucket"):
-        remote.store("s3://")
+        location.store("s3://")
     monkeypatch.setenv("IMGTRAIN_S3_ENDPOINT", "http://127.0.0.1:1")  # nothing listens there
     with pytest.raises(ImgtrainError, match="IMGTRAIN_S3_ENDPOINT"):
-        remote.probe(remote.store("s3://imgtrain/x"))
+        remote.probe(location.store("s3://imgtrain/x"))
     assert "testing" not in repr(remote.s3_filesystem().__reduce__())  # no credentials inside: pickled to workers
 
 
@@ -177,7 +177,7 @@ def test_a_pull_leaves_a_run_trained_on_this_machine_as_its_driver_has_it(s3):
     run = trained_here(s3)
     with ownership.locked(run, "trained"):
         assert mirror.pull(s3, "r") == run
-        assert runs.fetch(s3.uri, "r") == run and [r.name for r in runs.list_runs(s3.uri)] == ["r"]
+        assert location.fetch(s3.uri, "r") == run and [r.name for r in runs.list_runs(s3.uri)] == ["r"]
         assert (run / "metrics.jsonl").read_text().count("epoch") == 2  # not the store's older copy
         assert (run / POLICY.epoch_name(1) / "model.pt").is_file()  # not dropped as "deleted in the store"
 
@@ -389,8 +389,8 @@ def test_a_data_set_file_damaged_on_this_node_is_fetched_again_and_a_checked_one
 
 
 def test_store_paths_come_from_pyarrow_and_an_s3_uri_is_a_bucket_and_prefix_only(s3):
-    assert remote.store("abfs://container@acct.dfs.core.windows.net/runs").root == "container/runs"
+    assert location.store("abfs://container@acct.dfs.core.windows.net/runs").root == "container/runs"
     for uri in ("s3://imgtrain/runs?region=eu-west-1", "s3://key:secret@imgtrain/runs"):
         with pytest.raises(ImgtrainError, match=r"s3://bucket/prefix, nothing more") as e:
-            remote.store(uri)
+            location.store(uri)
         assert "\n" not in str(e.value)

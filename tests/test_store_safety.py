@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY, PREFIX
+from imgtrain.data import staging
 from imgtrain.errors import ImgtrainError, ImgtrainWarning
-from imgtrain.ops import ownership, process, remote
-from imgtrain.storage import lease, mirror, staging
+from imgtrain.ops import process, remote
+from imgtrain.storage import lease, location, mirror, ownership, runs
 from tests.conftest import quiet_display, tiny_config
 from tests.store_proxy import FlakyStore
 
@@ -80,7 +80,7 @@ def test_checkpoints_made_while_the_store_was_unreachable_are_kept_and_uploaded_
         with pytest.raises(ImgtrainError, match=f"storage {env}"):  # its last upload failed: said, not hidden
             driver.train(cfg, display=quiet_display())
         assert proxy.was_cut.is_set()
-        copy = remote.store(env).local / "outage"
+        copy = location.store(env).local / "outage"
         made = [n for n in checkpoint_names(copy) if n != POLICY.epoch_name(0)]  # never uploaded
         assert made == [POLICY.epoch_name(1)], made
         in_bucket = {k.split("/")[2] for k in keys(s3_server, env) if f"/{PREFIX}" in k}
@@ -104,7 +104,7 @@ def test_checkpoints_made_while_the_store_was_unreachable_are_kept_and_uploaded_
 
 
 def test_a_pull_drops_only_checkpoints_that_were_in_the_store(env, s3_server):
-    st = remote.store(env)
+    st = location.store(env)
     run = st.local / "r"
     (run / ownership.MARKER_FILE).parent.mkdir(parents=True)
     (run / ownership.MARKER_FILE).write_text("{}")
@@ -125,7 +125,7 @@ def test_a_pull_drops_only_checkpoints_that_were_in_the_store(env, s3_server):
 
 
 def test_a_run_emptied_from_the_store_by_another_client_keeps_the_records_never_sent(env, s3_server):
-    st = remote.store(env)
+    st = location.store(env)
     run = st.local / "r"
     run.mkdir(parents=True)
     (run / ownership.MARKER_FILE).write_text("{}")
@@ -139,13 +139,13 @@ def test_a_run_emptied_from_the_store_by_another_client_keeps_the_records_never_
     for key in keys(s3_server, f"{env}/r/"):  # another client empties the run's prefix
         s3.delete_object(Bucket="imgtrain", Key=key)
 
-    runs.fetch(env, "r")  # `imgtrain runs show r` (as `runs list`, `evaluate`, ...) first pulls it
+    location.fetch(env, "r")  # `imgtrain runs show r` (as `runs list`, `evaluate`, ...) first pulls it
     assert (run / runs.METRICS_FILE).read_text() == '{"epoch": 0}\n{"epoch": 1}\n'  # the unsent record
     assert f"{prefix}/r/{runs.METRICS_FILE}" in keys(s3_server, env)  # ... and sent back, as a reader does
 
     for key in keys(s3_server, f"{env}/r/"):  # emptied again: now everything here was in the store as it is
         s3.delete_object(Bucket="imgtrain", Key=key)
-    runs.fetch(env, "r")
+    location.fetch(env, "r")
     assert not run.exists()  # a run deleted elsewhere goes from this machine too
 
 
@@ -167,7 +167,7 @@ def test_a_key_with_dot_dot_never_becomes_a_file_outside_the_working_copy(env, s
     assert [r.name for r in listed] == ["r"]
     with pytest.warns(ImgtrainWarning, match="will not copy here"):
         runs.load_run(env, "r")  # `runs show`, `evaluate`, `report`, `serve`, a resume
-    run = remote.store(env).local / "r"
+    run = location.store(env).local / "r"
     assert files_under(cache) - {f"stores/s3/imgtrain/{prefix}/r/{f}" for f in files_under(run)} \
         <= {f"stores/s3/imgtrain/{prefix}/.r.pull-lock"}
     assert not any("planted" in f for f in files_under(tmp_path))
@@ -193,7 +193,7 @@ def test_a_location_with_dot_dot_is_refused_before_anything_is_written(env, tmp_
     with pytest.raises(ImgtrainError, match="plain names"):
         staging.stage_dataset(uri)  # --data
     with pytest.raises(ImgtrainError, match="plain names"):
-        remote.store(uri)  # --storage
+        location.store(uri)  # --storage
     assert not cache.exists() or files_under(cache) == set()
     assert not (tmp_path.parent / "DIR").exists()
 
@@ -209,8 +209,8 @@ def test_a_run_name_that_leaves_the_storage_touches_nothing(env, tmp_path, tiny_
     victim.mkdir()
     (victim / "precious.txt").write_text("keep me")
     (tmp_path / "cache").mkdir()
-    for read in (lambda: runs.load_run(env, name), lambda: runs.fetch(env, name),
-                 lambda: mirror.pull(remote.store(env), name),
+    for read in (lambda: runs.load_run(env, name), lambda: location.fetch(env, name),
+                 lambda: mirror.pull(location.store(env), name),
                  lambda: train(tiny_config(tiny_data, env, name, backend="local"), display=quiet_display())):
         with pytest.raises(ImgtrainError, match="plain name|not a run name"):
             read()
@@ -221,7 +221,7 @@ def test_a_run_name_that_leaves_the_storage_touches_nothing(env, tmp_path, tiny_
 
 
 def test_two_drivers_starting_one_run_at_the_same_moment_one_trains_one_is_refused(env, monkeypatch):
-    st = remote.store(env)
+    st = location.store(env)
     both_read = threading.Barrier(2, timeout=30)
     real_read, first_reads = lease.read_beat, set()
 
@@ -262,7 +262,7 @@ def test_two_drivers_starting_one_run_at_the_same_moment_one_trains_one_is_refus
 
 
 def test_a_held_lease_refuses_a_later_driver_and_a_released_one_does_not(env):
-    st = remote.store(env)
+    st = location.store(env)
     with lease.leased(st, "r"):
         with pytest.raises(ImgtrainError, match="being trained right now by process"):
             with lease.leased(st, "r"):
@@ -286,7 +286,7 @@ def put_beat(st: remote.Store, record: dict) -> None:
 
 
 def test_a_heartbeat_dated_in_the_future_or_of_no_driver_on_this_host_holds_no_lease(env, monkeypatch):
-    st = remote.store(env)
+    st = location.store(env)
     monkeypatch.setattr(lease, "LEASE_SETTLE_S", 0.1)  # one driver at a time here
     put_beat(st, {"host": "another-machine", "pid": 4242, "time": time.time() + 3600, "token": "t"})
     told = r"names process 4242 on another-machine at a time 3600 s after this machine's clock.*not honoured as a lease"

@@ -136,9 +136,8 @@ def test_a_stopped_trials_epochs_come_back_from_its_latest_whole_checkpoint(tmp_
     # result before rank 0's epoch record reaches the trial's metrics.jsonl (seen in CI).
     from types import SimpleNamespace
 
-    from imgtrain import checkpoint as ckpt
-    from imgtrain import runs
-    from imgtrain.ops import ownership
+    from imgtrain.storage import checkpoint as ckpt
+    from imgtrain.storage import ownership, runs
     from imgtrain.sweep import state as st
     from imgtrain.sweep.driver import _mark_stopped
 

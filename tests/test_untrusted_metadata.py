@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from imgtrain import checkpoint as ckpt
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.commands import doctor
 from imgtrain.data import format as fmt
@@ -27,6 +26,7 @@ from imgtrain.data.options import PrepareOptions
 from imgtrain.data.prepare import prepare
 from imgtrain.errors import ImgtrainError
 from imgtrain.models import zoo
+from imgtrain.storage import checkpoint as ckpt
 from tests.conftest_data_helpers import save_image
 
 QUICK_S = 0.5  # "well under a second": the refusals read one small file and compare numbers

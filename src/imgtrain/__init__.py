@@ -28,7 +28,8 @@ _LAZY = {
     "EvalResult": "imgtrain.inference.batch", "InferenceOptions": "imgtrain.inference.options",
     "evaluate": "imgtrain.inference.batch", "predict": "imgtrain.inference.batch",
     "Predictor": "imgtrain.inference.predictor", "load_model": "imgtrain.inference.predictor",
-    "RunResult": "imgtrain.runs", "list_runs": "imgtrain.runs", "load_run": "imgtrain.runs",
+    "RunResult": "imgtrain.storage.runs", "list_runs": "imgtrain.storage.runs",
+    "load_run": "imgtrain.storage.runs",
     "inspect_dataset": "imgtrain.data.inspection", "write_report": "imgtrain.inference.report",
 }
 

@@ -1,7 +1,7 @@
 """The checkpoint policy: what a run's checkpoints are called, which one is best and which are
 kept. One object drives both retentions, the local backend's (``checkpoint.retain``) and Ray
 Train's (``ray_config``: its ``CheckpointConfig``), so they cannot disagree; a new checkpoint
-rule is a change here. Pure rules: checkpoint.py reads and deletes the folders.
+rule is a change here. Pure rules: storage/checkpoint.py reads and deletes the folders.
 
 Names: ``checkpoint_epoch_0003`` at the end of epoch 3; ``checkpoint_epoch_0003_step_0000120``
 inside it, after global step 120; ``checkpoint_epoch_0011_average`` the average of the last

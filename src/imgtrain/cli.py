@@ -236,7 +236,7 @@ def data_inspect(
     modes, samples per class, skipped files, and exact and near duplicates, across splits first.
     Writes a self-contained HTML page."""
     from imgtrain.data.inspection import inspect_dataset
-    from imgtrain.storage import staging
+    from imgtrain.data import staging
 
     with _json_alone_on_stdout(json_out), _progress_bar("inspect") as progress:
         result = inspect_dataset(staging.local_data(data), **values(options), progress=progress)
@@ -273,9 +273,9 @@ def train_cmd(
     import signal
 
     import imgtrain
-    from imgtrain import runs
     from imgtrain.configfile import read_config_file
-    from imgtrain.ops import ownership, process
+    from imgtrain.ops import process
+    from imgtrain.storage import location, ownership, runs
     from imgtrain.training.progress import TrainingDisplay
 
     overrides = dict(given)
@@ -285,7 +285,7 @@ def train_cmd(
     requested = {**from_file, **overrides}
     # A resumed run keeps its stored settings; an overwritten one starts from the defaults.
     run_name, run_storage = requested.get("name"), requested.get("storage", TrainConfig.storage)
-    run_dir = runs.fetch(run_storage, run_name, checkpoints=False) if run_name else None  # its config
+    run_dir = location.fetch(run_storage, run_name, checkpoints=False) if run_name else None  # its config
     stored = runs.read_config(run_dir) if run_dir and not overwrite and ownership.is_run(run_dir) else None
     cfg = resolve(requested, stored)
     if problems:  # the file's problems and the resolved config's, in one message
@@ -315,9 +315,9 @@ def _train_interrupted(cfg, signum: int) -> None:
     the line is then written where stderr still goes, or nowhere."""
     import shlex
 
-    from imgtrain import runs
+    from imgtrain.storage import location, runs
 
-    if runs.read_config(runs.run_path(cfg.storage, cfg.name)) is not None:  # written as training starts
+    if runs.read_config(location.run_path(cfg.storage, cfg.name)) is not None:  # written as training starts
         where = "" if cfg.storage == TrainConfig.storage else f" --storage {shlex.quote(cfg.storage)}"
         line = f"interrupted: resume with imgtrain train --name {shlex.quote(cfg.name)}{where}"
     else:
@@ -331,7 +331,7 @@ def _train_interrupted(cfg, signum: int) -> None:
 @_declared
 def runs_list(storage: str = storage_option(), json_out: bool = JSON_OUT):
     """List the runs in STORAGE."""
-    from imgtrain.runs import list_runs
+    from imgtrain.storage.runs import list_runs
 
     with _json_alone_on_stdout(json_out):
         found = list_runs(storage)
@@ -356,7 +356,7 @@ def runs_list(storage: str = storage_option(), json_out: bool = JSON_OUT):
 @_declared
 def runs_show(name: str, storage: str = storage_option(), json_out: bool = JSON_OUT):
     """Show one run: status, per-epoch metrics, checkpoints."""
-    from imgtrain.runs import is_number, load_run
+    from imgtrain.storage.runs import is_number, load_run
     from imgtrain.training.progress import epoch_line
 
     with _json_alone_on_stdout(json_out):
@@ -388,7 +388,7 @@ def runs_show(name: str, storage: str = storage_option(), json_out: bool = JSON_
 
 def _finished_line(r) -> str:
     """train's last figure, named: the best checkpoint's epoch and accuracy, on the split it was chosen on."""
-    from imgtrain import runs
+    from imgtrain.storage import runs
 
     best = r.best_record
     if not best or not runs.is_number(best.get("val_accuracy")) or not isinstance(best.get("epoch"), int):
@@ -514,7 +514,7 @@ def config_show(
 ):
     """Every training setting with its default (or a run's value) and a one-line description."""
     from imgtrain.configfile import as_toml, describe_fields
-    from imgtrain.runs import load_run
+    from imgtrain.storage.runs import load_run
 
     values = load_run(storage, run).config if run else None
     if toml:

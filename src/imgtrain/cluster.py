@@ -351,10 +351,11 @@ def _probe_store(storage: str, read_files: list[str]) -> list[str]:
     import os
 
     from imgtrain.ops import remote
+    from imgtrain.storage import location
 
     problems = [f"cannot read {path}" for path in read_files if not os.path.isfile(path)]
     try:
-        remote.probe(remote.store(storage))
+        remote.probe(location.store(storage))
     except ImgtrainError as e:
         problems.append(str(e))
     return problems

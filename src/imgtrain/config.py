@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from imgtrain.checkpoint_policy import DEFAULT_METRIC, SELECTION_METRICS
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import ownership
+from imgtrain.ops.files import name_problem
 from imgtrain.settings import RUNS, Setting, setting, settings_of
 
 BACKENDS = ("ray", "local")
@@ -343,7 +343,7 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
     issues = list(problems)
     if not cfg.name:
         issues.append("--name is required (the run is stored under {storage}/{name})")
-    elif problem := ownership.name_problem(cfg.name):
+    elif problem := name_problem(cfg.name):
         issues.append(f"--name {cfg.name[:80]!r} {problem}")
     for s in settings():
         value = getattr(cfg, s.name)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from imgtrain.config import Setting, TrainConfig, parse_workers, settings
 from imgtrain.errors import ImgtrainError
-from imgtrain.runs import VERSION_KEYS
+from imgtrain.storage.runs import VERSION_KEYS
 
 ENV_VAR = "IMGTRAIN_CONFIG"  # a config file every train of this process takes its unset settings from
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}

@@ -41,11 +41,11 @@ class Adapted:
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Tensors by name from a state-dict file (.pt/.pth with weights_only, .safetensors), an
     imgtrain checkpoint folder or run folder (its model.pt)."""
-    from imgtrain import checkpoint as ckpt
+    from imgtrain.storage import checkpoint as ckpt
 
     p = Path(path).expanduser()
     if p.is_dir():  # a checkpoint (its checksums verified) or a run (its best checkpoint)
-        from imgtrain.runs import resolve_checkpoint
+        from imgtrain.storage.runs import resolve_checkpoint
 
         p = resolve_checkpoint(str(p), "best", str(p.parent)) / ckpt.MODEL_FILE
     if not p.is_file():

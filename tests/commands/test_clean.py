@@ -8,11 +8,10 @@ import sys
 
 import pytest
 
-from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.commands.clean import plan_dataset, plan_runs, remove
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import ownership
+from imgtrain.storage import ownership, runs
 from tests.conftest import cli_here
 
 

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import runs
 from tests.conftest import cli_here, run_cli
 
 pytestmark = pytest.mark.integration  # trains runs with and without a validation split

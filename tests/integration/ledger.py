@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from imgtrain import runs
+from imgtrain.storage import runs
 
 
 def ledger_lines(run_dir: Path) -> list[dict]:

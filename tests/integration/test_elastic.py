@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from imgtrain import runs
+from imgtrain.storage import runs
 from imgtrain.training.ray_backend import START_TIMEOUT_ENV
 from imgtrain.training.watchdog import read_workers
 from tests.conftest import wait_for

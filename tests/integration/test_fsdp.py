@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import imgtrain
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.batch import InferenceOptions, evaluate
 from imgtrain.models.zoo import build_from_args
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import runs
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.progress import TrainingDisplay
 from tests.conftest import assert_one_line_error, cli_here, quiet_display

@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 
 import imgtrain
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import runs
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.progress import TrainingDisplay
 from tests.conftest import cli_here

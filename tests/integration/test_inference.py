@@ -12,11 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-from imgtrain import checkpoint as ckpt
 from imgtrain.data.format import read_split
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.batch import InferenceOptions, evaluate, predict
 from imgtrain.inference.predictor import Predictor, load_model
+from imgtrain.storage import checkpoint as ckpt
 from tests.conftest import assert_one_line_error, cli_here, run_cli
 
 pytestmark = pytest.mark.integration

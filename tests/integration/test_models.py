@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import imgtrain
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig
 from imgtrain.data.format import read_split
 from imgtrain.inference.batch import InferenceOptions, evaluate
 from imgtrain.inference.predictor import Predictor, load_model
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import runs
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.faults import InjectedFault
 from tests.conftest import assert_one_line_error, cli_here, quiet_display, run_cli

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY
+from imgtrain.storage import runs
 from imgtrain.training.watchdog import read_workers
 
 pytestmark = pytest.mark.integration

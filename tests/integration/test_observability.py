@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from imgtrain import runs
+from imgtrain.storage import runs
 from imgtrain.training.tracking.mlflow_tracker import MLFLOW_RUN_FILE
 from imgtrain.training.tracking.tensorboard_tracker import TENSORBOARD_DIR
 from tests.conftest import cli_here, wait_for

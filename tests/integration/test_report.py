@@ -19,9 +19,9 @@ import pytest
 from PIL import Image
 
 import imgtrain
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.inference import report
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import runs
 from tests.browser import chromium
 from tests.conftest import cli_here, copy_run, quiet_display
 from tests.conftest import tiny_config as shared_tiny_config

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 import imgtrain
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig, rank_share
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import runs
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.watchdog import read_workers
 from tests.conftest import quiet_display, wait_for

@@ -17,11 +17,10 @@ import time
 import pytest
 
 import imgtrain
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.commands.clean import plan_runs, remove
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import remote
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import location, runs
 from tests.conftest import quiet_display, tiny_config, wait_for
 
 pytestmark = pytest.mark.integration
@@ -46,7 +45,7 @@ def test_starting_a_live_run_again_is_refused_and_the_live_run_keeps_every_check
     settings = dict(backend="local", workers=1, epochs=1, batch_size=32, limit_train_batches=STEPS,
                     checkpoint_every_steps=1, num_to_keep=100, model="mobilenet_v3_small", log_every_steps=1)
     cfg = tiny_config(tiny_data, tmp_path, "twice", **settings)
-    staging = remote.checkpoint_staging(runs.location(str(tmp_path), "twice"), 0)
+    staging = location.checkpoint_staging(location.location(str(tmp_path), "twice"), 0)
     live = subprocess.Popen(
         [sys.executable, "-m", "imgtrain.cli", "train", "--data", str(tiny_data), "--storage", str(tmp_path),
          "--name", "twice", "--backend", "local", "--workers", "1", "--epochs", "1", "--batch-size", "32",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from imgtrain import runs
+from imgtrain.storage import runs
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.watchdog import WORKERS_FILE
 from tests.conftest import run_cli, wait_for

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import imgtrain
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.config import TrainConfig
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import location, runs
 from tests.conftest import quiet_display
 
 pytestmark = pytest.mark.integration
@@ -55,7 +55,7 @@ def test_bf16_autocast_changes_the_arithmetic_not_the_result_or_the_saved_weight
     assert ours[0] != reference[0]  # bfloat16 arithmetic really ran
     assert ours[0] == pytest.approx(reference[0], rel=0.02)
     assert ours[-1] < ours[0]  # and it still trains
-    weights = ckpt.load_model_state(runs.run_path(str(tmp_path), "bf16") / epoch["checkpoint"], "cpu")
+    weights = ckpt.load_model_state(location.run_path(str(tmp_path), "bf16") / epoch["checkpoint"], "cpu")
     assert all(t.dtype == torch.float32 for t in weights.values() if t.is_floating_point())
 
 
@@ -77,5 +77,5 @@ def test_compile_with_bf16_trains_and_saves_float32_weights(tiny_data, tmp_path,
     ours, reference = [s["loss"] for s in steps], [s["loss"] for s in fp32[0]]
     assert ours[0] == pytest.approx(reference[0], rel=0.02)  # as eager bfloat16's (above)
     assert all(math.isfinite(loss) for loss in ours) and ours[-1] < ours[0]
-    weights = ckpt.load_model_state(runs.run_path(str(tmp_path), "compiled-bf16") / epoch["checkpoint"], "cpu")
+    weights = ckpt.load_model_state(location.run_path(str(tmp_path), "compiled-bf16") / epoch["checkpoint"], "cpu")
     assert all(t.dtype == torch.float32 for t in weights.values() if t.is_floating_point())

@@ -17,11 +17,11 @@ from PIL import Image
 from rich.console import Console
 
 import imgtrain
-from imgtrain import runs
 from imgtrain.config import TrainConfig, rank_share
 from imgtrain.data.options import PrepareOptions
 from imgtrain.data.prepare import prepare
 from imgtrain.errors import ImgtrainError
+from imgtrain.storage import runs
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.faults import InjectedFault
 from imgtrain.training.progress import TrainingDisplay

@@ -19,11 +19,11 @@ import torch.nn as nn
 from torchvision.models import resnet18
 
 import imgtrain
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY, PREFIX, RAY_SNAPSHOT_PARKED
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import runs
 from tests.conftest import cli_here, copy_run, quiet_display, run_cli, tiny_config, wait_for
 
 pytestmark = pytest.mark.integration
@@ -257,7 +257,7 @@ def test_resume_skips_a_damaged_checkpoint_for_the_previous_good_one(two_checkpo
 
 
 def test_loading_best_or_latest_skips_a_damaged_checkpoint(two_checkpoints, tmp_path, capsys):
-    from imgtrain.runs import resolve_checkpoint
+    from imgtrain.storage.runs import resolve_checkpoint
 
     storage = copy_run(two_checkpoints, tmp_path)
     damage(storage / "dmg" / POLICY.epoch_name(1))

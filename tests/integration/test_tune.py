@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from imgtrain import runs
+from imgtrain.storage import runs
 from tests.conftest import assert_one_line_error, cli_here, run_cli, wait_for
 
 pytestmark = pytest.mark.integration

@@ -10,9 +10,9 @@ import torch
 from sklearn.utils.class_weight import compute_class_weight
 
 import imgtrain
-from imgtrain import checkpoint as ckpt
 from imgtrain.config import TrainConfig
 from imgtrain.data.order import epoch_order, epoch_permutation
+from imgtrain.storage import checkpoint as ckpt
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.faults import InjectedFault
 from imgtrain.models import registry

@@ -239,7 +239,7 @@ def test_an_fp16_run_resumed_from_a_step_checkpoint_ends_as_the_uninterrupted_on
     initial scale, so a resume that started the scaler afresh would skip steps the
     uninterrupted run took. With every other option of this module on, exact resume holds too."""
     import imgtrain
-    from imgtrain import checkpoint as ckpt
+    from imgtrain.storage import checkpoint as ckpt
     from imgtrain.training.faults import ENV_VAR
 
     def train(name):

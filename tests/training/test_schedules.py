@@ -11,11 +11,12 @@ import torch
 import torch.nn as nn
 
 import imgtrain
-from imgtrain import checkpoint as ckpt
-from imgtrain import config, runs
+from imgtrain import config
 from imgtrain.config import TrainConfig, validate
 from imgtrain.errors import ImgtrainError
 from imgtrain.models import zoo
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import runs
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.faults import InjectedFault
 from imgtrain.training.recipe import freeze, optimizer_for, parameter_groups, schedule_for

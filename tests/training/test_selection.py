@@ -16,10 +16,10 @@ import torch
 from sklearn.metrics import f1_score
 
 import imgtrain
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.errors import ImgtrainError
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import runs
 from imgtrain.training.backend import Backend, single_process_collectives
 from imgtrain.training.evaluation import evaluate, f1_macro
 from imgtrain.training.faults import ENV_VAR

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from imgtrain import checkpoint as ckpt
 from imgtrain.checkpoint_policy import POLICY
+from imgtrain.storage import checkpoint as ckpt
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.integration  # trains with two ranks, each a process

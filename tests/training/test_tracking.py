@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig, validate
 from imgtrain.errors import ImgtrainError
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import runs
 from imgtrain.training.tracking import metrics_of, open_trackers, public_config, require, scrub
 from imgtrain.training.tracking.mlflow_tracker import MLFLOW_RUN_FILE, MLflowTracker
 from imgtrain.training.tracking.tensorboard_tracker import TensorBoardTracker

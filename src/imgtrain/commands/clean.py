@@ -2,7 +2,7 @@
 
 Only what imgtrain made is ever deleted:
   * a run: a real directory (not a link) directly inside the storage root that imgtrain
-    marked as a run (``ownership.py``); never one that a live process is training: the run's
+    marked as a run (``storage/ownership.py``); never one that a live process is training: the run's
     lock is taken and its status read again just before deleting. A status left "running" by
     a driver on another host that is gone can be overridden with ``--force``.
   * a data set: its ``manifest.json``, the Parquet files the manifest lists and its
@@ -22,10 +22,9 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imgtrain import runs
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import ownership, remote
-from imgtrain.storage import mirror
+from imgtrain.ops import remote
+from imgtrain.storage import location, mirror, ownership, runs
 
 
 @dataclass
@@ -42,7 +41,7 @@ class Removal:
 
     def describe(self) -> str:
         kept = f"; keeps {len(self.kept)} file(s) imgtrain did not write" if self.kept else ""
-        where = remote.store(self.store).run_uri(self.path.name) if self.store else self.path
+        where = location.store(self.store).run_uri(self.path.name) if self.store else self.path
         return f"{self.kind} {where} ({self.size / 2**20:,.1f} MiB){kept}"
 
 
@@ -51,8 +50,8 @@ def plan_runs(storage: str, names: list[str], everything: bool = False, force: b
     ``force``: also runs whose status says another host's driver is training them."""
     for name in names:  # before anything is read or deleted
         ownership.check_name(name)
-    root = runs.storage_root(storage)
-    store = remote.store(storage) if remote.is_remote(storage) else None
+    root = location.storage_root(storage)
+    store = location.store(storage) if remote.is_remote(storage) else None
     if store:  # the working copy of every run's small files, to be judged as local runs are
         runs.list_runs(storage)
     if everything:
@@ -108,7 +107,7 @@ def remove(removal: Removal) -> None:
     if removal.kind == "run":
         if not _is_run(removal.path):  # checked again: it may have changed since the plan
             raise ImgtrainError(f"{removal.path} is no longer an imgtrain run; not deleting it")
-        store = remote.store(removal.store) if removal.store else None
+        store = location.store(removal.store) if removal.store else None
         # a run in an object store: locked in its turn, as a driver locks it (mirror.turn)
         with mirror.turn(store, removal.path.name) if store else contextlib.nullcontext(), \
                 ownership.locked(removal.path, "deleted"):  # a driver that started since: refused

@@ -18,7 +18,7 @@ from pathlib import Path
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops import process
 from imgtrain.ops.files import write_problem
-from imgtrain.runs import package_version
+from imgtrain.storage.runs import package_version
 
 OK, INFO, FAIL = "ok", "info", "FAIL"
 LOW_DISK_BYTES = 2 << 30  # a ResNet-18 checkpoint with its optimizer state is about 170 MB
@@ -53,7 +53,7 @@ class Diagnosis:
 def diagnose(storage: str, address: str | None, data: str | None) -> Diagnosis:
     """The checks of ``imgtrain doctor`` (its options: ``cli.doctor_cmd``)."""
     from imgtrain.ops.remote import is_remote
-    from imgtrain.runs import storage_root
+    from imgtrain.storage.location import storage_root
 
     checks = [_versions(), _extras(), _cuda()]
     if is_remote(storage):
@@ -81,9 +81,10 @@ def diagnose(storage: str, address: str | None, data: str | None) -> Diagnosis:
 def _object_store(storage: str, address: str | None, data: str | None) -> list[Check]:
     """--storage s3://...: reachable and writable from here, and from every node of the cluster."""
     from imgtrain.ops import remote
+    from imgtrain.storage import location
 
     try:
-        st = remote.store(storage)
+        st = location.store(storage)
         remote.probe(st)
     except ImgtrainError as e:
         return [Check(FAIL, "storage", str(e))]
@@ -166,7 +167,7 @@ def _storage(root: Path) -> Check:
 def _data(data: str) -> Check:
     from imgtrain.data.format import describe, verify_dataset
     from imgtrain.ops.remote import is_remote
-    from imgtrain.storage.staging import local_data
+    from imgtrain.data.staging import local_data
 
     try:  # a data set in an object store is copied to this machine's cache, as training does
         manifest = verify_dataset(local_data(data), check_hashes=False)

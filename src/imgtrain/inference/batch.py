@@ -185,7 +185,7 @@ def evaluate(
     of a checkpoint on a prepared split (``metrics.py`` defines them)."""
     from imgtrain.data.format import eval_split, verify_dataset
     from imgtrain.inference.inputs import list_inputs
-    from imgtrain.storage.staging import local_data
+    from imgtrain.data.staging import local_data
 
     opts = options or InferenceOptions()
     # an ONNX Runtime session takes its threads when it is made: the local backend's, here

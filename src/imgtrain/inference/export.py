@@ -158,7 +158,7 @@ def export(run, fmt: str, out, checkpoint: str = ExportOptions.checkpoint, stora
 def _test_data(loaded: LoadedCheckpoint, data: str | None, split: str) -> tuple[Path, dict]:
     from imgtrain.data.format import verify_dataset
     from imgtrain.inference.batch import check_compatible
-    from imgtrain.storage.staging import local_data
+    from imgtrain.data.staging import local_data
 
     data_dir = data or (loaded.meta.get("config") or {}).get("data")
     if not data_dir:

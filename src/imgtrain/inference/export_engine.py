@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from imgtrain.checkpoint import MAX_META_BYTES
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.export_files import inside, read_at_most
 from imgtrain.inference.export_formats import ENGINES, ExportFormat
 from imgtrain.inference.export_record import EXPORT_META, is_export
 from imgtrain.inference.preprocess import LoadedCheckpoint, preprocess_of
 from imgtrain.ops.files import sha256_file
+from imgtrain.storage.checkpoint import MAX_META_BYTES
 
 
 def check_engine(engine: str, target) -> None:

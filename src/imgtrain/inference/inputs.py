@@ -54,7 +54,7 @@ class Inputs:
 
 def list_inputs(spec: str, split: str = "test", image_column: str = "image") -> Inputs:
     from imgtrain.ops.remote import is_remote
-    from imgtrain.storage.staging import local_data
+    from imgtrain.data.staging import local_data
 
     if is_remote(spec):  # a prepared data set in an object store: copied to this machine first
         spec = local_data(spec)

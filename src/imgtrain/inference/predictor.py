@@ -18,13 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.data.format import short_repr
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.inference.options import DEFAULT_TOP_K, TTA
 from imgtrain.inference.preprocess import LoadedCheckpoint, preprocess_of, preset_of
 from imgtrain.ops import process
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import runs
 
 
 # ---------------------------------------------------------------- loading a checkpoint

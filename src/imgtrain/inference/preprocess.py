@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from imgtrain import checkpoint as ckpt
 from imgtrain.data.format import PRESETS, default_preset, short_repr
 from imgtrain.data.limits import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.export_record import EXPORT_META
+from imgtrain.storage import checkpoint as ckpt
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.options import ReportOptions
 from imgtrain.ops import remote
 from imgtrain.ops.files import atomic_write_text
-from imgtrain.storage import mirror
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import location, mirror, runs
 
 REPORT_DIR = "report"
 PAGE_FILE = "report.html"
@@ -92,10 +91,10 @@ def write_report(run, checkpoint: str = ReportOptions.checkpoint, storage: str =
     out.mkdir(parents=True, exist_ok=True)
     used = Path(ev.checkpoint)
     used_meta = ckpt.read_meta(used)
-    in_store = remote.is_remote(storage) and run_dir.parent == runs.storage_root(storage)
+    in_store = remote.is_remote(storage) and run_dir.parent == location.storage_root(storage)
     # The run as its user names it (the s3:// URI of a run in an object store), not its working
     # copy in this machine's cache: that path holds this user's name, and the page is uploaded.
-    where = runs.location(storage, run_dir.name) if in_store else str(result.path)
+    where = location.location(storage, run_dir.name) if in_store else str(result.path)
     png = {plot_id: out / file for plot_id, file, _ in PLOTS}
     _learning_curves(result.history, used_meta.get("epoch"), png["learning-curves"])
     first = preds.iloc[:n]
@@ -110,7 +109,7 @@ def write_report(run, checkpoint: str = ReportOptions.checkpoint, storage: str =
     page = out / PAGE_FILE
     atomic_write_text(page, _page(result, ev, used, used_meta, out, num_wrong=len(wrong), where=where))
     if in_store:
-        mirror.push(remote.store(storage), run_dir.name, under=REPORT_DIR)
+        mirror.push(location.store(storage), run_dir.name, under=REPORT_DIR)
     return page
 
 

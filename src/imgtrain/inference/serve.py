@@ -21,7 +21,6 @@ from pathlib import Path
 from ray import serve
 
 from imgtrain import cluster as cluster_mod
-from imgtrain import runs
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.inference.export_engine import check_engine, read_export
 from imgtrain.inference.options import INGRESS, TTA, Limits, ServeOptions
@@ -29,6 +28,7 @@ from imgtrain.inference.predictor import check_tta, preprocess_preset
 from imgtrain.inference.requests import RETRY_AFTER_S
 from imgtrain.inference.routes import REPLICA_CPUS, ModelServer
 from imgtrain.ops.files import link_dir
+from imgtrain.storage import runs
 
 APP_NAME = "imgtrain"
 STARTUP_TIMEOUT_S = 180.0  # Ray + Serve + model load: ~45 s on 2 busy cores; past this, stuck

@@ -1,2 +1,2 @@
-"""The lowest utilities (files, process, ownership): every layer uses them, so they import
-nothing of imgtrain but ``errors`` (tests/test_layers.py holds them to it)."""
+"""The lowest utilities (files, process, remote, spreadsheet): every layer uses them, so they
+import nothing of imgtrain but ``errors`` (tests/test_layers.py holds them to it)."""

@@ -42,18 +42,8 @@ class Store:
         return f"{self.uri}/{name}"
 
 
-def store(storage: str) -> Store:
-    uri = storage.rstrip("/")
-    scheme, _, rest = uri.partition("://")
-    if not rest.strip("/"):
-        raise ImgtrainError(f"--storage {storage}: name a bucket, e.g. {scheme}://my-bucket/runs")
-    check_plain_s3(uri)
-    _, root = _resolve(uri)  # an unknown scheme or a missing client library: said now
-    # the cache keeps the account of abfs://container@account/... (two accounts, two copies)
-    return Store(uri=uri, root=root, local=cache_dir("stores", uri, rest.partition("?")[0]))
-
-
-def _cache() -> Path:
+def cache_root() -> Path:
+    """imgtrain's cache on this machine: ``IMGTRAIN_CACHE``, else ~/.cache/imgtrain."""
     return Path(os.environ.get(CACHE_VAR) or Path.home() / ".cache" / "imgtrain").expanduser()
 
 
@@ -64,20 +54,7 @@ def cache_dir(kind: str, uri: str, path: str) -> Path:
     if any(s in ("", ".", "..") or any(ord(c) < 32 for c in s) for s in segments) or "\\" in path:
         raise ImgtrainError(f"{one_line(uri, 200)}: a location in an object store is a bucket and a prefix of plain "
                             "names, without '.', '..', '//' or control characters")
-    return (_cache() / kind / uri.partition("://")[0]).resolve().joinpath(*segments)
-
-
-def checkpoint_staging(run_location: str, rank: int) -> Path:
-    """Where rank ``rank`` of the run at ``run_location`` writes its checkpoints before they go
-    into the run, on its node: save()'s folder, and for an object store the files waiting for
-    Ray's upload (Ray deletes one once uploaded; one whose upload failed, the store out of
-    reach, fails the attempt with it). What a rank leaves when it dies (SIGKILLed by a fault or
-    by Ray stopping its worker group in the middle of a save: 180 MB each for a ResNet-18) is
-    cleared by the rank's next attempt on this node and by the driver's end. In the user's own
-    cache, not a shared /tmp where another user could put a link in its way."""
-    import hashlib
-
-    return _cache() / "staging" / hashlib.sha256(run_location.encode()).hexdigest()[:16] / f"rank-{rank}"
+    return (cache_root() / kind / uri.partition("://")[0]).resolve().joinpath(*segments)
 
 
 def _resolve(uri: str):

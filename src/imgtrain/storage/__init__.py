@@ -1,4 +1,5 @@
-"""Runs in an object store (``--storage s3://bucket/prefix``; gs:// and other pyarrow URIs too).
+"""The run store: everything about the runs under ``--storage``, a local folder or an object store
+(``--storage s3://bucket/prefix``; gs:// and other pyarrow URIs too).
 
 The store holds the run: Ray Train's workers upload checkpoints there themselves (in the
 background, ``ray.train.report``'s async mode), and the driver mirrors the files it writes
@@ -17,10 +18,14 @@ pickled filesystem object. pyarrow's S3 client ignores ``AWS_ENDPOINT_URL`` (apa
 so an S3-compatible server (MinIO, moto) is named by ``IMGTRAIN_S3_ENDPOINT`` (or
 ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``), e.g. ``http://127.0.0.1:9000``.
 
-The package, one job a module, lowest first: ``lease`` (the driver's heartbeat, its lease on the
-run), ``ledger`` (which checkpoints of the working copy have been in the store), ``mirror`` (a run's
-working copy: pull, push, delete, the driver's background mirror), ``staging`` (a prepared data set
-copied to this node). Below them all, ``ops.remote`` (a location, its filesystem, this machine's
-copy, and the one check that turns a key of the store into a local path) is a utility, so that
-``data`` may use it too.
+The package, one job a module, lowest first: ``ownership`` (which folders are runs: the marker,
+the lock, ``--overwrite``'s move-aside), ``checkpoint`` (a checkpoint's files, and the
+checkpoints in a run's folder), ``lease`` (the driver's heartbeat, its lease on the run),
+``ledger`` (which checkpoints of the working copy have been in the store), ``mirror`` (a run's
+working copy: pull, push, delete, the driver's background mirror), ``location`` (where a run
+lives: its folder, its URI, the working copy brought down, its ranks' checkpoint staging),
+``runs`` (the run's own files and records: config, status, metrics; a run read back, listed).
+Below them all, ``ops.remote`` (a location in an object store, its filesystem, this machine's
+cache of it, the one check that turns a key of the store into a local path) is a utility, so that
+``data`` may use it too; a data set in a bucket is copied to a node by ``data.staging``.
 """

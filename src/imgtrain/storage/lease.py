@@ -23,8 +23,9 @@ import uuid
 import warnings
 
 from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
-from imgtrain.ops import ownership, process
+from imgtrain.ops import process
 from imgtrain.ops.remote import Store, where
+from imgtrain.storage import ownership
 
 # A "running" status from another host whose heartbeat is older than HEARTBEAT_STALE_S is a
 # driver that is gone (runs.read_status). Generous: clocks of two machines differ a little, and a

@@ -21,12 +21,11 @@ from pathlib import Path
 
 from imgtrain.checkpoint_policy import POLICY, PREFIX, RAY_SNAPSHOT_FILE
 from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
-from imgtrain.ops import ownership
-from imgtrain.ops.ownership import LOCK_FILE, MARKER_FILE
 from imgtrain.ops.remote import ObjectChanged, Store, UnsafeKey, check_key, copy_down, local_file, where
-from imgtrain.storage import ledger
+from imgtrain.storage import ledger, ownership
 from imgtrain.storage.lease import HEARTBEAT_FILE, beat, lease_holder
 from imgtrain.storage.ledger import META_FILE, SYNCED_FILE
+from imgtrain.storage.ownership import LOCK_FILE, MARKER_FILE
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,12 @@ from pathlib import Path
 from ray.tune.schedulers import AsyncHyperBandScheduler, TrialScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from imgtrain import checkpoint as ckpt
 from imgtrain import cluster as cluster_mod
-from imgtrain import runs
 from imgtrain.config import TrainConfig, validate
 from imgtrain.errors import ImgtrainError, one_line
-from imgtrain.ops import ownership
 from imgtrain.ops.files import link_dir
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import location, ownership, runs
 from imgtrain.sweep import state as st
 from imgtrain.sweep.request import SWEEP_KEYS, SweepRequest
 from imgtrain.sweep.space import METRICS, SCHEDULERS
@@ -69,7 +68,7 @@ def check(req: SweepRequest) -> SweepRequest:
     except ImgtrainError as e:
         raise ImgtrainError(str(e).replace("invalid configuration", "invalid sweep")) from None
     base = dataclasses.replace(
-        base, data=str(Path(base.data).expanduser().resolve()), storage=str(runs.storage_root(base.storage)),
+        base, data=str(Path(base.data).expanduser().resolve()), storage=str(location.storage_root(base.storage)),
         min_workers=0)
     return dataclasses.replace(req, base=base, mode=mode)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ray import tune
 
-from imgtrain import runs
+from imgtrain.storage import runs
 from imgtrain.sweep import state as st
 from imgtrain.sweep.trial import EPOCHS_DONE
 

@@ -8,9 +8,9 @@ import socket
 import time
 from pathlib import Path
 
-from imgtrain import runs
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops.files import atomic_write_text
+from imgtrain.storage import location, runs
 
 STATE_FILE = "sweep.json"
 TRIALS_DIR = "trials"
@@ -19,7 +19,7 @@ LOGS_DIR = "logs"
 
 
 def sweep_path(storage: str, name: str) -> Path:
-    return runs.run_path(storage, name)
+    return location.run_path(storage, name)
 
 
 def read(sweep_dir: Path) -> dict | None:
@@ -74,7 +74,7 @@ def summary(storage: str, name: str) -> dict:
     sweep_dir = sweep_path(storage, name)
     state = read(sweep_dir)
     if state is None:
-        raise ImgtrainError(f"no sweep named {name!r} in {runs.storage_root(storage)} (no {STATE_FILE} in {sweep_dir})")
+        raise ImgtrainError(f"no sweep named {name!r} in {location.storage_root(storage)} (no {STATE_FILE} in {sweep_dir})")
     request, metric = state["request"], state["request"]["metric"]
     sign = 1 if request["mode"] == "max" else -1
     alive = driver_alive(state)

@@ -22,7 +22,7 @@ def run_trial(params: dict, sweep: dict) -> None:
     from ray import tune
     from imgtrain.config import TrainConfig
     from imgtrain.console import SafeConsole
-    from imgtrain.runs import epoch_history
+    from imgtrain.storage.runs import epoch_history
     from imgtrain.training import driver
     from imgtrain.training.progress import TrainingDisplay
 

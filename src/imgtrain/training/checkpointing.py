@@ -1,6 +1,6 @@
 """A rank's side of checkpoints: ``save`` (rank 0 writes, every rank reports), ``restore`` (a
 checkpoint back into the model, optimizer and moving average) and the step checkpoint inside an
-epoch. The format is checkpoint.py's; names and ranking are the policy's (checkpoint_policy.py).
+epoch. The format is storage/checkpoint.py's; names and ranking are the policy's (checkpoint_policy.py).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from imgtrain import checkpoint as ckpt
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.models.zoo import model_args
-from imgtrain.runs import versions
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage.runs import versions
 from imgtrain.training import faults, fsdp
 from imgtrain.training.evaluation import evaluated_model
 from imgtrain.training.run_state import Resumed, Run

@@ -17,15 +17,16 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from imgtrain import checkpoint as ckpt
 from imgtrain import cluster as cluster_mod
-from imgtrain import configfile, runs
+from imgtrain import configfile
 from imgtrain.config import (AUTO_BATCH, DEFAULT_BATCH, FEW_STEPS, TrainConfig, auto_batch_size, changed_fields,
                              steps_per_epoch, validate)
+from imgtrain.data import staging
 from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
-from imgtrain.ops import ownership, remote
+from imgtrain.ops import remote
 from imgtrain.ops.files import check_writable
-from imgtrain.storage import lease, mirror, staging
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import lease, location, mirror, ownership, runs
 from imgtrain.training import tracking
 from imgtrain.training.progress import TrainingDisplay
 
@@ -77,10 +78,10 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool, ray_call
     if remote.is_remote(cfg.storage) and overwrite:
         raise ImgtrainError(f"--overwrite is not offered for runs in an object store ({cfg.storage}): delete the run "
                             f"with `imgtrain clean runs {cfg.name} --storage {cfg.storage}`, then train it again")
-    store = remote.store(cfg.storage) if remote.is_remote(cfg.storage) else None
+    store = location.store(cfg.storage) if remote.is_remote(cfg.storage) else None
     with contextlib.ExitStack() as held:  # the run's lease and lock, held until training ends
         # another machine's driver of this run: refused before anything of the run is touched
-        token = held.enter_context(lease.leased(store, cfg.name, hint=_busy_hint(cfg, runs.run_path(cfg.storage, cfg.name))))
+        token = held.enter_context(lease.leased(store, cfg.name, hint=_busy_hint(cfg, location.run_path(cfg.storage, cfg.name))))
         run_dir, locked = _working_copy(cfg, held)
         plan = _plan(cfg, run_dir, overwrite, display, held, locked)
         replaced = ownership.Replacement(run_dir) if plan.replace else None
@@ -108,7 +109,7 @@ def _clear_staging(cfg: TrainConfig, held: contextlib.ExitStack) -> None:
     rank clears its own on other nodes), now and when training ends. Only with the run's lock
     held: a second start of a live run, refused at the lock, must not delete the folder the live
     run is saving its next checkpoint into."""
-    staged = remote.checkpoint_staging(runs.location(cfg.storage, cfg.name), 0).parent
+    staged = location.checkpoint_staging(location.location(cfg.storage, cfg.name), 0).parent
     shutil.rmtree(staged, ignore_errors=True)
     held.callback(shutil.rmtree, staged, ignore_errors=True)  # runs before the lock is let go
 
@@ -117,10 +118,10 @@ def _working_copy(cfg: TrainConfig, held: contextlib.ExitStack) -> tuple[Path, b
     """(the run's folder, whether its lock is taken). A run in an object store is brought up to
     date here first, and its lock is taken before that when this machine has a copy: a run
     trained here right now is refused before its files are touched."""
-    run_dir = runs.run_path(cfg.storage, cfg.name)
+    run_dir = location.run_path(cfg.storage, cfg.name)
     if not remote.is_remote(cfg.storage):
         return run_dir, False
-    st = remote.store(cfg.storage)
+    st = location.store(cfg.storage)
     with mirror.turn(st, cfg.name):
         known = ownership.is_run(run_dir)
         if known:
@@ -133,7 +134,7 @@ def _working_copy(cfg: TrainConfig, held: contextlib.ExitStack) -> tuple[Path, b
 
 def _turn(storage: str, name: str):
     """The run's turn on this machine's working copy (``mirror.turn``); nothing for a folder."""
-    return mirror.turn(remote.store(storage), name) if remote.is_remote(storage) else contextlib.nullcontext()
+    return mirror.turn(location.store(storage), name) if remote.is_remote(storage) else contextlib.nullcontext()
 
 
 @dataclasses.dataclass
@@ -183,7 +184,7 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
         display.phase("checking the checkpoints")
         resume = _find_resume_point(run_dir, display)
         if remote.is_remote(cfg.storage):
-            resume.uri = runs.location(cfg.storage, cfg.name)
+            resume.uri = location.location(cfg.storage, cfg.name)
         meta = ckpt.read_meta(resume.checkpoint) if resume.checkpoint else {}
         if meta and _complete(cfg, meta):
             stop = runs.early_stop(cfg.to_dict(), ckpt.history(meta))
@@ -393,7 +394,7 @@ def _checkpoint_records(cfg: TrainConfig, display) -> None:
     from them; the weights stay in the store until a command needs them). Training is over: a
     store failing now is a warning, and the run is still recorded as finished."""
     try:
-        mirror.pull(remote.store(cfg.storage), cfg.name, checkpoints=False, only_checkpoints=True, owner=True)
+        mirror.pull(location.store(cfg.storage), cfg.name, checkpoints=False, only_checkpoints=True, owner=True)
     except Exception as e:  # noqa: BLE001 - whatever it is, the run's status is written next
         display.note(f"warning: the checkpoints' records could not be read from the store ({one_line(e)}); "
                      f"`imgtrain runs show {cfg.name} --storage {cfg.storage}` reads them later")
@@ -464,4 +465,4 @@ def _resume_point(checkpoint: Path | None) -> str:
 def _probe_storage(run_dir: Path, storage: str) -> None:
     check_writable(run_dir / runs.LOGS_DIR, "storage")
     if remote.is_remote(storage):
-        remote.probe(remote.store(storage))
+        remote.probe(location.store(storage))

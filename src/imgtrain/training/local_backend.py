@@ -14,15 +14,15 @@ from pathlib import Path
 
 import torch
 
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY, PREFIX
 from imgtrain.cluster import threads_for
 from imgtrain.config import TrainConfig
+from imgtrain.data.staging import local_data
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import process, remote
+from imgtrain.ops import process
 from imgtrain.ops.files import disk_full
-from imgtrain.storage.staging import local_data
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import location
 from imgtrain.training import faults, tracking
 
 
@@ -38,7 +38,7 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
     records.send(phase_record("loading data"))  # as a Ray worker's rank 0 does
     for stale in run_dir.glob(f".{PREFIX}*.tmp"):  # a copy cut short by a killed driver
         shutil.rmtree(stale, ignore_errors=True)
-    staging = remote.checkpoint_staging(runs.location(cfg.storage, cfg.name), 0)  # cleared by the driver
+    staging = location.checkpoint_staging(location.location(cfg.storage, cfg.name), 0)  # cleared by the driver
     in_memory = stream.in_memory(cfg, manifest)
     data_cfg = dataclasses.replace(cfg, data=local_data(cfg.data))  # an object store's: copied here
     if in_memory:

@@ -21,7 +21,6 @@ import time
 import torch
 import torch.nn as nn
 
-from imgtrain import checkpoint as ckpt
 from imgtrain import finetune
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.config import TrainConfig, per_worker_batch_sizes
@@ -31,6 +30,7 @@ from imgtrain.data.order import epoch_augment_draws
 from imgtrain.data.tensors import affine_matrices, apply_affine, to_model_input
 from imgtrain.errors import ImgtrainError
 from imgtrain.models.zoo import build_from_args, model_args
+from imgtrain.storage import checkpoint as ckpt
 from imgtrain.training import faults, mechanics, mixing
 from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
 from imgtrain.training.averaging import save_average

@@ -14,15 +14,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from imgtrain import checkpoint as ckpt
 from imgtrain import cluster as cluster_mod
-from imgtrain import runs
 from imgtrain.checkpoint_policy import POLICY, RAY_SNAPSHOT_FILE, RAY_SNAPSHOT_PARKED
 from imgtrain.config import TrainConfig
+from imgtrain.data import staging
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops import process, remote
 from imgtrain.ops.files import disk_full, link_dir
-from imgtrain.storage import mirror, staging
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import location, mirror, runs
 from imgtrain.training import faults, tracking
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callb
                 raise
     except ray.train.TrainingFailedError as e:
         # A checkpoint half copied when the failure struck (a full disk) must not stay visible.
-        store = remote.store(cfg.storage) if remote.is_remote(cfg.storage) else None
+        store = location.store(cfg.storage) if remote.is_remote(cfg.storage) else None
         unread = None
         try:
             if store:  # what the workers uploaded, to be judged here
@@ -203,7 +203,7 @@ def _storage(cfg: TrainConfig, run_dir: Path) -> dict:
     """Where Ray Train keeps the run: the storage folder, or the object store itself (the
     workers upload their checkpoints there; credentials stay in each node's environment)."""
     if remote.is_remote(cfg.storage):
-        store = remote.store(cfg.storage)
+        store = location.store(cfg.storage)
         return {"storage_path": store.root, "storage_filesystem": store.fs}
     return {"storage_path": str(run_dir.parent)}
 

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from imgtrain import checkpoint as ckpt
-from imgtrain import runs
 from imgtrain.cluster import threads_for
 from imgtrain.config import TrainConfig
 from imgtrain.data import stream
 from imgtrain.data.order import ordered_batches, sort_by_id
+from imgtrain.data.staging import local_data
 from imgtrain.ops import remote
-from imgtrain.storage.staging import local_data
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import location
 from imgtrain.training import faults, health, ingest
 from imgtrain.training.backend import Backend, single_process_collectives
 from imgtrain.training.health import Progress
@@ -50,7 +50,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     resume = config.get("resume") or {}
     restored_checkpoint = functools.partial(_restored_checkpoint, resume.get("fallback"))
-    staging = remote.checkpoint_staging(runs.location(cfg.storage, cfg.name), rank)
+    staging = location.checkpoint_staging(location.location(cfg.storage, cfg.name), rank)
     shutil.rmtree(staging, ignore_errors=True)  # what an earlier attempt left: over now
     report = functools.partial(_report_async, staging=staging) if remote.is_remote(cfg.storage) else _report
 

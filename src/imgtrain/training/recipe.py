@@ -50,7 +50,7 @@ def parameter_groups(model: nn.Module, cfg: TrainConfig):
     split_decay = cfg.optimizer in TIMM_OPTIMIZERS
     if cfg.backbone_lr_scale == 1 and not cfg.freeze_backbone and not cfg.layer_decay and not split_decay:
         return model.parameters()
-    from imgtrain.checkpoint import unwrap
+    from imgtrain.storage.checkpoint import unwrap
     from imgtrain.models.parts import head_name
 
     net = unwrap(model)

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn as nn
 
-from imgtrain import checkpoint as ckpt
 from imgtrain.config import TrainConfig
+from imgtrain.storage import checkpoint as ckpt
 from imgtrain.training.accounting import Ledger
 from imgtrain.training.backend import Backend
 from imgtrain.training.recipe import WeightAverage

@@ -9,8 +9,9 @@ Ray Train owns its checkpoint folders and snapshot files there; imgtrain adds
   heartbeat.json  a run in an object store only: the driver's host, pid and time, every 2 s
   .imgtrain-run   the marker that makes this directory a run (``ownership.py``), and .lock
 
-With ``--storage s3://...`` (the ``storage`` package) the same files live in the object store, and these
-functions work on a local working copy of them, brought down first.
+Where the directory is, is ``location``'s; with ``--storage s3://...`` the same files live in the
+object store, and these functions work on a local working copy of them, brought down first
+(``mirror``).
 """
 
 from __future__ import annotations
@@ -22,42 +23,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from imgtrain import checkpoint as ckpt
 from imgtrain.checkpoint_policy import POLICY, EarlyStop
 from imgtrain.errors import ImgtrainError
-from imgtrain.ops import ownership, process, remote
+from imgtrain.ops import process, remote
 from imgtrain.ops.files import atomic_write_text
-from imgtrain.storage import lease, mirror
+from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import lease, mirror, ownership
+from imgtrain.storage.location import fetch, location, storage_root, store
 
 CONFIG_FILE = ownership.CONFIG_FILE
 METRICS_FILE = "metrics.jsonl"
 STATUS_FILE = "status.json"
 LOGS_DIR = "logs"
-
-
-def storage_root(storage: str) -> Path:
-    """The folder runs live in: the storage itself, or the working copy of an object store."""
-    if remote.is_remote(storage):
-        return remote.store(storage).local
-    return Path(storage.removeprefix("file://")).expanduser().resolve()
-
-
-def run_path(storage: str, name: str) -> Path:
-    return storage_root(storage) / ownership.check_name(name)  # one folder inside the storage, never outside
-
-
-def fetch(storage: str, name: str, checkpoints: bool = True) -> Path:
-    """``run_path``, with a run in an object store brought down into the working copy first:
-    whole, or without the checkpoints' weights. A run that a process on this machine trains is
-    read as that process has it."""
-    if remote.is_remote(storage):
-        return mirror.pull(remote.store(storage), name, checkpoints=checkpoints)
-    return run_path(storage, name)
-
-
-def location(storage: str, name: str) -> str:
-    """Where the run lives, as a user names it: a path, or the object store's URI."""
-    return remote.store(storage).run_uri(name) if remote.is_remote(storage) else str(run_path(storage, name))
 
 
 # ---------------------------------------------------------------- config and status
@@ -372,7 +349,7 @@ def load_run(storage: str, name: str) -> RunResult:
     run_dir = fetch(storage, name)
     if not ownership.is_run(run_dir):
         known = ", ".join(sorted(r.name for r in list_runs(storage))) or "none"
-        where = remote.store(storage).uri if remote.is_remote(storage) else storage_root(storage)
+        where = store(storage).uri if remote.is_remote(storage) else storage_root(storage)
         raise ImgtrainError(f"no run named {name!r} in {where} (runs there: {known})")
     return read_run(run_dir, storage)
 
@@ -396,7 +373,7 @@ def read_run(run_dir: Path, storage: str | None = None) -> RunResult:
 
 def list_runs(storage: str) -> list[RunResult]:
     if remote.is_remote(storage):  # each run's small files and checkpoint metadata, not the weights
-        st = remote.store(storage)
+        st = store(storage)
         names = mirror.run_names(st)
         for name in names:
             mirror.pull(st, name, checkpoints=False)

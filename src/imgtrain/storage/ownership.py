@@ -28,25 +28,12 @@ import uuid
 from pathlib import Path
 
 from imgtrain.errors import ImgtrainError
+from imgtrain.ops.files import name_problem
 
 MARKER_FILE = ".imgtrain-run"
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.json"  # the run's resolved config (runs.py writes it)
 _LEGACY_KEYS = ("name", "data", "backend", "epochs")
-MAX_NAME_BYTES = 255  # what one path component may hold on common filesystems
-
-
-def name_problem(name: str) -> str | None:
-    """What is wrong with ``name`` as a run's name (None: nothing). A run is one folder inside
-    its storage, so its name is one plain path component. Checked before any file of the run is
-    touched: ``./../../x`` would otherwise lead a pull, a clean or a train outside the storage."""
-    if not name:
-        return "is empty"
-    if "/" in name or "\\" in name or name.startswith(".") or any(ord(c) < 32 or ord(c) == 127 for c in name):
-        return "must be a plain name without '/', '\\', control characters or a leading '.'"
-    if len(name.encode()) > MAX_NAME_BYTES:
-        return f"must be at most {MAX_NAME_BYTES} bytes long"
-    return None
 
 
 def check_name(name: str) -> str:
