@@ -18,13 +18,13 @@ from imgtrain.inference.export import export
 from imgtrain.ops.files import sha256_file
 from tests.conftest import assert_one_line_error, cli_here, quiet_display, tiny_config
 
+pytestmark = pytest.mark.integration  # trains models and exports them (ONNX, int8, TorchScript, pt2): minutes, not a unit
+
 # Loads each exported model with its own runtime only and prints its probabilities for the
 # images given, as JSON; fails if anything imported imgtrain.
 FRESH_PROCESS = r"""
 import json, sys
 import numpy as np
-
-pytestmark = pytest.mark.integration  # trains models and exports them (ONNX, int8, TorchScript, pt2): minutes, not a unit
 out = {}
 for path, images in json.loads(sys.argv[1]):
     images = np.load(images)
