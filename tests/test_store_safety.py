@@ -261,8 +261,9 @@ def test_two_drivers_starting_one_run_at_the_same_moment_one_trains_one_is_refus
     assert real_read(st, "r")["token"] == tokens[0] and real_read(st, "r")["released"]  # given back at the end
 
 
-def test_a_held_lease_refuses_a_later_driver_and_a_released_one_does_not(env):
+def test_a_held_lease_refuses_a_later_driver_and_a_released_one_does_not(env, monkeypatch):
     st = location.store(env)
+    monkeypatch.setattr(lease, "LEASE_SETTLE_S", 0.1)  # one driver at a time here: no race to settle
     with lease.leased(st, "r"):
         with pytest.raises(ImgtrainError, match="being trained right now by process"):
             with lease.leased(st, "r"):

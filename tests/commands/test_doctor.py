@@ -3,6 +3,7 @@
 import json
 import time
 
+import pytest
 import ray
 import torch
 
@@ -11,6 +12,7 @@ import imgtrain
 from tests.conftest import run_cli
 
 
+@pytest.mark.integration  # the real CLI in a process of its own
 def test_doctor_reports_versions_and_storage_and_a_clear_verdict(tmp_path):
     done = run_cli("doctor", "--storage", str(tmp_path / "runs"), "--json")
     report = json.loads(done.stdout)
@@ -33,6 +35,7 @@ def test_version_is_an_option_of_the_command():
     assert imgtrain.__version__ == importlib.metadata.version("imgtrain")
 
 
+@pytest.mark.integration  # the real CLI in a process of its own
 def test_doctor_fails_in_seconds_on_bad_storage_and_an_unreachable_cluster(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

@@ -391,6 +391,7 @@ def test_parquet_mixed_shapes_and_bad_values(tmp_path):
         prepare("parquet", tmp_path / "o", tmp_path / "big.parquet")
 
 
+@pytest.mark.integration  # two CLI processes, their memory sampled
 def test_preparing_mnist_from_idx_files_does_not_hold_them(tmp_path):
     # The images stay on disk until each row group is written: 4x the images (28 MB more of
     # them) must not raise the peak. Holding them (and their shuffled copy) took 2x their size
