@@ -94,7 +94,6 @@ def quantizable() -> list[str]:
     return [spec.name for spec in FORMATS.values() if spec.quantize is not None]
 
 
-
 def help_text() -> str:
     """``--format``'s help: "onnx (ONNX Runtime, TensorRT, Triton), torchscript or pt2 (torch.export)"."""
     names = [f"{spec.name} ({spec.summary})" if spec.summary else spec.name for spec in FORMATS.values()]
