@@ -56,7 +56,6 @@ for group, group_name in ((data_app, "data"), (runs_app, "runs"), (config_app, "
 console = SafeConsole(soft_wrap=True)  # as err_console: one line per line printed
 
 
-
 # ---------------------------------------------------------------- options from declarations
 
 

@@ -9,9 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,7 +21,7 @@ from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.storage import checkpoint as ckpt
 from imgtrain.storage import runs
-from tests.conftest import cli_here, copy_run, quiet_display, run_cli, tiny_config, wait_for
+from tests.conftest import cli_here, copy_run, quiet_display, run_cli, tiny_config
 
 pytestmark = pytest.mark.integration
 

@@ -77,7 +77,6 @@ def diagnose(storage: str, address: str | None, data: str | None) -> Diagnosis:
     return Diagnosis(checks)
 
 
-
 def _object_store(storage: str, address: str | None, data: str | None) -> list[Check]:
     """--storage s3://...: reachable and writable from here, and from every node of the cluster."""
     from imgtrain.ops import remote

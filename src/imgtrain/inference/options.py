@@ -18,7 +18,6 @@ MAX_ACCURACY_DROP = 0.01  # --quantize int8 is refused when it costs more test a
 ON_ERROR = ("skip", "fail")  # an unreadable input file
 # Test-time augmentation: none, or flip (the softmax averaged over the image and its mirror image).
 TTA = ("none", "flip")
-ENGINES = tuple(export_formats.ENGINES)  # torch, and the engine of each export format that has one
 INGRESS = ("auto", "direct", "proxy")
 BACKENDS = ("ray", "local")
 
@@ -39,7 +38,7 @@ def tta_option():
 def engine_option():
     exports = "; ".join(f"{name}: an export folder of --format {spec.name} (imgtrain export)"
                         for name, spec in export_formats.ENGINES.items() if spec is not None)
-    return option("torch", f"torch: a run or checkpoint; {exports}.", choices=ENGINES)
+    return option("torch", f"torch: a run or checkpoint; {exports}.", choices=tuple(export_formats.ENGINES))
 
 
 def address_option():

@@ -122,8 +122,9 @@ MAX_NAME_BYTES = 255  # what one path component may hold on common filesystems
 def name_problem(name: str) -> str | None:
     """What is wrong with ``name`` as a run's name (None: nothing). A run is one folder inside
     its storage, so its name is one plain path component (a rule of file names: the settings,
-    below the run store, check it too; ``storage.ownership.check_name`` raises it). Checked before any file of the run is
-    touched: ``./../../x`` would otherwise lead a pull, a clean or a train outside the storage."""
+    below the run store, check it too; ``storage.ownership.check_name`` raises it). Checked
+    before any file of the run is touched: ``./../../x`` would otherwise lead a pull, a clean or
+    a train outside the storage."""
     if not name:
         return "is empty"
     if "/" in name or "\\" in name or name.startswith(".") or any(ord(c) < 32 or ord(c) == 127 for c in name):

@@ -130,7 +130,6 @@ def restore(directory: str, model: nn.Module, optimizer, ema, device) -> Resumed
     )
 
 
-
 def _cpu(state: dict) -> dict:
     """A state_dict on the CPU, so that a checkpoint written on a GPU loads anywhere."""
     return {k: v.detach().cpu() for k, v in state.items()}

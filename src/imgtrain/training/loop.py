@@ -59,7 +59,6 @@ def phase_record(name: str) -> dict:
     return {"kind": "phase", "phase": name, "time": time.time()}
 
 
-
 def run_loop(cfg: TrainConfig, manifest: dict, backend: Backend) -> None:
     if backend.rank == 0:
         backend.send(phase_record("building the model"))
@@ -271,7 +270,6 @@ def train_step(run: Run, batch: Batch, affine: torch.Tensor | None = None):
         run.ema.update()
     run.step += 1
     return summed, correct, grad_norm
-
 
 
 def end_epoch(run: Run, epoch: int, sums: torch.Tensor, timing: EpochTiming, train_s: float) -> None:

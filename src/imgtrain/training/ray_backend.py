@@ -106,7 +106,6 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callb
         ray.kill(monitor)  # on a shared cluster it would outlive this run
 
 
-
 @contextlib.contextmanager
 def _ray_snapshot_in_place(run_dir: Path, in_store: bool):
     """Ray Train's record of the run's checkpoints where Ray reads and writes it while it trains,
