@@ -32,7 +32,7 @@ def test_a_stuck_rank_is_named_and_killed_within_the_stall_timeout(ray_cluster, 
     shown = io.StringIO()
     with pytest.raises(ImgtrainError) as failed:
         imgtrain.train(TrainConfig(data=str(tiny_data), name="stuck", epochs=1, batch_size=32, storage=str(tmp_path),
-                                   stall_timeout_s=8, log_every_steps=1),
+                                   stall_timeout_s=8, log_every_steps=1, model="timm:test_resnet"),
                        display=TrainingDisplay(Console(file=shown, width=200)))
 
     message = str(failed.value)

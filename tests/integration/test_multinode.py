@@ -153,7 +153,7 @@ def test_training_runs_with_a_worker_on_each_node(two_nodes, tiny_data):
     storage = two_nodes["shared"]
     done = imgtrain(two_nodes, "train", "--data", str(tiny_data), "--name", "two-nodes", "--address",
                     two_nodes["address"], "--storage", str(storage), "--workers", "2", "--ingest", "torch",
-                    "--epochs", "1", "--batch-size", "32", "--eval-batch-size", "50")
+                    "--epochs", "1", "--batch-size", "32", "--eval-batch-size", "50", "--model", "timm:test_resnet")
     assert done.returncode == 0, done.stderr
     run_dir = storage / "two-nodes"
     workers = read_workers(run_dir)

@@ -80,6 +80,7 @@ epochs = 3                # the --epochs flag below wins
 batch-size = 32
 log_every_steps = 2
 eval_batch_size = 50
+model = "timm:test_resnet"   # what is observed is the run, whatever the model: a small one is quick
 tensorboard = true
 mlflow = "sqlite:///{root / 'mlflow.db'}"
 mlflow_experiment = "imgtrain-tests"
@@ -102,12 +103,12 @@ mlflow_experiment = "imgtrain-tests"
 
 def test_the_screen_from_the_first_second_to_the_last_line(observed):
     during, after, run_dir = observed.during, observed.after, observed.run_dir
-    # Start-up: that the data set has no validation split (the best checkpoint is picked on the
-    # test split), where the run is, then one line saying what imgtrain waits for and for how
+    # Start-up: the model when it is not the default, that the data set has no validation split
+    # (the best checkpoint is picked on the test split), where the run is, then one line saying what imgtrain waits for and for how
     # long; nothing else (no Ray noise, no bar yet). A line longer than the screen wraps onto the
     # next (where a row ends in a space, the screen's row drops it: compared without spaces).
     *above, phase = during.splitlines()
-    expected = NO_VAL_NOTE + f"run obs: {run_dir}  (logs: {run_dir / 'logs'})"
+    expected = "model test_resnet (timm)" + NO_VAL_NOTE + f"run obs: {run_dir}  (logs: {run_dir / 'logs'})"
     assert re.sub(r"\s", "", "".join(above)) == re.sub(r"\s", "", expected), during
     assert PHASE_LINE.fullmatch(phase), during
     assert not any(noise in during + after for noise in RAY_NOISE), after

@@ -37,7 +37,8 @@ pytestmark = pytest.mark.integration
 # the order, the resumes and the world sizes below hold with them.
 SETTINGS = dict(workers=2, epochs=2, batch_size=16, eval_batch_size=16, log_every_steps=1,
                 checkpoint_every_steps=3, deterministic=True, ledger=True, threads_per_worker=1,
-                augment_policy="randaugment", color_jitter=0.4, random_erasing=0.25, mixup=0.4, cutmix=1.0)
+                augment_policy="randaugment", color_jitter=0.4, random_erasing=0.25, mixup=0.4, cutmix=1.0,
+                model="timm:test_resnet")  # what is proved is the data's path, whatever the model: a quick one
 STEPS = 7
 COLOURS = [(200, 40, 40), (40, 200, 40), (40, 40, 200), (200, 200, 40)]
 

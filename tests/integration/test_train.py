@@ -46,7 +46,7 @@ def cli_train_here(capsys, monkeypatch, *args: str):
     return cli_here(capsys, *args)
 
 
-def assert_a_two_worker_run(result, run_dir):
+def assert_a_two_worker_run(result, run_dir, architecture="resnet18"):
     assert result.status == "finished"
     df = result.metrics
     assert list(df["epoch"]) == [0, 1]
@@ -65,7 +65,8 @@ def assert_a_two_worker_run(result, run_dir):
     assert {k: meta[k] for k in runs.VERSION_KEYS} == runs.versions() and runs.versions()["imgtrain_version"]
     assert {k: runs.read_config(run_dir)[k] for k in runs.VERSION_KEYS} == runs.versions()
     assert meta["metrics"]["val_accuracy"] == df["val_accuracy"].iloc[1]
-    assert meta["model_args"] == {"architecture": "resnet18", "in_channels": 1, "num_classes": 10}
+    assert {k: meta["model_args"][k] for k in ("architecture", "in_channels", "num_classes")} == \
+        {"architecture": architecture, "in_channels": 1, "num_classes": 10}
     # `ls runs/NAME/checkpoint_*` lists checkpoints only: Ray Train's own record is parked, hidden
     assert all(p.is_dir() and POLICY.is_checkpoint(p.name) for p in run_dir.glob(f"{PREFIX}*"))
     assert (run_dir / RAY_SNAPSHOT_PARKED).is_file()
@@ -83,7 +84,7 @@ def cli_run(ray_cluster, tiny_data, tmp_path_factory):
     DataLoader), so that both ingests are trained on 2 workers."""
     storage = tmp_path_factory.mktemp("cli-runs")
     proc = run_cli("train", "--data", str(tiny_data), "--name", "cli", "--epochs", "2", "--batch-size", "32",
-                   "--ingest", "torch", "--storage", str(storage), "--address", ray_cluster)
+                   "--ingest", "torch", "--storage", str(storage), "--address", ray_cluster, "--model", "timm:test_resnet")
     assert proc.returncode == 0, proc.stderr
     return proc, storage
 
@@ -92,7 +93,7 @@ def test_two_workers_with_torch_ingest_train_and_write_the_run_directory(cli_run
     _, storage = cli_run
     result = runs.load_run(str(storage), "cli")
     assert result.config["ingest"] == "torch" and result.config["workers"] == 2
-    assert_a_two_worker_run(result, result.path)
+    assert_a_two_worker_run(result, result.path, architecture="timm:test_resnet")  # small: the ingest is what differs
 
 
 def test_cli_train_prints_progress_and_runs_show_json(cli_run, ray_cluster, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from imgtrain.storage import runs
+from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from tests.conftest import assert_one_line_error, cli_here, run_cli, wait_for
 
 pytestmark = pytest.mark.integration
@@ -100,15 +102,19 @@ def test_rerun_of_a_finished_sweep_trains_nothing_and_other_settings_are_refused
     assert_one_line_error(other, "sweep 's' already exists", "epochs: 2 -> 3")
 
 
-def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster, tiny_data, tmp_path, capsys):
-    # 6 short epochs: the Ctrl-C must land while the second trial still trains (with 2, on a busy
-    # machine, it finished before Tune handled the signal, and nothing was left to resume)
-    args = sweep_args(tiny_data, tmp_path, "r", ray_cluster, "--search", "lr=grid(0.003,0.001)", "--scheduler",
-                      "fifo", "--epochs", "6", "--workers", "1", "--batch-size", "32", "--max-concurrent", "1",
-                      "--limit-train-batches", "4")
+def test_interrupted_sweep_resumes_without_rerunning_finished_trials(tiny_data, tmp_path, capsys):
+    # The second trial stops for good before its step 20 (rank 0 hangs: IMGTRAIN_INJECT_FAULT),
+    # after its epoch-1 checkpoint; the first, with twice the batch, has 16 steps in all and
+    # never gets there. So the Ctrl-C always finds the first trial done and the second one
+    # training, with a checkpoint to resume from (the first version of this test raced a trial
+    # to its end). The sweep starts a cluster of its own, from this environment: the fault
+    # reaches its trials (a joined cluster's processes keep the cluster's environment).
+    args = ["tune", "--data", str(tiny_data), "--name", "r", "--storage", str(tmp_path), "--search",
+            "batch_size=grid(32,16)", "--scheduler", "fifo", "--epochs", "2", "--workers", "1",
+            "--max-concurrent", "1", "--model", "timm:test_resnet"]
     trials_dir = tmp_path / "r" / "trials"
     proc = subprocess.Popen([sys.executable, "-m", "imgtrain.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, FAULT_ENV: "hang:0:20"})
     try:
         wait_for(lambda: any(r["kind"] == "epoch" for r in runs.read_metrics(trials_dir / "trial-00001")),
                  timeout=240, what="the second trial's first epoch", proc=proc)
@@ -128,10 +134,10 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(ray_cluster
     assert (trials_dir / "trial-00000" / runs.METRICS_FILE).read_text() == first  # not trained again
     starts = [r for r in runs.read_metrics(trials_dir / "trial-00001") if r["kind"] == "start"]
     assert starts[0]["restored_from"] is None
-    assert starts[-1]["restored_from"] is not None and starts[-1]["step"] >= 4  # resumed from its checkpoint
+    assert starts[-1]["restored_from"] is not None and starts[-1]["step"] == 16  # resumed from its checkpoint
     s = show(capsys, tmp_path, "r")
     assert s["status"] == "finished"
-    assert [(t["status"], t["epochs_done"]) for t in s["trials"]] == [("finished", 6), ("finished", 6)]
+    assert [(t["status"], t["epochs_done"]) for t in s["trials"]] == [("finished", 2), ("finished", 2)]
 
 
 def test_bad_sweeps_fail_in_seconds_with_one_line(ray_cluster, tiny_data, tmp_path, capsys):
