@@ -182,3 +182,83 @@ def test_a_manifest_that_says_multi_label_wrongly_is_refused(grids, tmp_path):
         (out / "manifest.json").write_text(json.dumps({**manifest, **change}))
         with pytest.raises(ImgtrainError, match=expected):
             fmt.load_manifest(out)
+
+
+# ---------------------------------------------------------------------------- hf and webdataset
+
+
+def pixel_labels(out: Path) -> dict[str, dict[int, list[str]]]:
+    """{split: {pixel value: its class names}} of a prepared set of one-gray-value images, read
+    by the streamed reader (multi-hot)."""
+    manifest = fmt.load_manifest(out)
+    found = {}
+    for split in manifest["splits"]:
+        for batch in stream.split_batches(out, manifest, split, None, 64):
+            assert batch["label"].dtype == np.uint8
+            found.setdefault(split, {}).update(
+                {int(x[0, 0, 0]): [manifest["classes"][k] for k in np.flatnonzero(y)]
+                 for x, y in zip(batch["image"], batch["label"])})
+    return found
+
+
+def test_an_hf_dataset_with_a_sequence_of_class_labels_keeps_its_names_and_splits(tmp_path):
+    import datasets
+
+    from tests.conftest_data_helpers import png_bytes
+
+    datasets.disable_progress_bars()
+    names = ["cat", "dog", "emu"]
+    features = datasets.Features({"image": datasets.Image(),
+                                  "labels": datasets.Sequence(datasets.ClassLabel(names=names))})
+
+    def split(values):
+        return datasets.Dataset.from_dict(
+            {"image": [{"bytes": png_bytes(np.full((8, 8), v, np.uint8)), "path": None} for v in values],
+             "labels": [[k for k in range(3) if v >> k & 1] for v in values]}, features=features)
+
+    datasets.DatasetDict({"train": split(range(1, 25)), "validation": split(range(40, 48)),
+                          "test": split(range(64, 72))}).save_to_disk(tmp_path / "saved")
+    manifest = prepare("hf", tmp_path / "out", tmp_path / "saved", PrepareOptions(**ML))
+    assert manifest["classes"] == names and manifest["multi_label"] is True
+    rows = pixel_labels(tmp_path / "out")
+    assert sorted(rows["train"]) == list(range(1, 25)) and sorted(rows["test"]) == list(range(64, 72))
+    assert all(labels == [names[k] for k in range(3) if v >> k & 1] for s in rows.values() for v, labels in s.items())
+    assert manifest["label_set_sizes"]["val"] == [1, 3, 3, 1]  # 40..47: bits of 0..7
+
+    string_lists = datasets.Features({"image": datasets.Image(), "labels": datasets.Sequence(datasets.Value("string"))})
+    strings = datasets.Dataset.from_dict({"image": [{"bytes": png_bytes(np.full((8, 8), v, np.uint8)), "path": None}
+                                                    for v in range(20)],
+                                          "labels": [["dog", "cat"][: v % 3] for v in range(20)]}, features=string_lists)
+    strings.save_to_disk(tmp_path / "strings")
+    manifest = prepare("hf", tmp_path / "out2", tmp_path / "strings", PrepareOptions(**ML))
+    assert manifest["classes"] == ["cat", "dog"]
+    assert sum(sum(manifest["label_set_sizes"][s][:1]) for s in manifest["splits"]) == 7  # v % 3 == 0: no label
+
+
+def test_webdataset_json_arrays_and_joined_names(tmp_path):
+    from tests.data.shard_files import gray_png, write_shard
+
+    names = ["cat", "dog", "emu"]
+
+    def mine(v):
+        return [names[k] for k in range(3) if v >> k & 1]
+
+    src = tmp_path / "shards"
+    def tagged(v):
+        return {"png": gray_png(v), "json": json.dumps({"tags": mine(v)}).encode()}
+
+    write_shard(src / "train-000.tar", [(f"s{v:03d}", tagged(v)) for v in range(1, 17)])
+    write_shard(src / "train-001.tar", [(f"t{v:03d}", {"png": gray_png(v), "txt": ",".join(mine(v)).encode()})
+                                       for v in range(17, 33)])
+    write_shard(src / "test-000.tar", [(f"u{v:03d}", tagged(v)) for v in range(40, 48)])
+    manifest = prepare("webdataset", tmp_path / "out", src, PrepareOptions(multi_label=True, label_column="tags",
+                                                                             label_sep=","))
+    assert manifest["classes"] == names
+    rows = pixel_labels(tmp_path / "out")
+    assert sorted(rows["test"]) == list(range(40, 48))
+    assert all(labels == mine(v) for s in rows.values() for v, labels in s.items())
+    # a label only a test shard has: refused, naming the sample
+    write_shard(src / "test-001.tar", [("odd", {"png": gray_png(99), "json": b'{"tags": ["cat", "yak"]}'})])
+    with pytest.raises(ImgtrainError, match=r"label 'yak' of test-001.tar:odd.png is not the label of any training"):
+        prepare("webdataset", tmp_path / "again", src, PrepareOptions(multi_label=True, label_column="tags",
+                                                                       label_sep=","))

@@ -17,6 +17,7 @@ from imgtrain.data.limits import check_class_count
 from imgtrain.errors import ImgtrainError
 
 DEFAULT_SEP = " "
+MAX_LABELS_PER_IMAGE = 10_000  # a sample's labels read from a shard (a list in a .json), at most
 
 
 @dataclass(frozen=True)

@@ -80,11 +80,11 @@ register(SourceSpec(
                                "(train/val/test shard names kept as splits)",
     lister=_webdataset, source="a folder of .tar shards, a glob or a brace pattern (shards-{000..099}.tar), "
                                "local or s3://bucket/... (copied into the cache first)",
-    options=frozenset({"label_column"}), remote_source=True,
+    options=frozenset({"label_column", "multi_label", "label_sep"}), remote_source=True,
 ))
 register(SourceSpec(
     name="hf", summary="a Hugging Face data set saved locally (save_to_disk, or Parquet/Arrow files with "
                        "the Image struct); ClassLabel names and train/validation/test splits kept",
     lister=_hf, source="a save_to_disk folder, or .parquet/.arrow files (a file or a folder)",
-    options=frozenset({"image_column", "label_column"}),
+    options=frozenset({"image_column", "label_column", "multi_label", "label_sep"}),
 ))
