@@ -250,6 +250,11 @@ def data_inspect(
                   f"class {ratio}{' (imbalanced)' if imb['flagged'] else ''}; duplicate pairs across splits "
                   f"{cross['exact']:,} exact, {cross['near']:,} near; within a split {within['exact']:,} exact, "
                   f"{within['near']:,} near")
+    if result.get("multi_label"):
+        ml = result["multi_label"]
+        pairs = ", ".join(f"{p['a']}+{p['b']} {p['images']:,}" for p in ml["co_occurrence"][:5])
+        console.print(f"multi-label: {ml['labels_per_image']} labels per image; images with 0, 1, 2, ... labels "
+                      f"(train) {ml['label_set_sizes']['train']}; labels seen together most: {pairs or 'none'}")
     console.print(f"page: {result['page']}")
 
 

@@ -225,7 +225,8 @@ def test_an_hf_dataset_with_a_sequence_of_class_labels_keeps_its_names_and_split
     assert all(labels == [names[k] for k in range(3) if v >> k & 1] for s in rows.values() for v, labels in s.items())
     assert manifest["label_set_sizes"]["val"] == [1, 3, 3, 1]  # 40..47: bits of 0..7
 
-    string_lists = datasets.Features({"image": datasets.Image(), "labels": datasets.Sequence(datasets.Value("string"))})
+    string_lists = datasets.Features({"image": datasets.Image(),
+                                      "labels": datasets.Sequence(datasets.Value("string"))})
     strings = datasets.Dataset.from_dict({"image": [{"bytes": png_bytes(np.full((8, 8), v, np.uint8)), "path": None}
                                                     for v in range(20)],
                                           "labels": [["dog", "cat"][: v % 3] for v in range(20)]}, features=string_lists)
@@ -262,3 +263,27 @@ def test_webdataset_json_arrays_and_joined_names(tmp_path):
     with pytest.raises(ImgtrainError, match=r"label 'yak' of test-001.tar:odd.png is not the label of any training"):
         prepare("webdataset", tmp_path / "again", src, PrepareOptions(multi_label=True, label_column="tags",
                                                                        label_sep=","))
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def test_inspect_counts_labels_their_pairs_and_images_per_number_of_labels(capsys, tmp_path):
+    from imgtrain.data.inspection import inspect_dataset
+
+    names = [["cat", "dog"], ["dog"], [], ["bird", "cat", "dog"], ["cat"], ["cat", "dog"]] * 6
+    out = tmp_path / "out"
+    manifest = prepare("parquet", out, pixel_table(tmp_path / "t.parquet", names), PrepareOptions(**ML))
+    result = inspect_dataset(out, out=tmp_path / "page.html", workers=1)
+    ml = result["multi_label"]
+    assert {s: result["splits"][s]["per_class"] for s in manifest["splits"]} == manifest["class_counts"]
+    assert ml["label_set_sizes"] == manifest["label_set_sizes"]
+    assert sum(result["splits"][s]["images"] for s in manifest["splits"]) == 36
+    assert ml["co_occurrence"] == [{"a": "cat", "b": "dog", "images": 18}, {"a": "bird", "b": "cat", "images": 6},
+                                   {"a": "bird", "b": "dog", "images": 6}]
+    assert ml["labels_per_image"] == 1.5  # 9 labels per 6 images
+    page = (tmp_path / "page.html").read_text()
+    assert 'id="label-set-sizes"' in page and "cat + dog" in page
+    proc = cli_here(capsys, "data", "inspect", str(out), "--out", str(tmp_path / "p2.html"), "--workers", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "labels seen together most: cat+dog 18" in proc.stdout.replace("\n", " ")
