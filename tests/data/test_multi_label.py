@@ -227,9 +227,9 @@ def test_an_hf_dataset_with_a_sequence_of_class_labels_keeps_its_names_and_split
 
     string_lists = datasets.Features({"image": datasets.Image(),
                                       "labels": datasets.Sequence(datasets.Value("string"))})
-    strings = datasets.Dataset.from_dict({"image": [{"bytes": png_bytes(np.full((8, 8), v, np.uint8)), "path": None}
-                                                    for v in range(20)],
-                                          "labels": [["dog", "cat"][: v % 3] for v in range(20)]}, features=string_lists)
+    images = [{"bytes": png_bytes(np.full((8, 8), v, np.uint8)), "path": None} for v in range(20)]
+    strings = datasets.Dataset.from_dict({"image": images, "labels": [["dog", "cat"][: v % 3] for v in range(20)]},
+                                         features=string_lists)
     strings.save_to_disk(tmp_path / "strings")
     manifest = prepare("hf", tmp_path / "out2", tmp_path / "strings", PrepareOptions(**ML))
     assert manifest["classes"] == ["cat", "dog"]
