@@ -539,6 +539,12 @@ def evaluate_cmd(run: str = RUN_ARGUMENT, *, options: EvaluateOptions,
         print(json.dumps(result.to_json(), indent=2))
         return
     console.print(f"checkpoint {result.checkpoint}")
+    if getattr(result, "multi_label", False):
+        from imgtrain.inference.multilabel_eval import summary_lines
+
+        for line in summary_lines(result):
+            console.print(line)
+        return
     recorded = result.recorded_val_accuracy
     on = "" if result.recorded_split == result.split else f" on the {result.recorded_split} split"
     console.print(
