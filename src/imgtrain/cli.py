@@ -657,7 +657,8 @@ def report_cmd(run: str = typer.Argument(..., help="Run name (in --storage) or r
 
     page = write_report(run, **values(options))
     figures = json.loads((page.parent / EVAL_FILE).read_text())  # what the page shows: the split's own figure
-    console.print(f"{figures['split']} accuracy {figures['accuracy']:.2%} on {figures['num_samples']:,} images, "
+    figure = f"mAP {figures['map']:.4f}" if figures.get("multi_label") else f"accuracy {figures['accuracy']:.2%}"
+    console.print(f"{figures['split']} {figure} on {figures['num_samples']:,} images, "
                   f"{Path(figures['checkpoint']).name}")
     console.print(f"report: {page}")
 

@@ -111,8 +111,8 @@ def probabilities(loaded: LoadedCheckpoint, data_dir, manifest: dict, split: str
     from imgtrain.data import stream
 
     preprocess, model = loaded.preprocess, loaded.model
-    reader = stream.Reader(str(data_dir), manifest["storage"], preprocess.preset, tuple(preprocess.image_shape),
-                           train=False, augment=False)
+    # the data set's shape is the model's (batch.check_compatible); the reader hands out multi-hot labels
+    reader = stream.Reader.for_data(data_dir, manifest, preset=preprocess.preset, train=False, augment=False)
     ids, scores, targets = [], [], []
     with process.torch_threads(opts.threads), torch.inference_mode():
         for f, g, rows in stream.blocks(data_dir, manifest, split):
