@@ -544,6 +544,12 @@ def evaluate_cmd(run: str = RUN_ARGUMENT, *, options: EvaluateOptions,
         print(json.dumps(result.to_json(), indent=2))
         return
     console.print(f"checkpoint {result.checkpoint}")
+    if getattr(result, "multi_label", False):
+        from imgtrain.inference.multilabel_eval import summary_lines
+
+        for line in summary_lines(result):
+            console.print(line)
+        return
     recorded = result.recorded_val_accuracy
     on = "" if result.recorded_split == result.split else f" on the {result.recorded_split} split"
     console.print(
@@ -656,7 +662,8 @@ def report_cmd(run: str = typer.Argument(..., help="Run name (in --storage) or r
 
     page = write_report(run, **values(options))
     figures = json.loads((page.parent / EVAL_FILE).read_text())  # what the page shows: the split's own figure
-    console.print(f"{figures['split']} accuracy {figures['accuracy']:.2%} on {figures['num_samples']:,} images, "
+    figure = f"mAP {figures['map']:.4f}" if figures.get("multi_label") else f"accuracy {figures['accuracy']:.2%}"
+    console.print(f"{figures['split']} {figure} on {figures['num_samples']:,} images, "
                   f"{Path(figures['checkpoint']).name}")
     console.print(f"report: {page}")
 

@@ -180,7 +180,7 @@ def evaluate(
     run, checkpoint: str = EvaluateOptions.checkpoint, storage: str = EvaluateOptions.storage,
     split: str = EvaluateOptions.split, data: str | None = EvaluateOptions.data, options: InferenceOptions | None = None,
     label_issues: int = EvaluateOptions.label_issues,
-) -> EvalResult:
+) -> EvalResult:  # a multi-label checkpoint's: multilabel_eval.MultiLabelEvalResult
     """Accuracy, top-5 accuracy, per-class and averaged scores, calibration and confusion matrix
     of a checkpoint on a prepared split (``metrics.py`` defines them)."""
     from imgtrain.data.format import eval_split, verify_dataset
@@ -200,6 +200,11 @@ def evaluate(
         raise ImgtrainError(f"data set {data_dir} has no split {split!r}; it has {', '.join(manifest['splits'])}")
     if manifest["splits"][split]["num_samples"] == 0:
         raise ImgtrainError(f"split {split!r} of {data_dir} is empty; nothing to evaluate")
+    from imgtrain.inference import multilabel_eval
+
+    multilabel_eval.check_kind(loaded, manifest, data_dir)
+    if multilabel_eval.is_multi_label(manifest):  # one sigmoid per label: figures of its own
+        return multilabel_eval.evaluate_multi_label(loaded, data_dir, manifest, split, opts, label_issues, not data)
     classes = list(loaded.preprocess.classes)
     # The predictor ranks TOP_K classes for top-5 accuracy, by index; the rows kept show opts.top_k.
     ranked = min(max(opts.top_k, TOP_K), len(classes))
