@@ -273,20 +273,6 @@ def eval_split(manifest: dict) -> str:
     return "val" if "val" in manifest["splits"] else "test"
 
 
-def is_multi_label(manifest: dict) -> bool:
-    """Whether the data set gives each image a set of labels (issue 48's contract: the manifest's
-    ``multi_label``) rather than one."""
-    return manifest.get("multi_label") is True
-
-
-def multi_hot(label_lists, num_classes: int) -> np.ndarray:
-    """uint8 [n, num_classes]: 1 where an image's list of class indices names the class."""
-    out = np.zeros((len(label_lists), num_classes), np.uint8)
-    for i, labels in enumerate(label_lists):
-        out[i, np.asarray(labels, np.int64)] = 1
-    return out
-
-
 def side_files(manifest: dict) -> list[str]:
     """The files a data set keeps beside its manifest and splits (its own, as much as they are:
     ``--overwrite`` replaces them and ``clean`` deletes them). Fixed names, never a path from the manifest."""
