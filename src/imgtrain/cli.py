@@ -648,9 +648,11 @@ def export_cmd(
         console.print(f"int8: {result.verification.split} accuracy {int8['accuracy']:.2%} against "
                       f"{int8['fp32_accuracy']:.2%} in float32 (drop {int8['accuracy_drop']:.2%}, at most "
                       f"{int8['max_accuracy_drop']:.2%} allowed)")
-    accuracy = "" if int8 else f"{result.verification.split} accuracy {result.test_metrics['accuracy']:.2%}; "
+    multi = result.test_metrics.get("multi_label")
+    figure = f"mAP {result.test_metrics['map']:.4f}" if multi else f"accuracy {result.test_metrics.get('accuracy', 0):.2%}"
+    accuracy = "" if int8 else f"{result.verification.split} {figure}; "
     console.print(f"{accuracy}wrote {'the int8 model ' if int8 else ''}{result.model_file} with labels.json, "
-                  f"preprocessing.json and MODEL_CARD.md")
+                  f"{'thresholds.json, ' if multi else ''}preprocessing.json and MODEL_CARD.md")
 
 
 @app.command("report")

@@ -1,13 +1,18 @@
 """Multi-label training end to end on real images: 2x2 grids of scikit-learn's digits, labels the
 digits shown (``tests/multilabel_digits.py``), prepared from a CSV with a split column. One run
 on 2 Ray workers with the defaults shared by the checks of what it recorded, stored and
-evaluates to; exact resumption on the local backend (interrupted inside an epoch, then resumed:
-the uninterrupted run's bits), with label-vector mixing and positive weights on; and
-``--sampling balanced`` refused in one line."""
+evaluates to, and of its answers: predicted (a prepared split on Ray Data, a folder of PNGs in
+this process), exported to ONNX (verified by label sets) and that export served over real HTTP
+(``imgtrain serve --engine onnxruntime``, joined to the session's cluster). The same run with a
+Ray Train worker SIGKILLed mid-epoch ends with the uninterrupted run's bits; so does exact
+resumption on the local backend (interrupted inside an epoch, then resumed), with label-vector
+mixing and positive weights on; and ``--sampling balanced`` refused in one line."""
 
 from __future__ import annotations
 
 import json
+import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +21,7 @@ import torch
 import imgtrain
 from imgtrain.config import TrainConfig
 from imgtrain.storage import checkpoint as ckpt
+from imgtrain.storage import runs
 from imgtrain.training.faults import ENV_VAR
 from tests.conftest import assert_one_line_error, cli_here, quiet_display
 from tests.multilabel_digits import write_digit_grids
@@ -25,6 +31,7 @@ pytestmark = pytest.mark.integration
 # 240 grids: 168 train (batch 16: 10 steps an epoch), 36 val, 36 test. timm's test ResNet: what is
 # checked is the multi-label machinery, not what the model learns; one torch thread per worker.
 SMALL = dict(model="timm:test_resnet", batch_size=16, eval_batch_size=64, threads_per_worker=1, log_every_steps=5)
+RAY_RUN = dict(SMALL, workers=2, epochs=2)
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +54,13 @@ def imgtrain_cli(*args):
 @pytest.fixture(scope="module")
 def ray_run(ray_cluster, grids, tmp_path_factory):
     storage = tmp_path_factory.mktemp("ml-runs")
-    cfg = TrainConfig(data=str(grids), storage=str(storage), name="grids", workers=2, epochs=2, **SMALL)
+    cfg = TrainConfig(data=str(grids), storage=str(storage), name="grids", **RAY_RUN)
     result = imgtrain.train(cfg, display=quiet_display())
     assert result.status == "finished"
     return result
+
+
+HISTORY_KEYS = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_map", "val_accuracy")
 
 
 def test_two_workers_record_val_map_and_store_thresholds_chosen_on_val(ray_run):
@@ -110,3 +120,150 @@ def test_the_report_shows_ap_per_label_thresholds_and_the_most_wrong_images(ray_
     for part in ('id="label-ap"', 'id="thresholds-table"', 'id="most-wrong"', "mAP re-evaluated now"):
         assert part in page, part
     assert json.loads((page_dir := ray_run.path / "report" / "evaluation.json").read_text())["multi_label"] is True, page_dir
+
+
+# ---------------------------------------------------------------- a killed Ray Train worker
+
+
+def test_a_sigkilled_ray_worker_is_replaced_and_the_run_ends_with_the_uninterrupted_bits(
+        ray_run, grids, tmp_path, monkeypatch):
+    """Rank 1 SIGKILLs itself about to train step 18, late in the second epoch; Ray Train replaces
+    the worker group once, from the newest checkpoint it had registered (step checkpoints every 4
+    steps, the first epoch's at step 10: which one depends on when Ray Train saw its report), and
+    the run ends with the same losses, mAP, weights and thresholds as the one never interrupted."""
+    monkeypatch.setenv(ENV_VAR, "kill:1:18")
+    cfg = TrainConfig(data=str(grids), storage=str(tmp_path), name="killed", max_failures=1,
+                      checkpoint_every_steps=4, **RAY_RUN)
+    killed = imgtrain.train(cfg, display=quiet_display())
+    assert killed.status == "finished"
+    assert (killed.path / ".faults" / "kill-1-18-1").is_file()  # the fault really fired
+    starts = [r["step"] for r in runs.read_metrics(killed.path) if r["kind"] == "start"]
+    assert len(starts) == 2 and starts[1] in (10, 12, 16), starts  # one restart, from a checkpoint
+    assert [[r[k] for k in HISTORY_KEYS] for r in killed.history] == [[r[k] for k in HISTORY_KEYS]
+                                                                       for r in ray_run.history]
+    a, b = (ckpt.load_model_state(r.latest_checkpoint) for r in (ray_run, killed))
+    assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-6
+    assert np.array_equal(ckpt.load_thresholds(ray_run.latest_checkpoint, 10)[0],
+                          ckpt.load_thresholds(killed.latest_checkpoint, 10)[0])
+
+
+# ---------------------------------------------------------------- its answers: predict, export, serve
+
+
+@pytest.fixture(scope="module")
+def torch_predictor(ray_run):
+    from imgtrain.inference.predictor import Predictor
+
+    return Predictor(ray_run.best_checkpoint)
+
+
+def test_predict_writes_the_label_sets_and_every_probability_for_a_split_and_a_folder(
+        ray_run, grids, torch_predictor, tmp_path):
+    """A prepared split on Ray Data's actor pool (the default backend), and the source's PNG
+    files in this process: ``labels`` is the classes at or over the checkpoint's thresholds,
+    joined by a space; ``prob_<class>`` the model's sigmoids."""
+    import pandas as pd
+
+    from imgtrain.inference.batch import predict
+    from imgtrain.inference.options import InferenceOptions
+
+    classes = [str(d) for d in range(10)]
+    thresholds, _ = ckpt.load_thresholds(ray_run.best_checkpoint, 10)
+    columns = ["labels", *[f"prob_{c}" for c in classes]]
+
+    split = predict(ray_run.best_checkpoint, str(grids), tmp_path / "split.parquet",
+                    options=InferenceOptions(backend="ray", batch_size=16)).predictions
+    ids, images, targets = _test_split(grids)
+    assert list(split.columns) == ["id", "true_labels", *columns] and split["id"].tolist() == ids.tolist()
+    probs = torch_predictor.predict_proba(images)
+    assert np.allclose(split[columns[1:]].to_numpy(), probs, atol=1e-6)
+    assert split["labels"].tolist() == [" ".join(c for c, on in zip(classes, row) if on) for row in probs >= thresholds]
+    assert split["true_labels"].tolist() == [" ".join(c for c, on in zip(classes, row) if on) for row in targets]
+
+    source = grids.parent / "source" / "images"
+    files = predict(ray_run.best_checkpoint, str(source), tmp_path / "files.csv",
+                    options=InferenceOptions(backend="local")).out
+    table = pd.read_csv(files, keep_default_na=False)  # "" is an image without a label
+    assert list(table.columns) == ["path", *columns] and len(table) == 240
+    assert set(table["labels"]) <= {" ".join(c for c, on in zip(classes, row) if on)
+                                    for row in table[columns[1:]].to_numpy() >= thresholds}
+
+
+@pytest.fixture(scope="module")
+def exported(ray_run, tmp_path_factory):
+    from imgtrain.inference.export import export
+
+    return export(ray_run.best_checkpoint, "onnx", tmp_path_factory.mktemp("ml-export") / "onnx")
+
+
+def test_the_onnx_export_holds_sigmoids_and_the_thresholds_verified_by_label_sets(ray_run, grids, exported,
+                                                                                    torch_predictor):
+    from imgtrain.inference.predictor import Predictor
+
+    thresholds, _ = ckpt.load_thresholds(ray_run.best_checkpoint, 10)
+    v = exported.verification
+    assert v.images == 36 and v.agreement >= 0.999 and "label sets identical" in v.line()
+    folder = exported.out
+    written = json.loads((folder / "thresholds.json").read_text())
+    assert written["chosen_on"] == "val" and list(written["thresholds"].values()) == thresholds.tolist()
+    assert json.loads((folder / "imgtrain.json").read_text())["thresholds"] == thresholds.tolist()
+    assert "sigmoid" in json.loads((folder / "preprocessing.json").read_text())["output"]["meaning"]
+    card = (folder / "MODEL_CARD.md").read_text()
+    assert "10 labels (multi-label)" in card and "mAP" in card and "| label | AP | threshold |" in card
+    assert exported.test_metrics["multi_label"] and 0 <= exported.test_metrics["map"] <= 1
+    # ONNX Runtime's answers are PyTorch's: sigmoids (not a softmax: they need not sum to 1)
+    onnx = Predictor(folder, engine="onnxruntime")
+    assert onnx.multi_label and np.array_equal(onnx.thresholds, thresholds)
+    images = _test_split(grids)[1]
+    assert np.allclose(onnx.predict_proba(images), torch_predictor.predict_proba(images), atol=1e-5)
+
+
+def _test_split(grids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, images uint8 [n, H, W, C] as evaluation sees them, multi-hot labels) of the test split."""
+    from imgtrain.data import stream
+    from imgtrain.data.format import load_manifest
+
+    manifest = load_manifest(grids)
+    batches = list(stream.split_batches(grids, manifest, "test", manifest["preset"], 64))
+    return tuple(np.concatenate([b[k] for b in batches]) for k in ("id", "image", "label"))
+
+
+def test_serve_of_the_export_answers_the_label_list_over_http(ray_cluster, ray_run, grids, exported,
+                                                               torch_predictor, tmp_path):
+    """The real ``imgtrain serve --engine onnxruntime`` of the export, joined to the session's
+    cluster through Serve's proxy (no Ray start of its own): a PNG posted to /predict is answered
+    with the labels at or over their thresholds, most probable first, and every probability, the
+    label set PyTorch's checkpoint gives."""
+    from ray import serve
+
+    from tests.integration.test_serve import png_bytes, request, serving
+
+    grid = _test_split(grids)[1][0]
+    probs = torch_predictor.predict_proba(grid[None])[0]
+    thresholds = torch_predictor.thresholds
+    expected = sorted((c for c in range(10) if probs[c] >= thresholds[c]), key=lambda c: -probs[c])
+    try:
+        with serving(Path(ray_run.path).parent, tmp_path, "--ingress", "proxy", "--address", ray_cluster,
+                     "--engine", "onnxruntime", run=str(exported.out)) as (proc, port, _, stderr):
+            status, health = request(port, "/healthz")
+            assert status == 200 and health["multi_label"] is True
+            assert list(health["thresholds"].values()) == pytest.approx(thresholds.tolist())
+            status, answer = request(port, "/predict", png_bytes(grid), "image/png")
+            assert status == 200, answer
+            assert set(answer) == {"labels", "probabilities"}
+            assert [a["label"] for a in answer["labels"]] == [str(c) for c in expected]
+            assert [a["probability"] for a in answer["labels"]] == pytest.approx(probs[expected].tolist(), abs=1e-5)
+            assert list(answer["probabilities"].values()) == pytest.approx(probs.tolist(), abs=1e-5)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 0, stderr.read_text()
+    finally:  # a server killed mid-test leaves Serve in the session's cluster: not for the tests after
+        serve.shutdown()
+
+
+def test_what_has_no_meaning_for_a_multi_label_model_is_refused_in_one_line(ray_run, tmp_path, capsys):
+    storage, name = str(ray_run.path.parent), ray_run.path.name
+    proc = cli_here(capsys, "predict", name, str(tmp_path), "--storage", storage, "--out", str(tmp_path / "p.csv"),
+                    "--top-k", "5", "--backend", "local")
+    assert_one_line_error(proc, "--top-k", "multi-label")
+    proc = cli_here(capsys, "export", name, "--storage", storage, "--out", str(tmp_path / "x"), "--quantize", "int8")
+    assert_one_line_error(proc, "--quantize int8", "multi-label")

@@ -187,6 +187,22 @@ def is_multi_label(manifest: dict) -> bool:
     return manifest.get("multi_label") is True
 
 
+DEFAULT_LABEL_SEP = " "  # what joins a multi-label image's class names where the data set names none
+MAX_LABEL_SEP_CHARS = 16
+
+
+def label_separator(manifest: dict) -> str:
+    """What joins a multi-label image's class names in a text column (``predict``'s ``labels``): the
+    ``--label-sep`` the data set was prepared with (its ``options`` record), a space by default.
+    The manifest (or a checkpoint's copy of it) is untrusted: a value that is not a short line of
+    text (no line break, no control character but a tab) gives the default."""
+    options = manifest.get("options") if isinstance(manifest, dict) else None
+    sep = options.get("label_sep") if isinstance(options, dict) else None
+    if isinstance(sep, str) and 0 < len(sep) <= MAX_LABEL_SEP_CHARS and all(c.isprintable() or c == "\t" for c in sep):
+        return sep
+    return DEFAULT_LABEL_SEP
+
+
 def multi_hot(label_lists, num_classes: int) -> np.ndarray:
     """Each image's class indices (an Arrow list column, or lists) -> uint8 [n, num_classes], 1
     where the image carries the class. An index outside the classes is an error (shards are

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from imgtrain.data import dedupe, images, pool
-from imgtrain.data.format import DEDUPE_FILE, NORMALIZE_MEAN, NORMALIZE_STD, default_preset
+from imgtrain.data.format import DEDUPE_FILE, DEFAULT_LABEL_SEP, NORMALIZE_MEAN, NORMALIZE_STD, default_preset
 from imgtrain.data.label_sets import LabelSets, occurrences
 from imgtrain.data.listing import MAX_LISTED_BAD, Listing, PixelListing
 from imgtrain.data.named_splits import SPLIT_CODES
@@ -52,7 +52,9 @@ def prepare(source: str, out_dir, source_path=None, options: PrepareOptions | No
              else f"{source}:{Path(source_path).absolute()}")
     fields = {"name": Path(out_dir).absolute().name, "source": where,
               "options": {"seed": opts.seed, "test_fraction": opts.test_fraction, "val_fraction": opts.val_fraction,
-                          "channels": opts.channels, "size": list(opts.size) if opts.size else None}}
+                          "channels": opts.channels, "size": list(opts.size) if opts.size else None,
+                          # what joins an image's class names in predict's labels column (format.label_separator)
+                          **({"label_sep": opts.label_sep or DEFAULT_LABEL_SEP} if opts.multi_label else {})}}
     listed = spec.lister(source_path, opts)
     if opts.dedupe != "off" and not isinstance(listed, Listing):
         raise ImgtrainError(f"--dedupe works on sources of PNG/JPEG images, and {source} gives pixel arrays; prepare "

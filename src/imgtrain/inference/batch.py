@@ -16,7 +16,7 @@ import numpy as np
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.inputs import CONVERTED_KEY, ERROR_KEY, ROW_KEY, read_task
 from imgtrain.inference.metrics import TOP_K, EvalSums, class_scores
-from imgtrain.inference.options import ON_ERROR, EvaluateOptions, InferenceOptions, PredictOptions
+from imgtrain.inference.options import DEFAULT_TOP_K, ON_ERROR, EvaluateOptions, InferenceOptions, PredictOptions
 from imgtrain.inference.predictor import Predictor, check_tta, load_checkpoint
 from imgtrain.inference.preprocess import LoadedCheckpoint
 from imgtrain.ops import process
@@ -302,6 +302,7 @@ def predict(
     out = check_output(out, overwrite)  # before any work, not after it
     # an ONNX Runtime session takes its threads when it is made: the local backend's, here
     loaded = load_checkpoint(run, checkpoint, storage, engine=opts.engine, threads=opts.threads)
+    _check_multi_label_options(loaded, opts)
     inputs = list_inputs(input, split=split, image_column=image_column)
     writer, skipped, converted = TableWriter(out), [], 0
     try:
@@ -323,3 +324,13 @@ def predict(
         raise
     return PredictResult(out=out, num_predictions=writer.rows, converted=converted,
                          image_shape_text="x".join(map(str, loaded.preprocess.image_shape)), skipped=skipped)
+
+
+def _check_multi_label_options(loaded: LoadedCheckpoint, opts: InferenceOptions) -> None:
+    """--top-k ranks the classes of a single-label model; a multi-label one answers with every class."""
+    from imgtrain.inference.multilabel_answers import is_multi_label_model
+
+    if is_multi_label_model(loaded) and opts.top_k != DEFAULT_TOP_K:
+        raise ImgtrainError("--top-k lists a single-label model's most probable classes; this model is multi-label: "
+                            "its predictions hold the labels over their thresholds (labels) and every class's "
+                            "probability (prob_<class>): drop --top-k")

@@ -82,6 +82,23 @@ def evaluate_multi_label(loaded: LoadedCheckpoint, data_dir, manifest: dict, spl
     if thresholds is None:
         thresholds = np.full(len(classes), mm.DEFAULT_THRESHOLD, np.float32)
     ids, scores, targets = probabilities(loaded, data_dir, manifest, split, opts)
+    figures = label_figures(scores, targets, thresholds, classes)
+    metrics = loaded.meta.get("metrics") if isinstance(loaded.meta.get("metrics"), dict) else {}
+    recorded = metrics.get("val_map") if same_data else None
+    recorded = float(recorded) if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) else None
+    return MultiLabelEvalResult(
+        num_samples=len(ids), classes=classes, **figures,
+        thresholds_chosen_on=chosen_on, checkpoint=str(loaded.path), split=split,
+        data=str(Path(data_dir).resolve()), recorded_val_map=recorded,
+        recorded_split=None if recorded is None else loaded.recorded_split or eval_split(manifest), tta=opts.tta,
+        ids=ids, scores=scores, targets=targets, thresholds=thresholds,
+    )
+
+
+def label_figures(scores: np.ndarray, targets: np.ndarray, thresholds: np.ndarray, classes) -> dict:
+    """``map``, ``f1_micro``, ``f1_macro``, ``exact_match``, ``hamming_loss`` and ``per_label``
+    {class: precision, recall, f1, ap (None: no positive), threshold, support} of a split's
+    probabilities decided at ``thresholds`` (what ``evaluate`` reports and an export's card states)."""
     ap = mm.average_precision(scores, targets)
     s = mm.set_scores(scores, targets, thresholds)
     per_label = {
@@ -90,17 +107,8 @@ def evaluate_multi_label(loaded: LoadedCheckpoint, data_dir, manifest: dict, spl
                  "support": int(s["support"][i])}
         for i, c in enumerate(classes)
     }
-    metrics = loaded.meta.get("metrics") if isinstance(loaded.meta.get("metrics"), dict) else {}
-    recorded = metrics.get("val_map") if same_data else None
-    recorded = float(recorded) if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) else None
-    return MultiLabelEvalResult(
-        num_samples=len(ids), classes=classes, map=mm.mean_average_precision(ap), f1_micro=s["f1_micro"],
-        f1_macro=s["f1_macro"], exact_match=s["exact_match"], hamming_loss=s["hamming_loss"], per_label=per_label,
-        thresholds_chosen_on=chosen_on, checkpoint=str(loaded.path), split=split,
-        data=str(Path(data_dir).resolve()), recorded_val_map=recorded,
-        recorded_split=None if recorded is None else loaded.recorded_split or eval_split(manifest), tta=opts.tta,
-        ids=ids, scores=scores, targets=targets, thresholds=thresholds,
-    )
+    return {"map": mm.mean_average_precision(ap), "f1_micro": s["f1_micro"], "f1_macro": s["f1_macro"],
+            "exact_match": s["exact_match"], "hamming_loss": s["hamming_loss"], "per_label": per_label}
 
 
 def probabilities(loaded: LoadedCheckpoint, data_dir, manifest: dict, split: str, opts: InferenceOptions):
