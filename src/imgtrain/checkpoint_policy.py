@@ -37,7 +37,9 @@ _NAME = re.compile(rf"{PREFIX}epoch_(\d{{4,}})(?:_step_(\d{{7,}})|(_average))?(?
 AVERAGE_SUFFIX = "_average"
 
 # The metrics a run's checkpoints can be ranked by (--select-metric), each with its direction.
-SELECTION_METRICS = {"val_accuracy": "max", "val_loss": "min", "val_f1_macro": "max"}
+# val_map: multi-label data sets only (training/multilabel.py)
+SELECTION_METRICS = {"val_accuracy": "max", "val_loss": "min", "val_f1_macro": "max", "val_map": "max"}
+MULTI_LABEL_METRICS = ("val_map",)
 DEFAULT_METRIC = "val_accuracy"
 
 

@@ -250,6 +250,11 @@ def data_inspect(
                   f"class {ratio}{' (imbalanced)' if imb['flagged'] else ''}; duplicate pairs across splits "
                   f"{cross['exact']:,} exact, {cross['near']:,} near; within a split {within['exact']:,} exact, "
                   f"{within['near']:,} near")
+    if result.get("multi_label"):
+        ml = result["multi_label"]
+        pairs = ", ".join(f"{p['a']}+{p['b']} {p['images']:,}" for p in ml["co_occurrence"][:5])
+        console.print(f"multi-label: {ml['labels_per_image']} labels per image; images with 0, 1, 2, ... labels "
+                      f"(train) {ml['label_set_sizes']['train']}; labels seen together most: {pairs or 'none'}")
     console.print(f"page: {result['page']}")
 
 
@@ -539,6 +544,12 @@ def evaluate_cmd(run: str = RUN_ARGUMENT, *, options: EvaluateOptions,
         print(json.dumps(result.to_json(), indent=2))
         return
     console.print(f"checkpoint {result.checkpoint}")
+    if getattr(result, "multi_label", False):
+        from imgtrain.inference.multilabel_eval import summary_lines
+
+        for line in summary_lines(result):
+            console.print(line)
+        return
     recorded = result.recorded_val_accuracy
     on = "" if result.recorded_split == result.split else f" on the {result.recorded_split} split"
     console.print(
@@ -637,9 +648,11 @@ def export_cmd(
         console.print(f"int8: {result.verification.split} accuracy {int8['accuracy']:.2%} against "
                       f"{int8['fp32_accuracy']:.2%} in float32 (drop {int8['accuracy_drop']:.2%}, at most "
                       f"{int8['max_accuracy_drop']:.2%} allowed)")
-    accuracy = "" if int8 else f"{result.verification.split} accuracy {result.test_metrics['accuracy']:.2%}; "
+    multi = result.test_metrics.get("multi_label")
+    figure = f"mAP {result.test_metrics['map']:.4f}" if multi else f"accuracy {result.test_metrics.get('accuracy', 0):.2%}"
+    accuracy = "" if int8 else f"{result.verification.split} {figure}; "
     console.print(f"{accuracy}wrote {'the int8 model ' if int8 else ''}{result.model_file} with labels.json, "
-                  f"preprocessing.json and MODEL_CARD.md")
+                  f"{'thresholds.json, ' if multi else ''}preprocessing.json and MODEL_CARD.md")
 
 
 @app.command("report")
@@ -651,7 +664,8 @@ def report_cmd(run: str = typer.Argument(..., help="Run name (in --storage) or r
 
     page = write_report(run, **values(options))
     figures = json.loads((page.parent / EVAL_FILE).read_text())  # what the page shows: the split's own figure
-    console.print(f"{figures['split']} accuracy {figures['accuracy']:.2%} on {figures['num_samples']:,} images, "
+    figure = f"mAP {figures['map']:.4f}" if figures.get("multi_label") else f"accuracy {figures['accuracy']:.2%}"
+    console.print(f"{figures['split']} {figure} on {figures['num_samples']:,} images, "
                   f"{Path(figures['checkpoint']).name}")
     console.print(f"report: {page}")
 

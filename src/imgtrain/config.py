@@ -197,13 +197,26 @@ class TrainConfig:
     class_weights: str = setting("none", "``auto``: weigh each class's loss by the inverse of its share of the "
                                  "training split (scikit-learn's \"balanced\": n / (classes x n_class)), so a rare "
                                  "class counts as much as a frequent one; the training loss shown is then the "
-                                 "weighted one, validation's stays plain. ``none``: every image counts the same.",
+                                 "weighted one, validation's stays plain. ``none``: every image counts the same. "
+                                 "Multi-label data: each label's positive term weighed by its negatives / "
+                                 "positives in the training split (BCE's ``pos_weight``).",
                                  choices=("none", "auto"))
     sampling: str = setting("shuffle", "The rows of an epoch: ``shuffle`` (each once, in a seeded order) or "
                             "``balanced`` (as many rows drawn with replacement, each class equally likely: rare "
                             "classes repeat, frequent ones are partly left out; still a function of seed and "
                             "epoch). A streamed data set draws each window of about 16k rows this way.",
                             choices=("shuffle", "balanced"))
+    multi_label_loss: str = setting("bce", "Multi-label data: the loss of each label's sigmoid, ``bce`` (binary "
+                                    "cross-entropy) or ``asl`` (the asymmetric loss of Ridnik et al. 2021, which "
+                                    "weighs down the many easy negatives: --asl-gamma-neg, --asl-gamma-pos, "
+                                    "--asl-clip). Single-label data trains with the cross-entropy whatever it is.",
+                                    choices=("bce", "asl"))
+    asl_gamma_neg: float = setting(4.0, "The asymmetric loss's focusing exponent of the negatives.",
+                                   range="[0, 100]")
+    asl_gamma_pos: float = setting(0.0, "The asymmetric loss's focusing exponent of the positives.",
+                                   range="[0, 100]")
+    asl_clip: float = setting(0.05, "The asymmetric loss's probability margin: a negative's probability is lowered "
+                              "by it (and one below it costs nothing).", range="[0, 1)")
     ema_decay: float = setting(0.98, "Per-step decay of an exponential moving average of the weights, which is "
                                "what gets evaluated and saved as model.pt; 0 turns it off. Smooths the "
                                "epoch-to-epoch jitter. The decay warms up as (1 + n) / (10 + n) at step n and "
@@ -247,7 +260,9 @@ class TrainConfig:
     select_metric: str = setting(DEFAULT_METRIC, "The validation metric that ranks checkpoints: which one is "
                                  "``best`` (evaluate, serve, predict), which ``--num-to-keep`` keeps, and what "
                                  "``--early-stop`` watches. ``val_loss`` is minimised, ``val_accuracy`` and "
-                                 "``val_f1_macro`` (the unweighted mean of the per-class F1 scores) maximised.",
+                                 "``val_f1_macro`` (the unweighted mean of the per-class F1 scores) maximised, "
+                                 "and for multi-label data ``val_map`` (the mean of the labels' average "
+                                 "precisions) too.",
                                  choices=tuple(SELECTION_METRICS))
     early_stop: int = setting(0, "Stop training when --select-metric has not improved for this many epochs (its "
                               "best by more than --early-stop-min-delta); 0 = train every epoch. Decided from the "
@@ -381,6 +396,9 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
     if cfg.warmup_epochs and cfg.warmup_epochs >= cfg.epochs:
         issues.append(f"--warmup-epochs {cfg.warmup_epochs:g} would warm up for all {cfg.epochs} epochs: use fewer")
     issues += schedule_problems(cfg)
+    for name in ("asl_gamma_neg", "asl_gamma_pos", "asl_clip"):
+        if getattr(cfg, name) != getattr(TrainConfig, name) and cfg.multi_label_loss != "asl":
+            issues.append(f"{flag(name)} is the asymmetric loss's: add --multi-label-loss asl or drop {flag(name)}")
     if cfg.min_lr and cfg.schedule != "cosine":
         issues.append(f"--min-lr is the cosine schedule's floor; --schedule {cfg.schedule} has none: drop --min-lr "
                       "or use --schedule cosine")

@@ -31,7 +31,7 @@ def healthz(preset: str, shape: list[int]) -> dict:
 class Server:
     """The page and the two routes it calls on 127.0.0.1; ``received``: each /predict's (type, body)."""
 
-    def __init__(self, health: dict):
+    def __init__(self, health: dict, answer: dict = ANSWER):
         self.received: list[tuple[str, bytes]] = []
         outer = self
 
@@ -58,7 +58,7 @@ class Server:
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 outer.received.append((self.headers["Content-Type"], body))
-                self.reply(json.dumps(ANSWER).encode(), "application/json")
+                self.reply(json.dumps(answer).encode(), "application/json")
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -76,8 +76,8 @@ def opened(tmp_path):
     chromium()  # skips (fails under CI=true) without one
     made = []
 
-    def open_page(health: dict):
-        server = Server(health)
+    def open_page(health: dict, answer: dict = ANSWER):
+        server = Server(health, answer)
         page = BrowserPage(server.url, tmp_path / f"profile{len(made)}", size=(1000, 800))
         made.append((page, server))
         page.wait_for("document.body !== null && document.body.dataset.ready === '1'")
@@ -132,3 +132,31 @@ def test_a_server_without_a_preset_is_read_by_its_channels(opened):
     del health["preset"]
     page, _ = opened(health)
     assert page.js(f"{VISIBLE}('pad')") == [0, 0] and page.js("document.body.dataset.mode") == "photos"
+
+
+def test_a_multi_label_model_shows_every_label_over_its_threshold(opened, tmp_path):
+    """A multi-label server answers {"labels": [...], "probabilities"} (routes.py): every label at or
+    over its threshold is listed, however many, and none when there is none."""
+    labels = [{"label": name, "probability": p} for name, p in
+              [("dog", 0.97), ("cat", 0.91), ("tree", 0.88), ("car", 0.7), ("sky", 0.66), ("sun", 0.51)]]
+    probabilities = {**{l["label"]: l["probability"] for l in labels}, "boat": 0.4}
+    page, _ = opened({**healthz("photos", [32, 32, 3]), "multi_label": True},
+                     {"labels": labels, "probabilities": probabilities})
+    photo = tmp_path / "scene.png"
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(photo)
+    page.choose_file("#file", photo)
+    page.wait_for("document.body.dataset.state === 'answered'")
+    listed = page.js("[...document.querySelectorAll('#result li')].map(li => li.dataset.class)")
+    assert listed == ["dog", "cat", "tree", "car", "sky", "sun"]  # six: not the single-label top five
+    assert page.js("document.getElementById('top').textContent") == "dog, cat, tree, car, sky, sun"
+
+
+def test_a_multi_label_answer_without_a_label_says_so(opened, tmp_path):
+    page, _ = opened({**healthz("photos", [32, 32, 3]), "multi_label": True},
+                     {"labels": [], "probabilities": {"cat": 0.2, "dog": 0.1}})
+    photo = tmp_path / "empty.png"
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(photo)
+    page.choose_file("#file", photo)
+    page.wait_for("document.body.dataset.state === 'answered'")
+    assert page.js("document.querySelectorAll('#result li').length") == 0
+    assert page.js("document.getElementById('top').textContent") == "no label over its threshold"

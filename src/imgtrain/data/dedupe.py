@@ -25,6 +25,7 @@ import numpy as np
 from imgtrain.data import duplicate_drops, duplicates, images, pool
 from imgtrain.data.fingerprint import MODES, TRANSFORM_WORDS, UNREADABLE, Prints, fingerprint_encoded
 from imgtrain.data.format import DEDUPE_FILE
+from imgtrain.data.label_sets import LabelSets
 from imgtrain.data.listing import Listing
 from imgtrain.data.named_splits import SPLIT_CODES, SPLIT_NAMES
 from imgtrain.data.options import PrepareOptions
@@ -108,7 +109,14 @@ def _csv(listed: Listing, split, rows) -> str:
     writer.writerow(COLUMNS)
     for b, a, exact, distance, transform in rows:
         writer.writerow(spreadsheet.safe_row([
-            int(listed.ids[b]), name(b), SPLIT_NAMES[int(split[b])], listed.classes[listed.labels[b]],
-            int(listed.ids[a]), name(a), SPLIT_NAMES[int(split[a])], listed.classes[listed.labels[a]],
+            int(listed.ids[b]), name(b), SPLIT_NAMES[int(split[b])], _class_of(listed, b),
+            int(listed.ids[a]), name(a), SPLIT_NAMES[int(split[a])], _class_of(listed, a),
             "exact" if exact else "near", distance, TRANSFORM_WORDS[transform]]))
     return out.getvalue()
+
+
+def _class_of(listed: Listing, position: int) -> str:
+    """An image's class, or a multi-label image's classes joined by spaces."""
+    if isinstance(listed.labels, LabelSets):
+        return " ".join(listed.classes[k] for k in listed.labels.row(position))
+    return listed.classes[listed.labels[position]]

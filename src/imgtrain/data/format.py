@@ -3,7 +3,8 @@ else reads. A contract: every reader checks it.
 
     DIR/manifest.json                  name, classes, storage, image shape, preset, counts,
                                        normalisation, each file's row groups, sha256 of each file
-    DIR/train/part-00000.parquet ...   columns: id int64, image, label int64
+    DIR/train/part-00000.parquet ...   columns: id int64, image, label int64 (multi-label: labels
+                                       list<int64>, each image's class indices, sorted, maybe none)
     DIR/val/...                        optional: selects the best checkpoint when present
     DIR/test/...
 
@@ -13,7 +14,10 @@ which plain pyarrow reads without Ray) or ``encoded`` (photos: the PNG/JPEG byte
 decoded and augmented by the streamed reader). ``image_shape`` is then the stored shape, or the
 training resolution. Files are written in row groups of up to 1,024 rows, listed in the manifest:
 the unit the streamed reader shuffles and reads. Data sets of format 1 (tensor storage, no row
-groups listed) are read as before.
+groups listed) are read as before. A multi-label data set (``--multi-label``) is format 3: its
+manifest says ``"multi_label": true``, ``class_counts`` counts the images carrying each label
+and ``label_set_sizes`` the images with 0, 1, 2, ... labels; every reader hands its labels out
+as a uint8 multi-hot array [n, num_classes] (``multi_hot``). Single-label data sets stay format 2.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Union
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from imgtrain.data import tables
@@ -32,13 +37,15 @@ from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops.files import sha256_file
 
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+MULTI_LABEL_FORMAT_VERSION = 3  # what a multi-label data set is written as (format 2 readers refuse it)
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 DEDUPE_FILE = "dedupe.csv"  # beside the manifest when prepared with --dedupe: what was dropped
 SOURCES_FILE = "sources.parquet"  # beside it when the source names its images: id -> where from (row_names.py)
 SPLITS = ("train", "test")  # every data set has these
 ALL_SPLITS = ("train", "val", "test")
 COLUMNS = ("id", "image", "label")
+MULTI_LABEL_COLUMNS = ("id", "image", "labels")
 STORAGES = ("tensor", "encoded")
 PRESETS = ("digits", "photos")
 # MNIST's normalisation: pixels / 255 -> [0, 1] -> (x - 0.5) / 0.5 -> [-1, 1]; the Ray tutorial's
@@ -151,7 +158,80 @@ def manifest_problems(manifest: dict) -> list[str]:
         if not (isinstance(counts, dict) and isinstance(counts.get(name), list) and _is_int(k)
                 and len(counts[name]) == k and all(_is_int(v) and v >= 0 for v in counts[name])):
             issues.append(f"class_counts.{name} is not a count per class")
+    return issues + _multi_label_problems(manifest)
+
+
+def _multi_label_problems(manifest: dict) -> list[str]:
+    """``multi_label`` is true (format 3, with ``label_set_sizes`` per split) or absent."""
+    flag = manifest.get("multi_label", False)
+    if flag is False:
+        return ["format_version 3 is a multi-label data set's, and multi_label is not true"] \
+            if manifest.get("format_version") == MULTI_LABEL_FORMAT_VERSION else []
+    if flag is not True:
+        return [f"multi_label {short_repr(flag)} is not true or false"]
+    sizes = manifest.get("label_set_sizes")
+    issues = []
+    for name, split in manifest["splits"].items():
+        found = sizes.get(name) if isinstance(sizes, dict) else None
+        if not (isinstance(found, list) and 1 <= len(found) <= MAX_CLASSES + 1
+                and all(_is_int(v) and v >= 0 for v in found)):
+            issues.append(f"label_set_sizes.{name} is not a count of images per number of labels")
+        elif isinstance(split, dict) and _is_int(split.get("num_samples")) and sum(found) != split["num_samples"]:
+            issues.append(f"label_set_sizes.{name} adds up to {sum(found):,} images, num_samples says "
+                          f"{split['num_samples']:,}")
     return issues
+
+
+def is_multi_label(manifest: dict) -> bool:
+    """Whether a data set's images carry several labels each (``data prepare --multi-label``)."""
+    return manifest.get("multi_label") is True
+
+
+DEFAULT_LABEL_SEP = " "  # what joins a multi-label image's class names where the data set names none
+MAX_LABEL_SEP_CHARS = 16
+
+
+def label_separator(manifest: dict) -> str:
+    """What joins a multi-label image's class names in a text column (``predict``'s ``labels``): the
+    ``--label-sep`` the data set was prepared with (its ``options`` record), a space by default.
+    The manifest (or a checkpoint's copy of it) is untrusted: a value that is not a short line of
+    text (no line break, no control character but a tab) gives the default."""
+    options = manifest.get("options") if isinstance(manifest, dict) else None
+    sep = options.get("label_sep") if isinstance(options, dict) else None
+    if isinstance(sep, str) and 0 < len(sep) <= MAX_LABEL_SEP_CHARS and all(c.isprintable() or c == "\t" for c in sep):
+        return sep
+    return DEFAULT_LABEL_SEP
+
+
+def multi_hot(label_lists, num_classes: int) -> np.ndarray:
+    """Each image's class indices (an Arrow list column, or lists) -> uint8 [n, num_classes], 1
+    where the image carries the class. An index outside the classes is an error (shards are
+    untrusted input)."""
+    if isinstance(label_lists, pa.ChunkedArray):
+        label_lists = label_lists.combine_chunks() if label_lists.num_chunks != 1 else label_lists.chunk(0)
+    if isinstance(label_lists, pa.Array):
+        n = len(label_lists)
+        rows = pc.list_parent_indices(label_lists).to_numpy()
+        values = pc.list_flatten(label_lists).to_numpy(zero_copy_only=False)
+    else:
+        label_lists = [np.asarray(x, np.int64).ravel() for x in label_lists]
+        n = len(label_lists)
+        rows = np.repeat(np.arange(n), [len(x) for x in label_lists])
+        values = np.concatenate(label_lists) if label_lists else np.zeros(0, np.int64)
+    out = np.zeros((n, num_classes), np.uint8)
+    if len(values):
+        if values.min() < 0 or values.max() >= num_classes:
+            bad = values[(values < 0) | (values >= num_classes)][0]
+            raise ImgtrainError(f"a label list holds class {bad}, outside [0, {num_classes}); "
+                                "prepare the data set again")
+        out[rows, values] = 1
+    return out
+
+
+def columns(manifest_or_flag) -> tuple[str, ...]:
+    """The split files' columns: ``label``, or ``labels`` for a multi-label data set."""
+    multi = manifest_or_flag if isinstance(manifest_or_flag, bool) else is_multi_label(manifest_or_flag)
+    return MULTI_LABEL_COLUMNS if multi else COLUMNS
 
 
 def _split_problems(split) -> list[str]:
@@ -232,7 +312,8 @@ def split_files(data_dir: Path, manifest: dict, split: str) -> list[Path]:
 _EXTENSION_NAME = tables.EXTENSION_NAME_KEY
 
 
-def check_split_schema(schema: pa.Schema, rel: str, storage: str = "tensor") -> list[int] | None:
+def check_split_schema(schema: pa.Schema, rel: str, storage: str = "tensor",
+                       multi_label: bool = False) -> list[int] | None:
     """Refuse every schema but the data set's own: exactly ``id`` int64, ``image`` (a uint8
     tensor, or binary for encoded storage), ``label`` int64, nothing else, no other Arrow
     extension type. Returns the image shape a tensor column declares (None when encoded).
@@ -240,15 +321,18 @@ def check_split_schema(schema: pa.Schema, rel: str, storage: str = "tensor") -> 
     A data set is untrusted input (its manifest's sha256 values are self-declared), so this is
     checked wherever split files are read, not only by ``verify_dataset``.
     """
-    missing = [c for c in COLUMNS if c not in schema.names]
-    extra = [c for c in schema.names if c not in COLUMNS] or (["a column twice"] if len(schema.names) > 3 else [])
+    wanted = columns(multi_label)
+    missing = [c for c in wanted if c not in schema.names]
+    extra = [c for c in schema.names if c not in wanted] or (["a column twice"] if len(schema.names) > 3 else [])
+    label, label_type = wanted[2], (pa.list_(pa.int64()) if multi_label else pa.int64())
     if missing:
         problem = f"lacks column(s) {', '.join(missing)}"
     elif extra:
-        problem = f"has column(s) {', '.join(extra)} besides {', '.join(COLUMNS)}"
-    elif any(schema.field(c).type != pa.int64() or _EXTENSION_NAME in (schema.field(c).metadata or {})
-             for c in ("id", "label")):
-        problem = f"has id {schema.field('id').type} / label {schema.field('label').type}, expected int64"
+        problem = f"has column(s) {', '.join(extra)} besides {', '.join(wanted)}"
+    elif (schema.field("id").type != pa.int64() or not schema.field(label).type.equals(label_type)
+          or any(_EXTENSION_NAME in (schema.field(c).metadata or {}) for c in ("id", label))):
+        found = f"{schema.field('id').type} / {label} {schema.field(label).type}"
+        problem = f"has id {found}, expected int64 / {label_type}"
     elif storage == "encoded":
         field = schema.field("image")
         if (pa.types.is_binary(field.type) or pa.types.is_large_binary(field.type)) \
@@ -298,14 +382,16 @@ def _check_file(path: Path, rel: str, manifest: dict) -> list[int]:
     except (pa.ArrowException, OSError) as e:
         raise ImgtrainError(f"{rel} is not a readable Parquet file ({one_line(e, 120)}); "
                             "prepare the data set again")
-    shape = check_split_schema(schema, rel, manifest["storage"])
+    multi = is_multi_label(manifest)
+    shape = check_split_schema(schema, rel, manifest["storage"], multi)
     if manifest["storage"] == "tensor" and shape != list(manifest["image_shape"]):
         raise ImgtrainError(
             f"{rel} holds images of shape {short_repr(shape)}, the manifest says {manifest['image_shape']}; "
             "prepare the data set again"
         )
     try:
-        labels = pf.read(columns=["label"]).column("label").to_numpy()
+        labels = pf.read(columns=[columns(multi)[2]]).column(0)
+        labels = pc.list_flatten(labels).to_numpy() if multi else labels.to_numpy()
     except (pa.ArrowException, OSError) as e:
         raise ImgtrainError(f"{rel} is corrupt ({one_line(e, 120)}); prepare the data set again")
     bad = labels[(labels < 0) | (labels >= manifest["num_classes"])]
@@ -360,12 +446,12 @@ def _check_listed_groups(data_dir: Path, split: str, rel: str, listed: list[int]
         )
 
 
-def read_split_file(path: Path, storage: str = "tensor") -> pa.Table:
+def read_split_file(path: Path, storage: str = "tensor", multi_label: bool = False) -> pa.Table:
     """One split file as an Arrow table, after its schema passed ``check_split_schema``
     (read from the footer first: no value of a refused column is ever converted)."""
     try:
-        check_split_schema(pq.read_schema(path), str(path), storage)
-        return pq.read_table(path, columns=list(COLUMNS))
+        check_split_schema(pq.read_schema(path), str(path), storage, multi_label)
+        return pq.read_table(path, columns=list(columns(multi_label)))
     except (pa.ArrowException, OSError) as e:
         raise ImgtrainError(f"cannot read {path} ({one_line(e, 120)}); "
                             "prepare the data set again with `imgtrain data prepare`") from None
@@ -389,19 +475,24 @@ def row_groups(data_dir: Path, manifest: dict, split: str) -> list[tuple[Path, i
     return [(f, g, rows) for f, groups in zip(files, found) for g, rows in enumerate(groups)]
 
 
-def read_row_group(path: Path, group: int, storage: str) -> pa.Table:
-    """One row group of a split file, its schema checked first."""
+def read_row_group(path: Path, group: int, storage: str, multi_label: bool = False) -> pa.Table:
+    """One row group of a split file, its schema checked first (a multi-label data set's has
+    ``labels``, lists of class indices: ``multi_hot`` turns them into what readers hand out)."""
     try:
         pf = pq.ParquetFile(path)
-        check_split_schema(pf.schema_arrow, str(path), storage)
-        return pf.read_row_group(group, columns=list(COLUMNS))
+        check_split_schema(pf.schema_arrow, str(path), storage, multi_label)
+        return pf.read_row_group(group, columns=list(columns(multi_label)))
     except (pa.ArrowException, OSError) as e:
         raise ImgtrainError(f"cannot read {path} ({one_line(e, 120)}); prepare the data set again") from None
 
 
-def read_labels(path: Path, group: int) -> np.ndarray:
-    """One row group's labels alone (what a balanced epoch is drawn from)."""
+def read_labels(path: Path, group: int, multi_label_classes: int = 0) -> np.ndarray:
+    """One row group's labels alone (what a balanced epoch is drawn from): int64 [n], or for a
+    multi-label data set (``multi_label_classes``: its number of classes) uint8 multi-hot [n, K]."""
     try:
+        if multi_label_classes:
+            column = pq.ParquetFile(path).read_row_group(group, columns=["labels"]).column("labels")
+            return multi_hot(column, multi_label_classes)
         return pq.ParquetFile(path).read_row_group(group, columns=["label"]).column("label").to_numpy()
     except (pa.ArrowException, OSError) as e:
         raise ImgtrainError(f"cannot read {path} ({one_line(e, 120)}); prepare the data set again") from None
@@ -409,30 +500,33 @@ def read_labels(path: Path, group: int) -> np.ndarray:
 
 def read_split(data_dir: PathLike, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A whole split of a data set with tensor storage, as numpy: (ids int64 [N], images uint8
-    [N, H, W, C], labels int64 [N]), rows in file order. For small data sets: it holds them all.
-    Plain pyarrow, no Ray cluster and no Ray import needed."""
+    [N, H, W, C], labels int64 [N] or, multi-label, uint8 multi-hot [N, num_classes]), rows in
+    file order. For small data sets: it holds them all. Plain pyarrow, no Ray cluster and no Ray
+    import needed."""
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
     if manifest["storage"] != "tensor":
         raise ImgtrainError(f"{data_dir} keeps its images encoded: they are decoded as they stream, never "
                             "all at once (read it with imgtrain.data.stream)")
     ids, images, labels = [], [], []
+    k = manifest["num_classes"] if is_multi_label(manifest) else 0
     for path in split_files(data_dir, manifest, split):
-        table = read_split_file(path)
+        table = read_split_file(path, multi_label=bool(k))
         ids.append(table.column("id").to_numpy())
         field = table.schema.field("image")
         images.append(tables.tensor_column_to_numpy(table.column("image"), field))
-        labels.append(table.column("label").to_numpy())
+        labels.append(multi_hot(table.column("labels"), k) if k else table.column("label").to_numpy())
     h, w, c = manifest["image_shape"]
     if not images:
-        return np.zeros(0, np.int64), np.zeros((0, h, w, c), np.uint8), np.zeros(0, np.int64)
+        return (np.zeros(0, np.int64), np.zeros((0, h, w, c), np.uint8),
+                np.zeros((0, k), np.uint8) if k else np.zeros(0, np.int64))
     x = np.concatenate(images) if len(images) > 1 else images[0]  # [N, H, W, C]
     if x.dtype != np.uint8 or x.shape[1:] != (h, w, c):
         raise ImgtrainError(
             f"{data_dir} split {split!r} holds {x.dtype} images of shape {list(x.shape[1:])}, "
             f"the manifest says uint8 {[h, w, c]}; prepare the data set again"
         )
-    return (np.concatenate(ids).astype(np.int64), x, np.concatenate(labels).astype(np.int64))
+    return (np.concatenate(ids).astype(np.int64), x, np.concatenate(labels).astype(np.uint8 if k else np.int64))
 
 
 def _val_origin(manifest: dict) -> dict:
@@ -459,8 +553,9 @@ def describe(manifest: dict) -> str:
     mean = ", ".join(f"{v:.3f}" for v in manifest["normalize"]["mean"])
     std = ", ".join(f"{v:.3f}" for v in manifest["normalize"]["std"])
     skipped = manifest.get("skipped") or {}
+    multi = " (multi-label: counts are images carrying each label)" if is_multi_label(manifest) else ""
     return (
-        f"Data set {manifest['name']!r} from {manifest['source']}: {manifest['num_classes']} classes ({shown}); "
+        f"Data set {manifest['name']!r} from {manifest['source']}: {manifest['num_classes']} classes{multi} ({shown}); "
         f"images {kept} {h}x{w} with {c} channel{'s' if c != 1 else ''} (normalised with mean {mean} / std {std}, "
         f"{manifest['preset']} augmentation); {', '.join(parts)} samples"
         + (f"; {skipped['count']:,} unreadable file(s) skipped" if skipped.get("count") else "")

@@ -26,6 +26,7 @@ from imgtrain.errors import ImgtrainError
 
 IMBALANCE_FLAG = 3.0  # largest / smallest training class at or above this is flagged
 MAX_JSON_PAIRS = 100_000  # pairs listed in the JSON (all are counted)
+CO_OCCURRING_PAIRS = 20  # multi-label: the pairs of labels seen together most, listed
 
 
 def inspect_dataset(data_dir, out=InspectOptions.out, workers: int = InspectOptions.workers,
@@ -67,8 +68,11 @@ def findings(data_dir: Path, manifest: dict, found: Scan, threshold: int, seed: 
     pairs as positions); ``default``: the threshold the data set gets unless told otherwise."""
     classes, prints = manifest["classes"], found.prints
     k = len(classes)
-    splits = {s: np.bincount(found.labels[found.split == SPLIT_CODES[s]], minlength=k)
-              for s in fmt.ALL_SPLITS if s in manifest["splits"]}
+    present = [s for s in fmt.ALL_SPLITS if s in manifest["splits"]]
+    if found.label_sets is None:
+        splits = {s: np.bincount(found.labels[found.split == SPLIT_CODES[s]], minlength=k) for s in present}
+    else:  # per class, the images carrying it
+        splits = {s: found.label_sets[found.split == SPLIT_CODES[s]].counts(k) for s in present}
     dups = duplicate_report.report(prints, duplicates.rank_of(found.split, found.ids), found.split, found.labels,
                                    threshold, MAX_JSON_PAIRS)
     # the images named in the JSON and on the page, by where they came from
@@ -78,7 +82,8 @@ def findings(data_dir: Path, manifest: dict, found: Scan, threshold: int, seed: 
     result = {
         "data": str(data_dir), "name": manifest["name"], "source": manifest["source"],
         "storage": manifest["storage"], "images": int(len(found.ids)), "classes": classes,
-        "splits": {s: {"images": int(c.sum()), "per_class": c.tolist()} for s, c in splits.items()},
+        "splits": {s: {"images": int((found.split == SPLIT_CODES[s]).sum()), "per_class": c.tolist()}
+                   for s, c in splits.items()},
         "imbalance": imbalance(splits["train"], classes),
         "sizes": _sizes(manifest, prints, readable),
         "modes": {MODES[m]: int(n) for m, n in enumerate(np.bincount(prints.mode, minlength=len(MODES))) if n},
@@ -87,6 +92,8 @@ def findings(data_dir: Path, manifest: dict, found: Scan, threshold: int, seed: 
         "dedupe": _dedupe(manifest.get("dedupe")),
         "duplicates": _duplicates_json(dups, found, classes, threshold, names),
     }
+    if found.label_sets is not None:
+        result["multi_label"] = multi_label_findings(found, classes, present)
     result["duplicates"]["threshold_rule"] = duplicates.threshold_rule(threshold, default)
     result["mode_mix"] = len([m for m in result["modes"] if m != "unreadable"]) > 1
     extra = {"samples": _samples(found, k, seed), "pairs": dups.examples, "names": names}
@@ -147,8 +154,9 @@ def _duplicates_json(dups: duplicate_report.Report, found: Scan, classes, thresh
     differ = found.labels[pairs.a] != found.labels[pairs.b]
 
     def image(i):  # "name": where it came from (row_names.py), null where the data set does not say
+        label = int(found.labels[i]) if found.label_sets is None else found.label_sets.row(i).tolist()
         return {"split": SPLIT_NAMES[int(found.split[i])], "id": int(found.ids[i]),
-                "name": names.get(int(found.ids[i])), "label": int(found.labels[i]), "class": classes[found.labels[i]]}
+                "name": names.get(int(found.ids[i])), "label": label, "class": found.class_of(i, classes)}
 
     listed = [{"kind": "exact" if pairs.exact[p] else "near", "distance": int(pairs.distance[p]),
                "transform": TRANSFORM_WORDS[pairs.transform[p]], "cross_split": bool(cross[p]),
@@ -171,6 +179,34 @@ def _samples(found: Scan, k: int, seed: int, per_class: int = 6, classes_shown: 
     train = found.split == SPLIT_CODES["train"]
     out = {}
     for c in range(min(k, classes_shown)):
-        where = np.flatnonzero(train & (found.labels == c))
+        carries = found.labels == c if found.label_sets is None else _carries(found, c)
+        where = np.flatnonzero(train & carries)
         out[c] = np.sort(rng.choice(where, min(per_class, len(where)), replace=False)) if len(where) else where
     return out
+
+
+def _carries(found: Scan, c: int) -> np.ndarray:
+    """bool [n]: the images whose labels include class ``c``."""
+    sets = found.label_sets
+    out = np.zeros(len(sets), bool)
+    out[np.repeat(np.arange(len(sets)), sets.sizes())[sets.values == c]] = True
+    return out
+
+
+def multi_label_findings(found: Scan, classes: list[str], splits: list[str], top: int = CO_OCCURRING_PAIRS) -> dict:
+    """A multi-label data set: images per number of labels (per split) and the pairs of labels
+    carried together by the most images (all splits), counted from each image's pairs."""
+    sets = found.label_sets
+    sizes = {s: np.bincount(sets[found.split == SPLIT_CODES[s]].sizes(), minlength=1).tolist() for s in splits}
+    k = len(classes)
+    codes = []
+    for i in np.flatnonzero(sets.sizes() >= 2):
+        row = sets.row(i)
+        a, b = np.triu_indices(len(row), 1)
+        codes.append(row[a] * k + row[b])
+    pairs, counts = np.unique(np.concatenate(codes), return_counts=True) if codes else (np.zeros(0, np.int64),) * 2
+    order = np.lexsort((pairs, -counts))[:top]
+    return {"label_set_sizes": sizes,
+            "labels_per_image": round(float(sets.sizes().mean()), 3) if len(sets) else 0.0,
+            "co_occurrence": [{"a": classes[pairs[j] // k], "b": classes[pairs[j] % k], "images": int(counts[j])}
+                              for j in order]}

@@ -55,6 +55,7 @@ def write_page(path: Path, result: dict, extra: dict, found: Scan, manifest: dic
         f"<h1>imgtrain data inspect: {_e(result['name'])}</h1>",
         _summary(result),
         "<h2>Images per class</h2>", *_classes(result),
+        *_multi_label(result),
         "<h2>Sizes and colour</h2>", *_sizes(result, found),
         "<h2>Samples per class</h2>", _samples(result, extra["samples"], thumbs),
         "<h2>Duplicates</h2>", *_duplicates(result, pairs, order, found, thumbs, extra["names"]),
@@ -122,6 +123,22 @@ def _classes(result: dict) -> list[str]:
     rows = [[classes[c], *counts[c].tolist(), int(counts[c].sum())] for c in shown]
     return [f'<p id="imbalance" class="{"flag" if imb["flagged"] else "ok"}">{_e(text)}{rule}</p>', note,
             _table("class-table", ["class", *splits, "all"], rows)]
+
+
+def _multi_label(result: dict) -> list[str]:
+    """A multi-label data set's images per number of labels, and the labels seen together most."""
+    ml = result.get("multi_label")
+    if not ml:
+        return []
+    splits = list(ml["label_set_sizes"])
+    most = max(len(v) for v in ml["label_set_sizes"].values())
+    sizes = [[str(k), *[(v[k] if k < len(v) else 0) for v in ml["label_set_sizes"].values()]] for k in range(most)]
+    pairs = [[f"{p['a']} + {p['b']}", p["images"]] for p in ml["co_occurrence"]]
+    return ['<p class="muted">Multi-label: an image carries any number of the classes; the counts above are the '
+            "images carrying each.</p>",
+            "<h2>Labels per image</h2>", _table("label-set-sizes", ["labels", *splits], sizes),
+            f"<h2>Labels seen together (the {len(pairs)} most frequent pairs, all splits)</h2>",
+            _table("co-occurrence", ["pair", "images"], pairs) if pairs else "<p>No image has two labels.</p>"]
 
 
 def _sizes(result: dict, found: Scan) -> list[str]:
@@ -218,7 +235,8 @@ def _pair(pairs, p: int, found: Scan, classes: list[str], thumbs: dict, names: d
     turn = TRANSFORM_WORDS[pairs.transform[p]] if kind == "near" else "as is"
 
     def side(i):  # named by its file where the data set knows it (row_names.py), else by its id
-        split, label, name = SPLIT_NAMES[int(found.split[i])], classes[found.labels[i]], display_name(names, found.ids[i])
+        split, label = SPLIT_NAMES[int(found.split[i])], found.class_of(i, classes)
+        name = display_name(names, found.ids[i])
         return (f"<figure>{_img(thumbs, i, f'{split} {name}')}<figcaption>{_e(split)} · "
                 f'<span class="name" title="{_e(name)}">{_e(name).replace("/", "/<wbr>")}</span><br>{_e(label)}'
                 "</figcaption></figure>")
@@ -254,7 +272,7 @@ def _thumbnails(found: Scan, positions: list[int], storage: str) -> dict[int, st
         by_block.setdefault(int(found.block[p]), []).append(p)
     for block, members in sorted(by_block.items()):
         path, group = found.blocks[block]
-        _, _, pictures = read_block(path, group, storage)
+        _, _, pictures = read_block(path, group, storage, found.label_sets is not None)
         for p in members:
             uri = _thumbnail(pictures[int(found.row[p])], storage)
             if uri:

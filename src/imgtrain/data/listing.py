@@ -22,6 +22,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from imgtrain.data import images
+from imgtrain.data.label_sets import LabelSets, check_separator, column_kind, from_column, train_classes
+from imgtrain.data.named_splits import SPLIT_CODES, fixed_splits, split_of_name
+from imgtrain.data.tables import labels_from_column
 from imgtrain.errors import ImgtrainError
 
 CHUNK_FILES = 64  # images per chunk of the preparation pool
@@ -59,7 +62,7 @@ class Listing:
     """A source of encoded (PNG/JPEG) images, in chunks."""
 
     classes: list[str]
-    labels: np.ndarray  # int64 [N], by position
+    labels: np.ndarray | LabelSets  # int64 [N], by position (multi-label: each image's classes)
     chunks: list[Chunk]
     fixed_test: np.ndarray | None = None  # bool [N]: the source's own test split, if it has one
     ids: np.ndarray | None = None  # int64 [N]: the images' stable ids; None: their positions
@@ -76,16 +79,17 @@ class PixelListing:
     """A source of pixel arrays of one shape, read a batch at a time."""
 
     classes: list[str]
-    labels: np.ndarray  # int64 [N], by position
+    labels: np.ndarray | LabelSets  # int64 [N], by position (multi-label: each image's classes)
     ids: np.ndarray  # int64 [N]
     fixed_test: np.ndarray | None
     batches: Callable[[], Iterator[tuple[np.ndarray, np.ndarray]]]
     """(positions int64 [n], pixels uint8 [n, H, W, C]) for consecutive positions, in order."""
     images_name: str
     """How messages name the images, e.g. "column 'image'"."""
+    fixed_val: np.ndarray | None = None  # bool [N]: the source's own validation split, if it has one
 
 
-def files_listing(classes, names: list[str], labels: np.ndarray, fixed_test, base: Path, seed: int) -> Listing:
+def files_listing(classes, names: list[str], labels, fixed_test, base: Path, seed: int, fixed_val=None) -> Listing:
     """Image files (``names`` relative to ``base``, or absolute) in a seeded random order; their
     ids stay their positions as given."""
     order = np.random.default_rng([seed, 0x11572]).permutation(len(names))
@@ -94,7 +98,7 @@ def files_listing(classes, names: list[str], labels: np.ndarray, fixed_test, bas
                     functools.partial(images.read_image_files, [str(base / n) for n in names[i:i + CHUNK_FILES]]))
               for i in range(0, len(names), CHUNK_FILES)]
     return Listing(classes, labels[order], chunks, None if fixed_test is None else fixed_test[order],
-                   order.astype(np.int64))
+                   order.astype(np.int64), None if fixed_val is None else fixed_val[order])
 
 
 def fixed_test(table: pa.Table) -> np.ndarray | None:
@@ -107,3 +111,38 @@ def fixed_test(table: pa.Table) -> np.ndarray | None:
         raise ImgtrainError(f"column 'split' may only hold 'train' or 'test', found {', '.join(odd[:5])}; "
                             "fix it or rename the column to split at random")
     return pc.equal(split, "test").to_numpy()
+
+
+def table_splits(table: pa.Table, split_column: str | None, what: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(fixed_test, fixed_val) of a table: ``--split-column``'s train/val/test rows, else those of
+    a ``split`` column of train/test (``fixed_test``), else none."""
+    if split_column is None:
+        return fixed_test(table), None
+    split = table.column(split_column).cast(pa.string())
+    values = [v for v in pc.unique(split).to_pylist()]  # a string per value, not per row
+    odd = sorted(str(v) for v in values if v is None or split_of_name(v) is None)
+    if odd:
+        raise ImgtrainError(f"--split-column {split_column!r} may only hold train, val or test, found "
+                            f"{', '.join(odd[:5])}; fix it, or drop --split-column to split at random")
+    codes = np.zeros(len(split), np.int8)
+    for value in values:
+        codes[pc.equal(split, value).to_numpy(zero_copy_only=False)] = SPLIT_CODES[split_of_name(value)]
+    return fixed_splits(codes, what)
+
+
+def table_labels(table: pa.Table, label_column: str, opts, splits, where) -> tuple[np.ndarray | LabelSets, list[str]]:
+    """A table's labels and class names: one class per row, or with ``--multi-label`` the classes
+    of each row (``label_sets``), named by the training rows' (``splits``: fixed_test, fixed_val;
+    ``where(row)`` names a row in messages)."""
+    column = table.column(label_column)
+    if not getattr(opts, "multi_label", False):
+        return labels_from_column(column, label_column)
+    sets, classes = from_column(column, label_column, opts.label_sep)
+    if column_kind(column.type) == "joined":
+        check_separator(sets, opts.label_sep)
+    held = [m for m in splits if m is not None]
+    train = ~np.logical_or.reduce(held) if held else None
+    if not classes or (train is not None and not len(np.unique(sets[np.flatnonzero(train)].values))):
+        raise ImgtrainError(f"label column {label_column!r} holds no label of a training image; a classifier needs "
+                            "labels to learn")
+    return train_classes(sets, classes, train, where)

@@ -39,6 +39,12 @@ class PrepareOptions:
     image_column: str = option("image", "The image column (PNG/JPEG bytes or pixel arrays).")
     label_column: str = option("label", "The label column (class ids or names).")
     path_column: str = option("path", "The column of image paths (relative to the table).")
+    multi_label: bool = option(False, "Several labels per image: the label column holds a list of them, or "
+                               "names joined by --label-sep; an image may have none.", flag="--multi-label")
+    label_sep: str | None = option(None, "--multi-label: what separates the names in a string label column "
+                                   "(default: a space).")
+    split_column: str | None = option(None, "A column of train/val/test: the table's own splits (no split is "
+                                      "drawn where it gives one).")
     channels: int | None = option(None, "1 (grayscale) or 3 (RGB); default: 1 when every image is gray.")
     size: tuple[int, int] | None = option(None, "Resize (and re-encode) every image to HxW, e.g. 64x64; default: "
                                           "keep them, train at their size (or the median one).", parse=parse_size)
@@ -68,6 +74,10 @@ class PrepareOptions:
         if not (0 < test < 1) or (val is not None and (not (0 <= val < 1) or val + test >= 1)):
             issues.append(f"--test-fraction {test} and --val-fraction {val} must be in (0, 1) "
                           "and [0, 1) with room left for training")
+        if self.label_sep is not None and not self.multi_label:
+            issues.append("--label-sep applies to --multi-label; add --multi-label or drop --label-sep")
+        if self.label_sep == "":
+            issues.append("--label-sep must not be empty")
         if self.on_error not in ON_ERROR:
             issues.append(f"--on-error must be skip or fail, got {self.on_error!r}")
         if self.dedupe not in DEDUPE:

@@ -22,13 +22,14 @@ from typing import Callable
 import numpy as np
 
 from imgtrain.data import dedupe, images, pool
-from imgtrain.data.format import DEDUPE_FILE, NORMALIZE_MEAN, NORMALIZE_STD, default_preset
+from imgtrain.data.format import DEDUPE_FILE, DEFAULT_LABEL_SEP, NORMALIZE_MEAN, NORMALIZE_STD, default_preset
+from imgtrain.data.label_sets import LabelSets, occurrences
 from imgtrain.data.listing import MAX_LISTED_BAD, Listing, PixelListing
 from imgtrain.data.named_splits import SPLIT_CODES
 from imgtrain.data.options import PrepareOptions
 from imgtrain.data.raw import RawDataset, Split, take_images
 from imgtrain.data.sources import registry  # importing the package registers every source
-from imgtrain.data.splits import DEFAULT_VAL_FRACTION, stratified_split, too_few_for_val
+from imgtrain.data.splits import DEFAULT_VAL_FRACTION, random_split, stratified_split, too_few_for_val
 from imgtrain.data.writer import DatasetWriter, write_dataset
 from imgtrain.errors import ImgtrainError, ImgtrainWarning
 from imgtrain.ops.remote import is_remote
@@ -51,7 +52,9 @@ def prepare(source: str, out_dir, source_path=None, options: PrepareOptions | No
              else f"{source}:{Path(source_path).absolute()}")
     fields = {"name": Path(out_dir).absolute().name, "source": where,
               "options": {"seed": opts.seed, "test_fraction": opts.test_fraction, "val_fraction": opts.val_fraction,
-                          "channels": opts.channels, "size": list(opts.size) if opts.size else None}}
+                          "channels": opts.channels, "size": list(opts.size) if opts.size else None,
+                          # what joins an image's class names in predict's labels column (format.label_separator)
+                          **({"label_sep": opts.label_sep or DEFAULT_LABEL_SEP} if opts.multi_label else {})}}
     listed = spec.lister(source_path, opts)
     if opts.dedupe != "off" and not isinstance(listed, Listing):
         raise ImgtrainError(f"--dedupe works on sources of PNG/JPEG images, and {source} gives pixel arrays; prepare "
@@ -91,7 +94,8 @@ def assign_splits(labels: np.ndarray, fixed_test: np.ndarray | None, test_fracti
     """(int8 [N]: 0 train, 1 val, 2 test; where the validation split comes from, for the
     manifest). Stratified and seeded; a source's own test and validation splits (``fixed_test``,
     ``fixed_val``) are kept, a missing test split is drawn from the rows outside them, and a
-    validation split from the training rows (``val_fraction`` None: the default, ``val_plan``)."""
+    validation split from the training rows (``val_fraction`` None: the default, ``val_plan``).
+    Multi-label rows (``LabelSets``) have no one class to stratify by: theirs are seeded random."""
     split = np.zeros(len(labels), np.int8)
     if fixed_val is not None:
         if val_fraction:
@@ -101,7 +105,7 @@ def assign_splits(labels: np.ndarray, fixed_test: np.ndarray | None, test_fracti
         split[fixed_test] = SPLIT_CODES["test"]
     else:
         pool = np.flatnonzero(split == 0)  # every row when the source has no validation split
-        _, test = stratified_split(labels[pool], test_fraction, seed)
+        _, test = _draw(labels[pool], test_fraction, seed)
         split[pool[test]] = SPLIT_CODES["test"]
     if fixed_val is not None:
         return split, {"from": "source"}
@@ -110,9 +114,16 @@ def assign_splits(labels: np.ndarray, fixed_test: np.ndarray | None, test_fracti
     if val_fraction:
         # of the training rows, the share that makes val_fraction of them all
         share = val_fraction / (1 - test_fraction) if fixed_test is None else val_fraction
-        _, val = stratified_split(labels[train], min(share, 0.5), seed + 1)
+        _, val = _draw(labels[train], min(share, 0.5), seed + 1)
         split[train[val]] = SPLIT_CODES["val"]
     return split, origin
+
+
+def _draw(labels, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kept rows, drawn rows): stratified by class, or at random for multi-label rows."""
+    if isinstance(labels, LabelSets):
+        return random_split(len(labels), fraction, seed)
+    return stratified_split(labels, fraction, seed)
 
 
 def val_plan(val_fraction: float | None, train_labels: np.ndarray, classes) -> tuple[float, dict]:
@@ -120,7 +131,7 @@ def val_plan(val_fraction: float | None, train_labels: np.ndarray, classes) -> t
     the manifest's record of it: ``--val-fraction`` as given (0: none), else ``DEFAULT_VAL_FRACTION``
     unless a class has too few training images (``too_few_for_val``)."""
     if val_fraction is None:
-        why = too_few_for_val(train_labels, classes)
+        why = too_few_for_val(occurrences(train_labels), classes)
         if why:
             return 0.0, {"from": None, "why": why}
         return DEFAULT_VAL_FRACTION, {"from": "train", "fraction": DEFAULT_VAL_FRACTION, "default": True}
@@ -199,7 +210,8 @@ def _prepare_encoded(listed: Listing, out_dir, fields: dict, opts: PrepareOption
     if opts.dedupe != "off":  # a first pass: fingerprints only, a few chunks at a time
         dropped = dedupe.plan(listed, split, opts, progress and (lambda d, t: progress(d, passes * t)))
         done = total
-    with DatasetWriter(out_dir, listed.classes, "encoded", names, opts.overwrite) as out:
+    multi = isinstance(listed.labels, LabelSets)
+    with DatasetWriter(out_dir, listed.classes, "encoded", names, opts.overwrite, multi_label=multi) as out:
         for chunk, results in _run_chunks(listed.chunks, opts.size, opts.workers):
             positions = np.arange(chunk.first, chunk.first + len(results))
             kept = ~dropped.drop[positions] if dropped is not None else np.ones(len(results), bool)
@@ -271,11 +283,12 @@ def _prepare_pixels(listed: PixelListing, out_dir, fields: dict, opts: PrepareOp
     """Pixel arrays (a Parquet table's nested lists or tensor column), streamed batch by batch
     into tensor storage; every image must have one shape."""
     split, origin = assign_splits(listed.labels, listed.fixed_test, opts.test_fraction, opts.val_fraction,
-                                  opts.seed, classes=listed.classes)
+                                  opts.seed, listed.fixed_val, listed.classes)
     fields = _with_val(fields, origin)
     names = [s for s, code in SPLIT_CODES.items() if (split == code).any()]
     shape = None
-    with DatasetWriter(out_dir, listed.classes, "tensor", names, opts.overwrite) as out:
+    multi = isinstance(listed.labels, LabelSets)
+    with DatasetWriter(out_dir, listed.classes, "tensor", names, opts.overwrite, multi_label=multi) as out:
         for rows, pixels in listed.batches():  # rows: positions [n]
             if shape is None:
                 shape = pixels.shape[1:]

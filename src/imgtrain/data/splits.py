@@ -44,6 +44,18 @@ def stratified_split(
     return rng.permutation(train), rng.permutation(test)
 
 
+def random_split(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row indices (train, test) of a seeded random split of ``n`` rows, for rows without one class
+    to stratify by (multi-label images): ``n * test_fraction`` rows (rounded half up) to test, at
+    least one and at most ``n - 1``."""
+    _check_fraction(test_fraction)
+    if n < 2:
+        raise ImgtrainError(f"test fraction {test_fraction} leaves the test split empty for {n} images; add images")
+    order = np.random.default_rng(seed).permutation(n)
+    n_test = min(max(int(np.floor(n * test_fraction + 0.5)), 1), n - 1)
+    return order[n_test:], order[:n_test]
+
+
 # The validation split `data prepare` carves from the training rows when the source has none and
 # --val-fraction is not given: what training selects its best checkpoint on, so that the test
 # split is first seen by `evaluate` and `report`.

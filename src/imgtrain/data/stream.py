@@ -43,6 +43,7 @@ from imgtrain.data import format as fmt
 from imgtrain.data import images
 from imgtrain.data.photo_augment import PhotoAugment
 from imgtrain.data.format import ROW_GROUP_ROWS
+from imgtrain.errors import ImgtrainError
 
 IN_MEMORY_MAX_BYTES = 256 << 20  # decoded images of the training split; above this, stream
 WINDOW_BLOCKS = 16  # row groups whose rows are shuffled together (about 16k rows)...
@@ -94,10 +95,13 @@ class Reader:
     photo_augment: PhotoAugment = PhotoAugment()  # the photos' policy, jitter and erasing after it
     # --sampling balanced: each class's weight (1 / its training rows, 0 if it has none); empty: shuffle
     class_weights: tuple[float, ...] = ()
+    # a multi-label data set's number of classes: labels are handed out uint8 multi-hot [k, K]; 0: single-label
+    multi_label_classes: int = 0
 
     @staticmethod
     def for_data(data_dir, manifest: dict, **fields) -> "Reader":
         h, w, c = manifest["image_shape"]
+        fields.setdefault("multi_label_classes", manifest["num_classes"] if fmt.is_multi_label(manifest) else 0)
         return Reader(str(data_dir), manifest["storage"], fields.pop("preset", None) or manifest["preset"],
                       (h, w, c), **fields)
 
@@ -151,6 +155,9 @@ def train_tasks(windows: list[dict], reader: Reader) -> list[dict]:
     and which of this rank's rows there it decodes, and finds those rows itself (a task's
     description stays small at any scale)."""
     if reader.class_weights:
+        if reader.multi_label_classes:  # a row has several classes: no one weight to draw it by
+            raise ImgtrainError("balanced sampling has no meaning for a multi-label data set (an image has "
+                                    "several classes); train with --sampling shuffle")
         return [task for window in windows for task in _balanced_tasks(window, reader)]
     tasks = []
     for window in windows:
@@ -216,8 +223,9 @@ def eval_tasks(split_blocks: list, world: int, rank: int, limit: int = 0) -> lis
 
 
 def read_task(task: dict, reader: Reader) -> dict:
-    """The rows of one task as {id int64 [k], image uint8 [k, H, W, C], label int64 [k]} and,
-    for training, "position" int64 [k] (where each row goes in the sequence)."""
+    """The rows of one task as {id int64 [k], image uint8 [k, H, W, C], label int64 [k] (multi-label:
+    uint8 multi-hot [k, num_classes])} and, for training, "position" int64 [k] (where each row
+    goes in the sequence)."""
     if "window" in task:
         position, mine = _window_positions(task, reader)
         offset = sum(rows for _, _, rows in task["blocks"][:task["block"]])
@@ -228,9 +236,11 @@ def read_task(task: dict, reader: Reader) -> dict:
         f, g = task["file"], task["group"]
         positions = np.asarray(task["positions"], np.int64) if "positions" in task else None  # balanced training
         local = np.asarray(task["rows"], np.int64) if "rows" in task else np.arange(task["first"], task["first"] + task["count"])
-    table = fmt.read_row_group(Path(f), g, reader.storage)
+    k = reader.multi_label_classes
+    table = fmt.read_row_group(Path(f), g, reader.storage, multi_label=bool(k))
+    labels = fmt.multi_hot(table.column("labels"), k) if k else table.column("label").to_numpy()
     out = {"id": table.column("id").to_numpy()[local], "image": _pixels(table, local, positions, reader),
-           "label": table.column("label").to_numpy()[local]}
+           "label": labels[local]}
     if positions is not None:
         out["position"] = positions
     return out

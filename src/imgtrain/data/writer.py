@@ -19,8 +19,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from imgtrain.data.format import (FORMAT_VERSION, MANIFEST, ROW_GROUP_ROWS, SOURCES_FILE, load_manifest,
-                                  manifest_problems, side_files)
+from imgtrain.data.format import (FORMAT_VERSION, MANIFEST, MULTI_LABEL_FORMAT_VERSION, ROW_GROUP_ROWS,
+                                  SOURCES_FILE, load_manifest, manifest_problems, side_files)
+from imgtrain.data.label_sets import LabelSets
 from imgtrain.data.row_names import NamesWriter
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.ops.files import sha256_file, swap_in_folder
@@ -31,13 +32,16 @@ FILE_BYTES = 256 << 20  # a new part-NNNNN.parquet past this (shards of a few hu
 
 class SplitWriter:
     """One split's part-NNNNN.parquet files: id int64, image (uint8 tensor or encoded bytes),
-    label int64, in row groups of at most ROW_GROUP_ROWS rows."""
+    label int64 (``labels`` list<int64> when given ``LabelSets``), in row groups of at most
+    ROW_GROUP_ROWS rows."""
 
     def __init__(self, folder: Path, storage: str, num_classes: int, rows_per_file: int = 0):
         self.folder, self.storage, self.rows_per_file = folder, storage, rows_per_file
         self.files: list[Path] = []
         self.row_groups: list[list[int]] = []
         self.counts = np.zeros(num_classes, np.int64)
+        self.rows = 0
+        self.set_sizes = np.zeros(1, np.int64)  # multi-label: images with 0, 1, 2, ... labels
         self.pending: list[tuple[np.ndarray, np.ndarray, object]] = []
         self.pending_rows = self.pending_bytes = self.file_bytes = self.file_rows = 0
         self.writer: pq.ParquetWriter | None = None
@@ -47,9 +51,16 @@ class SplitWriter:
         """Rows in the order given: images uint8 [n, H, W, C] (tensor) or a list of bytes (encoded)."""
         if not len(ids):
             return
-        self.counts += np.bincount(labels, minlength=len(self.counts))
+        if isinstance(labels, LabelSets):
+            self.counts += labels.counts(len(self.counts))
+            sizes = np.bincount(labels.sizes(), minlength=len(self.set_sizes))
+            self.set_sizes = np.pad(self.set_sizes, (0, len(sizes) - len(self.set_sizes))) + sizes
+        else:
+            self.counts += np.bincount(labels, minlength=len(self.counts))
+            labels = np.asarray(labels, np.int64)
+        self.rows += len(ids)
         size = images.nbytes if isinstance(images, np.ndarray) else sum(len(b) for b in images)
-        self.pending.append((np.asarray(ids, np.int64), np.asarray(labels, np.int64), images))
+        self.pending.append((np.asarray(ids, np.int64), labels, images))
         self.pending_rows += len(ids)
         self.pending_bytes += size
         while self.pending_rows >= ROW_GROUP_ROWS or self.pending_bytes >= ROW_GROUP_BYTES:
@@ -64,7 +75,7 @@ class SplitWriter:
 
     @property
     def num_rows(self) -> int:
-        return int(self.counts.sum())
+        return self.rows
 
     def _flush(self) -> None:
         """Write one row group, into a new file when the current one is full."""
@@ -82,7 +93,9 @@ class SplitWriter:
             column = ArrowTensorArray.from_numpy(np.ascontiguousarray(images))
         else:
             column = pa.array(images, pa.binary())
-        table = pa.table({"id": pa.array(ids, pa.int64()), "image": column, "label": pa.array(labels, pa.int64())})
+        multi = isinstance(labels, LabelSets)
+        label = ("labels", labels.to_arrow()) if multi else ("label", pa.array(labels, pa.int64()))
+        table = pa.table({"id": pa.array(ids, pa.int64()), "image": column, label[0]: label[1]})
         if new_file:
             self._next_file(table.schema)
         self.writer.write_table(table, row_group_size=len(ids))
@@ -110,7 +123,8 @@ class SplitWriter:
         self.pending_rows -= taken
         self.pending_bytes -= size
         joined = np.concatenate(images) if isinstance(images[0], np.ndarray) else [b for part in images for b in part]
-        return np.concatenate(ids), np.concatenate(labels), joined
+        joined_labels = LabelSets.concat(labels) if isinstance(labels[0], LabelSets) else np.concatenate(labels)
+        return np.concatenate(ids), joined_labels, joined
 
     def _next_file(self, schema: pa.Schema) -> None:
         if self.writer is not None:
@@ -128,10 +142,10 @@ class DatasetWriter:
     manifest = out.finish(fields)``. Nothing appears at ``out_dir`` unless ``finish`` succeeds."""
 
     def __init__(self, out_dir, classes: list[str], storage: str, splits=("train", "test"),
-                 overwrite: bool = False, rows_per_file: int = 0):
+                 overwrite: bool = False, rows_per_file: int = 0, multi_label: bool = False):
         self.out_dir = Path(out_dir).absolute()
         prepare_target(self.out_dir, overwrite)
-        self.classes, self.storage = list(classes), storage
+        self.classes, self.storage, self.multi_label = list(classes), storage, multi_label
         self.tmp = self.out_dir.parent / f".{self.out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
         try:
             self.tmp.mkdir(parents=True)
@@ -178,11 +192,15 @@ class DatasetWriter:
             if self.names is not None:
                 fields = {**fields, "source_names": {"file": SOURCES_FILE, "rows": self.names.close()}}
             manifest = {
-                "format_version": FORMAT_VERSION, **fields, "classes": self.classes, "num_classes": len(self.classes),
+                "format_version": MULTI_LABEL_FORMAT_VERSION if self.multi_label else FORMAT_VERSION, **fields,
+                **({"multi_label": True} if self.multi_label else {}),
+                "classes": self.classes, "num_classes": len(self.classes),
                 "storage": self.storage,
                 "splits": {name: {"num_samples": split.num_rows, "files": files[name], "row_groups": split.row_groups}
                            for name, split in self.splits.items()},
                 "class_counts": {name: split.counts.tolist() for name, split in self.splits.items()},
+                **({"label_set_sizes": {name: split.set_sizes.tolist() for name, split in self.splits.items()}}
+                   if self.multi_label else {}),
                 "sha256": {rel: sha256_file(self.tmp / rel) for rels in files.values() for rel in rels},
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             }

@@ -16,7 +16,7 @@ import numpy as np
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.inputs import CONVERTED_KEY, ERROR_KEY, ROW_KEY, read_task
 from imgtrain.inference.metrics import TOP_K, EvalSums, class_scores
-from imgtrain.inference.options import ON_ERROR, EvaluateOptions, InferenceOptions, PredictOptions
+from imgtrain.inference.options import DEFAULT_TOP_K, ON_ERROR, EvaluateOptions, InferenceOptions, PredictOptions
 from imgtrain.inference.predictor import Predictor, check_tta, load_checkpoint
 from imgtrain.inference.preprocess import LoadedCheckpoint
 from imgtrain.ops import process
@@ -180,7 +180,7 @@ def evaluate(
     run, checkpoint: str = EvaluateOptions.checkpoint, storage: str = EvaluateOptions.storage,
     split: str = EvaluateOptions.split, data: str | None = EvaluateOptions.data, options: InferenceOptions | None = None,
     label_issues: int = EvaluateOptions.label_issues,
-) -> EvalResult:
+) -> EvalResult:  # a multi-label checkpoint's: multilabel_eval.MultiLabelEvalResult
     """Accuracy, top-5 accuracy, per-class and averaged scores, calibration and confusion matrix
     of a checkpoint on a prepared split (``metrics.py`` defines them)."""
     from imgtrain.data.format import eval_split, verify_dataset
@@ -200,6 +200,11 @@ def evaluate(
         raise ImgtrainError(f"data set {data_dir} has no split {split!r}; it has {', '.join(manifest['splits'])}")
     if manifest["splits"][split]["num_samples"] == 0:
         raise ImgtrainError(f"split {split!r} of {data_dir} is empty; nothing to evaluate")
+    from imgtrain.inference import multilabel_eval
+
+    multilabel_eval.check_kind(loaded, manifest, data_dir)
+    if multilabel_eval.is_multi_label(manifest):  # one sigmoid per label: figures of its own
+        return multilabel_eval.evaluate_multi_label(loaded, data_dir, manifest, split, opts, label_issues, not data)
     classes = list(loaded.preprocess.classes)
     # The predictor ranks TOP_K classes for top-5 accuracy, by index; the rows kept show opts.top_k.
     ranked = min(max(opts.top_k, TOP_K), len(classes))
@@ -297,6 +302,7 @@ def predict(
     out = check_output(out, overwrite)  # before any work, not after it
     # an ONNX Runtime session takes its threads when it is made: the local backend's, here
     loaded = load_checkpoint(run, checkpoint, storage, engine=opts.engine, threads=opts.threads)
+    _check_multi_label_options(loaded, opts)
     inputs = list_inputs(input, split=split, image_column=image_column)
     writer, skipped, converted = TableWriter(out), [], 0
     try:
@@ -318,3 +324,13 @@ def predict(
         raise
     return PredictResult(out=out, num_predictions=writer.rows, converted=converted,
                          image_shape_text="x".join(map(str, loaded.preprocess.image_shape)), skipped=skipped)
+
+
+def _check_multi_label_options(loaded: LoadedCheckpoint, opts: InferenceOptions) -> None:
+    """--top-k ranks the classes of a single-label model; a multi-label one answers with every class."""
+    from imgtrain.inference.multilabel_answers import is_multi_label_model
+
+    if is_multi_label_model(loaded) and opts.top_k != DEFAULT_TOP_K:
+        raise ImgtrainError("--top-k lists a single-label model's most probable classes; this model is multi-label: "
+                            "its predictions hold the labels over their thresholds (labels) and every class's "
+                            "probability (prob_<class>): drop --top-k")

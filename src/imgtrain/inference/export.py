@@ -19,6 +19,11 @@ Verification runs the test split (or ``--split``) through both the PyTorch model
 exported one, loaded back by its own runtime: the top-1 classes must agree on at least
 ``AGREEMENT_MIN`` of the images; the largest probability difference is reported beside it.
 The same pass measures the test metrics the model card states.
+
+A multi-label model (issue 48) is exported with a sigmoid per class instead of the softmax, its
+decision thresholds beside it (``thresholds.json``, and a copy in ``imgtrain.json`` for
+imgtrain's engines), and verified by label sets: each image's classes at or over their
+thresholds must be PyTorch's on at least ``AGREEMENT_MIN`` of the images.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import numpy as np
 from imgtrain.data.images import EVAL_CROP
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.inference import export_formats
+from imgtrain.inference import multilabel_answers as ml
 from imgtrain.inference.metrics import TOP_K, EvalSums
 from imgtrain.inference.export_formats import ExportFormat
 from imgtrain.inference.export_record import EXPORT_META, INPUT_NAME, OUTPUT_NAME, is_export
@@ -43,28 +49,31 @@ from imgtrain.inference.predictor import load_checkpoint
 from imgtrain.inference.preprocess import LoadedCheckpoint
 from imgtrain.ops.files import sha256_file, swap_in_folder
 
-AGREEMENT_MIN = 0.999  # top-1 agreement with PyTorch below this fails the export
+AGREEMENT_MIN = 0.999  # top-1 (multi-label: label set) agreement with PyTorch below this fails the export
+THRESHOLDS_FILE = "thresholds.json"  # a multi-label export's decision thresholds, by class
 VERIFY_BATCH = 256
 
 
 def exportable(loaded: LoadedCheckpoint):
-    """The model with its preprocessing and softmax inside: uint8 [B, C, H, W] -> float [B, K]."""
+    """The model with its preprocessing and softmax inside: uint8 [B, C, H, W] -> float [B, K]
+    (a multi-label model's: a sigmoid per class instead of the softmax)."""
     import torch
 
     class Exportable(torch.nn.Module):
-        def __init__(self, model, mean, std):
+        def __init__(self, model, mean, std, multi_label):
             super().__init__()
-            self.model = model
+            self.model, self.multi_label = model, multi_label
             self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
             self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
 
         def forward(self, images):
             x = (images.float() / 255.0 - self.mean) / self.std
-            return self.model(x).float().softmax(1)
+            logits = self.model(x).float()
+            return logits.sigmoid() if self.multi_label else logits.softmax(1)
 
     p = loaded.preprocess
     model = loaded.model.to(memory_format=torch.contiguous_format)  # the runtimes take NCHW
-    return Exportable(model, p.mean, p.std).eval()
+    return Exportable(model, p.mean, p.std, ml.is_multi_label_model(loaded)).eval()
 
 
 @dataclass
@@ -84,6 +93,16 @@ class Verification:
 
     def line(self) -> str:
         return (f"verified on the {self.split} split: top-1 identical to PyTorch on {self.agreeing:,} of "
+                f"{self.images:,} images ({self.agreement:.2%}, at least {AGREEMENT_MIN:.1%} needed); "
+                f"largest probability difference {self.max_prob_diff:.2e}")
+
+
+class LabelSetVerification(Verification):
+    """A multi-label model's: ``agreeing`` counts the images whose label set (every class's
+    probability against its threshold) is the one PyTorch gives."""
+
+    def line(self) -> str:
+        return (f"verified on the {self.split} split: label sets identical to PyTorch's on {self.agreeing:,} of "
                 f"{self.images:,} images ({self.agreement:.2%}, at least {AGREEMENT_MIN:.1%} needed); "
                 f"largest probability difference {self.max_prob_diff:.2e}")
 
@@ -128,6 +147,10 @@ def export(run, fmt: str, out, checkpoint: str = ExportOptions.checkpoint, stora
             raise ImgtrainError(f"{out} is not an earlier export (no {EXPORT_META}); --overwrite replaces only "
                                 f"those: pass another --out")
     loaded = load_checkpoint(run, checkpoint, storage)
+    multi_label = ml.is_multi_label_model(loaded)
+    if multi_label and quantize == "int8":
+        raise ImgtrainError("--quantize int8 is kept or refused by the test accuracy it costs, which a multi-label "
+                            "model does not have; export it without --quantize")
     data_dir, manifest = _test_data(loaded, data, split)
     model = exportable(loaded)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -136,11 +159,11 @@ def export(run, fmt: str, out, checkpoint: str = ExportOptions.checkpoint, stora
     try:
         model_file = staging / spec.file
         _write(model, spec, model_file, loaded.preprocess.image_shape)
-        verification, sums = _verify(model, _load(fmt, model_file), data_dir, manifest, split, loaded)
+        verify = _verify_label_sets if multi_label else _verify
+        verification, test_metrics = verify(model, _load(fmt, model_file), data_dir, manifest, split, loaded)
         if not verification.passed:
             raise ImgtrainError(f"the exported model disagrees with PyTorch: {verification.line()}; "
                                 f"nothing was written to {out}")
-        test_metrics = _metrics(sums, loaded.preprocess.classes)
         if quantize == "int8":
             test_metrics["int8"] = spec.quantize(model_file, data_dir, manifest, split, loaded, test_metrics,
                                                  max_accuracy_drop, out)
@@ -202,8 +225,9 @@ def _load(fmt: str, path: Path):
 
 
 def _verify(model, exported, data_dir: Path, manifest: dict, split: str,
-            loaded: LoadedCheckpoint) -> tuple[Verification, EvalSums]:
-    """Both models on every image of the split, batch by batch (memory: one batch)."""
+            loaded: LoadedCheckpoint) -> tuple[Verification, dict]:
+    """Both models on every image of the split, batch by batch (memory: one batch); the test
+    metrics of the PyTorch model."""
     import torch
 
     from imgtrain.data import stream
@@ -219,7 +243,33 @@ def _verify(model, exported, data_dir: Path, manifest: dict, split: str,
         result.max_prob_diff = max(result.max_prob_diff, float(np.abs(ours - theirs).max()))
         top = np.argsort(-ours, axis=1, kind="stable")[:, :TOP_K]
         sums.add(batch["label"], top, ours[np.arange(len(ours)), top[:, 0]])
-    return result, sums
+    return result, _metrics(sums, loaded.preprocess.classes)
+
+
+def _verify_label_sets(model, exported, data_dir: Path, manifest: dict, split: str,
+                       loaded: LoadedCheckpoint) -> tuple[Verification, dict]:
+    """A multi-label model's ``_verify``: label sets compared at the checkpoint's thresholds, and
+    its multi-label test figures (``multilabel_eval.label_figures``); the split's probabilities are
+    kept for the average precision, float32 [n, classes], as ``evaluate`` keeps them."""
+    import torch
+
+    from imgtrain.data import stream
+    from imgtrain.inference.multilabel_eval import label_figures
+
+    thresholds, chosen_on = ml.thresholds_of(loaded)
+    result, scores, targets = LabelSetVerification(split), [], []
+    for batch in stream.split_batches(data_dir, manifest, split, loaded.preprocess.preset, VERIFY_BATCH):
+        x = np.ascontiguousarray(batch["image"].transpose(0, 3, 1, 2))  # NHWC -> NCHW
+        with torch.no_grad():
+            ours = model(torch.from_numpy(x)).numpy()
+        theirs = np.asarray(exported(x))
+        result.images += len(x)
+        result.agreeing += int((ml.decide(ours, thresholds) == ml.decide(theirs, thresholds)).all(1).sum())
+        result.max_prob_diff = max(result.max_prob_diff, float(np.abs(ours - theirs).max()))
+        scores.append(ours)
+        targets.append(np.asarray(batch["label"], np.uint8))
+    figures = label_figures(np.concatenate(scores), np.concatenate(targets), thresholds, loaded.preprocess.classes)
+    return result, {"multi_label": True, "images": result.images, **figures, "thresholds_chosen_on": chosen_on}
 
 
 def _metrics(sums: EvalSums, classes) -> dict:
@@ -236,12 +286,16 @@ def _write_sidecars(folder: Path, spec: ExportFormat, loaded: LoadedCheckpoint, 
 
     p = loaded.preprocess
     h, w, c = p.image_shape
+    multi_label = ml.is_multi_label_model(loaded)
     (folder / "labels.json").write_text(json.dumps(list(p.classes), indent=1) + "\n")
+    meaning = (f"each class's own probability (a sigmoid), in labels.json's order; the image's labels are the classes "
+               f"whose probability is at least their threshold in {THRESHOLDS_FILE}" if multi_label
+               else "class probabilities (softmax), in labels.json's order")
     preprocessing = {
         "input": {"name": INPUT_NAME, "dtype": "uint8", "layout": "NCHW", "shape": ["batch", c, h, w],
                   "channels": "grayscale" if c == 1 else "RGB", "range": [0, 255]},
         "output": {"name": OUTPUT_NAME, "dtype": "float32", "shape": ["batch", len(p.classes)],
-                   "meaning": "class probabilities (softmax), in labels.json's order"},
+                   "meaning": meaning},
         "inside_the_model": {"scale": "x / 255", "normalize": {"mean": list(p.mean), "std": list(p.std)}},
         "before_the_model": _resize_rule(p.preset, h, w),
     }
@@ -260,6 +314,12 @@ def _write_sidecars(folder: Path, spec: ExportFormat, loaded: LoadedCheckpoint, 
     hashes = {name: sha256_file(folder / name) for name in (spec.file, *beside)}
     meta.update(format=spec.name, checkpoint=str(loaded.path), quantized=test_metrics.get("int8") is not None,
                 sha256=hashes)
+    if multi_label:  # the decision rule beside the model: for a deployment, and for imgtrain's engines (the record)
+        thresholds, chosen_on = ml.thresholds_of(loaded)
+        (folder / THRESHOLDS_FILE).write_text(json.dumps(
+            {"rule": "a class is one of the image's labels when its probability is at least its threshold",
+             "chosen_on": chosen_on, "thresholds": dict(zip(p.classes, thresholds.tolist()))}, indent=1) + "\n")
+        meta.update({ml.EXPORT_THRESHOLDS: thresholds.tolist(), ml.EXPORT_CHOSEN_ON: chosen_on})
     (folder / EXPORT_META).write_text(json.dumps(meta, indent=1) + "\n")
     (folder / "MODEL_CARD.md").write_text(model_card(spec.name, spec.file, spec.runtime, loaded, manifest,
                                                      verification.line(), test_metrics))

@@ -71,7 +71,7 @@ def list_inputs(spec: str, split: str = "test", image_column: str = "image") -> 
 
 def _dataset_inputs(path: Path, split: str) -> Inputs:
     from imgtrain.data import stream
-    from imgtrain.data.format import load_manifest
+    from imgtrain.data.format import is_multi_label, load_manifest
 
     manifest = load_manifest(path)
     if split not in manifest["splits"]:
@@ -81,7 +81,8 @@ def _dataset_inputs(path: Path, split: str) -> Inputs:
         tasks.append({"kind": "dataset", "first": first, "data": str(path),
                       "task": {"file": f, "group": g, "first": 0, "count": rows}})
         first += rows
-    return Inputs(tasks, ("id", "label"), manifest["splits"][split]["num_samples"])
+    carried = ("id", "true_labels") if is_multi_label(manifest) else ("id", "label")
+    return Inputs(tasks, carried, manifest["splits"][split]["num_samples"])
 
 
 def _parquet_inputs(path: Path, image_column: str) -> Inputs:
@@ -225,17 +226,27 @@ def _convert(item, shape, preset: str) -> tuple[np.ndarray, bool]:
 
 
 def _read_dataset_task(task: dict, shape, preset: str) -> dict:
-    """A row group of a prepared data set, through the streamed reader's evaluation transform."""
+    """A row group of a prepared data set, through the streamed reader's evaluation transform. A
+    multi-label data set's label sets are carried as ``true_labels``: the class names joined by its
+    separator, as ``predict`` writes the predicted ones (``multilabel_answers.py``)."""
     from imgtrain.data import format as fmt
     from imgtrain.data import stream
 
     manifest = fmt.load_manifest(task["data"])
-    reader = stream.Reader(task["data"], manifest["storage"], preset, tuple(shape), train=False, augment=False)
+    multi = fmt.is_multi_label(manifest)
+    reader = stream.Reader(task["data"], manifest["storage"], preset, tuple(shape), train=False, augment=False,
+                           multi_label_classes=manifest["num_classes"] if multi else 0)
     rows = stream.read_task(task["task"], reader)
     n = len(rows["id"])
     converted = manifest["storage"] == "encoded" or list(manifest["image_shape"]) != list(shape)
+    if multi:
+        from imgtrain.inference.multilabel_answers import joined
+
+        labels = {"true_labels": joined(rows["label"], manifest["classes"], fmt.label_separator(manifest)).astype(str)}
+    else:
+        labels = {"label": rows["label"]}
     return {ROW_KEY: np.arange(task["first"], task["first"] + n, dtype=np.int64), "id": rows["id"],
-            "label": rows["label"], "image": rows["image"], ERROR_KEY: np.full(n, "", dtype=str),
+            **labels, "image": rows["image"], ERROR_KEY: np.full(n, "", dtype=str),
             CONVERTED_KEY: np.full(n, converted and manifest["storage"] == "tensor")}
 
 

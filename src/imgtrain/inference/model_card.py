@@ -33,8 +33,10 @@ def model_card(fmt: str, model_file: str, runtime: str, loaded: LoadedCheckpoint
     p = loaded.preprocess
     h, w, c = p.image_shape
     arch = (meta.get("model_args") or {}).get("architecture", config.get("model", "?"))
+    multi = bool(test.get("multi_label"))
+    kind = f"{len(p.classes)} labels (multi-label)" if multi else f"{len(p.classes)} classes"
     lines = [
-        f"# {_md(config.get('name') or loaded.path.parent.name)}: {_md(arch)}, {len(p.classes)} classes",
+        f"# {_md(config.get('name') or loaded.path.parent.name)}: {_md(arch)}, {kind}",
         "",
         f"Exported by imgtrain {_md(meta.get('imgtrain_version', '?'))} on "
         f"{datetime.now(timezone.utc):%Y-%m-%d} as **{fmt}** (`{model_file}`, loaded with {runtime}) from "
@@ -43,8 +45,11 @@ def model_card(fmt: str, model_file: str, runtime: str, loaded: LoadedCheckpoint
         "## Input and output",
         "",
         f"* Input `images`: uint8 [batch, {c}, {h}, {w}] ({'grayscale' if c == 1 else 'RGB'}, 0-255); the scaling, "
-        f"normalisation (mean {list(p.mean)}, std {list(p.std)}) and softmax are inside the model.",
-        f"* Output `probabilities`: float32 [batch, {len(p.classes)}], in the order of `labels.json`.",
+        f"normalisation (mean {list(p.mean)}, std {list(p.std)}) and {'sigmoid' if multi else 'softmax'} are "
+        "inside the model.",
+        f"* Output `probabilities`: float32 [batch, {len(p.classes)}], in the order of `labels.json`"
+        + ("; each label's own probability: the image's labels are those at or over their threshold in "
+           "`thresholds.json` (the table below)." if multi else "."),
         "* Images of another size: `preprocessing.json` says how imgtrain's evaluation resizes them.",
         "",
         "## Data",
@@ -62,7 +67,7 @@ def model_card(fmt: str, model_file: str, runtime: str, loaded: LoadedCheckpoint
         "",
         f"## Test metrics ({test['images']:,} images of the test split, measured at export)",
         "",
-        *_metric_lines(test),
+        *(_label_metric_lines(test) if multi else _metric_lines(test)),
         "",
         "## Export check",
         "",
@@ -70,11 +75,15 @@ def model_card(fmt: str, model_file: str, runtime: str, loaded: LoadedCheckpoint
         "",
         "## Intended use and known limits",
         "",
-        f"* Classifies {h}x{w} {'grayscale' if c == 1 else 'colour'} images into exactly the classes of "
-        "`labels.json`; an image of anything else still gets one of them, often with high confidence.",
+        *([f"* Tags {h}x{w} {'grayscale' if c == 1 else 'colour'} images with any number of the labels of "
+           "`labels.json` (none included); an image of anything else may still get some of them."] if multi else
+          [f"* Classifies {h}x{w} {'grayscale' if c == 1 else 'colour'} images into exactly the classes of "
+           "`labels.json`; an image of anything else still gets one of them, often with high confidence."]),
         "* The test metrics hold for images like the test split's (same source, same preparation); expect "
         "less on images from other cameras, scanners or domains: measure on your own before relying on it.",
-        "* The probabilities are the softmax's, not calibrated beyond what the ECE above says.",
+        ("* The probabilities are the sigmoids', not calibrated; the thresholds were chosen on the validation split "
+         "(the F1-best per label) and trade precision for recall there." if multi else
+         "* The probabilities are the softmax's, not calibrated beyond what the ECE above says."),
         "* Not for decisions about people without a human review and an evaluation of its errors per group.",
         "",
     ]
@@ -90,7 +99,8 @@ def _data_lines(manifest: dict) -> list[str]:
     train = counts.get("train")
     if train:
         low, high = min(train), max(train)
-        lines.append(f"Training images per class: {low:,} to {high:,}"
+        per = "label (images carrying it)" if manifest.get("multi_label") is True else "class"
+        lines.append(f"Training images per {per}: {low:,} to {high:,}"
                      + (f" (imbalanced: {high / max(low, 1):.0f}x)." if high > 3 * max(low, 1) else "."))
     return lines
 
@@ -110,6 +120,28 @@ def _metric_lines(test: dict) -> list[str]:
               for name, s in rows]
     if len(test["per_class"]) > PER_CLASS_ROWS:
         lines.append(f"\n(the {PER_CLASS_ROWS} classes with the lowest F1 of {len(test['per_class']):,})")
+    return lines
+
+
+def _label_metric_lines(test: dict) -> list[str]:
+    """A multi-label model's figures (``multilabel_eval.label_figures``) and its thresholds, per label."""
+    chosen = ("the F1-best per label on the validation split" if test.get("thresholds_chosen_on") == "val"
+              else "0.5 each: there was no validation split to choose them on")
+    lines = [f"* mAP {test['map']:.4f} (average precision per label, averaged over the labels present)",
+             f"* F1 micro {test['f1_micro']:.3f}, macro {test['f1_macro']:.3f}; exact match {test['exact_match']:.2%}; "
+             f"Hamming loss {test['hamming_loss']:.4f}",
+             f"* decided at the thresholds below ({chosen})",
+             "", "| label | AP | threshold | precision | recall | F1 | test images |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    per_label = test["per_label"]
+    rows = list(per_label.items())
+    if len(rows) > PER_CLASS_ROWS:
+        rows = sorted(rows, key=lambda kv: kv[1]["f1"])[:PER_CLASS_ROWS]
+    lines += [f"| {_md(name)} | {'n/a' if s['ap'] is None else format(s['ap'], '.3f')} | {s['threshold']:.3f} | "
+              f"{s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} | {s['support']:,} |" for name, s in rows]
+    if len(per_label) > PER_CLASS_ROWS:
+        lines.append(f"\n(the {PER_CLASS_ROWS} labels with the lowest F1 of {len(per_label):,}; thresholds.json has "
+                     "every threshold)")
     return lines
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from imgtrain.data.format import short_repr
 from imgtrain.errors import ImgtrainError, one_line
+from imgtrain.inference import multilabel_answers as ml
 from imgtrain.inference.options import DEFAULT_TOP_K, TTA
 from imgtrain.inference.preprocess import LoadedCheckpoint, preprocess_of, preset_of
 from imgtrain.ops import process
@@ -118,7 +119,8 @@ class Predictor:
     scores by: class names need not be unique). ``threads`` > 0: torch's threads while it loads
     and predicts (one actor per core, or one actor using them all); 0: the process's setting.
     ``tta="flip"``: the probabilities are the mean of the model's softmax over each image and its
-    horizontal mirror image (two forward passes).
+    horizontal mirror image (two forward passes). A multi-label model (issue 48): a sigmoid per
+    class, and the output adds ``labels`` and ``prob_<class>`` instead (``multilabel_answers.py``).
     """
 
     def __init__(self, checkpoint, storage: str = "./runs", device: str = "cpu",
@@ -136,6 +138,10 @@ class Predictor:
         self.device, self.tta, self.indices = device, tta, indices
         self.top_k = max(1, min(top_k, len(self.loaded.preprocess.classes)))
         self.classes = np.asarray(self.loaded.preprocess.classes, dtype=object)
+        self.multi_label = ml.is_multi_label_model(self.loaded)  # a sigmoid per class, decided at its threshold
+        if self.multi_label:
+            self.thresholds, _ = ml.thresholds_of(self.loaded)
+            self.separator = ml.separator_of(self.loaded)
 
     def predict_proba(self, images) -> np.ndarray:
         """uint8 [B, H, W, C] -> float32 probabilities [B, num_classes]."""
@@ -146,16 +152,21 @@ class Predictor:
             return model.probabilities(preprocess.checked(images), self.tta)
         with process.torch_threads(self.threads), torch.inference_mode():
             x = preprocess(images, self.device)  # [B, C, H, W]
-            probs = model(x).float().softmax(1)
+            activation = torch.sigmoid if self.multi_label else (lambda logits: logits.softmax(1))
+            probs = activation(model(x).float())
             if self.tta == "flip":  # the mirror image: W reversed, as the photos preset's training flip
                 mirrored = x.flip(-1)
                 if preprocess.channels_last:  # the layout the model was put in
                     mirrored = mirrored.contiguous(memory_format=torch.channels_last)
-                probs = (probs + model(mirrored).float().softmax(1)) / 2
+                probs = (probs + activation(model(mirrored).float())) / 2
             return probs.cpu().numpy()
 
     def __call__(self, batch: dict) -> dict:
         probs = self.predict_proba(batch["image"])  # [B, K]
+        if self.multi_label:  # the label set and every class's probability (multilabel_answers.py)
+            out = {k: v for k, v in batch.items() if k != "image"}
+            out.update(ml.prediction_columns(probs, self.thresholds, self.classes, self.separator))
+            return out
         top = np.argsort(-probs, axis=1, kind="stable")[:, : self.top_k]  # [B, k]
         out = {k: v for k, v in batch.items() if k != "image"}
         out["pred_index"] = top[:, 0].astype(np.int64)

@@ -77,6 +77,8 @@ def write_report(run, checkpoint: str = ReportOptions.checkpoint, storage: str =
         raise ImgtrainError(
             f"run {result.name!r} has no complete checkpoint yet ({result.path}); train it first"
         )
+    if _multi_label_run(result, checkpoint):
+        return _write_multi_label_report(result, run_dir, checkpoint, storage)
     ev = evaluate(str(result.path), checkpoint, storage, options=InferenceOptions(backend="local"),
                   label_issues=GRID_SIDE**2)
     preds = ev.predictions.reset_index(drop=True)  # one row per image: id, label, pred_index, confidence
@@ -476,3 +478,114 @@ def _figures(result: runs.RunResult, out: Path, num_wrong: int) -> dict[str, str
             f"<figcaption>{_e(caption)} <span class=\"muted\">({_e(file)})</span></figcaption></figure>"
         )
     return figures
+
+
+# ---------------------------------------------------------------- a multi-label run (issue 48)
+
+
+def _multi_label_run(result: runs.RunResult, checkpoint: str) -> bool:
+    from imgtrain.data.format import is_multi_label
+
+    chosen = Path(checkpoint) if checkpoint not in ckpt.CHOICES else result.best_checkpoint
+    meta = ckpt.read_meta(chosen) if chosen is not None and (Path(chosen) / ckpt.META_FILE).is_file() else {}
+    return isinstance(meta.get("data"), dict) and is_multi_label(meta["data"])
+
+
+def _write_multi_label_report(result: runs.RunResult, run_dir: Path, checkpoint: str, storage: str) -> Path:
+    """A multi-label run's page: the figures, learning curves, per-label AP bars, the thresholds
+    table, and the test images with the most wrongly decided labels."""
+    from imgtrain.data import stream
+    from imgtrain.inference.batch import InferenceOptions, evaluate
+    from imgtrain.inference.predictor import preprocess_preset
+
+    ev = evaluate(str(result.path), checkpoint, storage, options=InferenceOptions(backend="local"))
+    out = result.path / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    used = Path(ev.checkpoint)
+    used_meta = ckpt.read_meta(used)
+    in_store = remote.is_remote(storage) and run_dir.parent == location.storage_root(storage)
+    where = location.location(storage, run_dir.name) if in_store else str(result.path)
+    wrong = ev.wrong_labels()
+    worst = np.argsort(-wrong, kind="stable")[:GRID_SIDE**2]
+    worst = worst[wrong[worst] > 0]
+    pictures = stream.fetch_images(ev.data, ev.split, set(ev.ids[worst].tolist()), preset=preprocess_preset(used))
+    files = {"learning-curves": "learning_curves.png", "label-ap": "label_ap.png", "most-wrong": "most_wrong.png"}
+    _learning_curves(result.history, used_meta.get("epoch"), out / files["learning-curves"])
+    _ap_bars(ev, out / files["label-ap"])
+    _most_wrong_grid(ev, worst, pictures, out / files["most-wrong"])
+    shown = {"checkpoint": _located(used, result.path, where), "data": _data_location(ev, used_meta)}
+    atomic_write_text(out / EVAL_FILE, json.dumps({**ev.to_json(), **shown}, indent=2))
+
+    def figure(plot_id: str, caption: str) -> str:
+        data = base64.b64encode((out / files[plot_id]).read_bytes()).decode("ascii")
+        return (f'<figure><img id="{_e(plot_id)}" src="data:image/png;base64,{data}" alt="{_e(caption)}">'
+                f"<figcaption>{_e(caption)} <span class=\"muted\">({_e(files[plot_id])})</span></figcaption></figure>")
+
+    summary = [
+        ["run", result.name], ["status", result.status], ["run directory", where],
+        ["data set", _data_location(ev, used_meta)],
+        ["model", _model_line(used_meta.get("model_args") or {}, result.config)],
+        ["checkpoint used", f"{used.name} (epoch {used_meta.get('epoch', -1) + 1}, {_located(used, result.path, where)})"],
+        [f"mAP recorded in training ({ev.recorded_split or result.validation_split} split)", _num(ev.recorded_val_map)],
+        [f"mAP re-evaluated now ({ev.split} split)", f"{_num(ev.map)} on {ev.num_samples:,} images"],
+        ["F1 micro / macro", f"{_num(ev.f1_micro)} / {_num(ev.f1_macro)}"],
+        ["exact match / Hamming loss", f"{_pct(ev.exact_match)} / {_num(ev.hamming_loss)}"],
+        ["thresholds", "the F1-best per label on the val split" if ev.thresholds_chosen_on == "val"
+         else "0.5 for every label (no val split to choose them on)"],
+        ["generated", time.strftime("%Y-%m-%d %H:%M:%S %Z")],
+    ]
+    labels = [[c, _num(s["ap"]) if s["ap"] is not None else "n/a", _num(s["threshold"], 3), _num(s["precision"]),
+               _num(s["recall"]), _num(s["f1"]), s["support"]] for c, s in ev.per_label.items()]
+    sections = [
+        f"<h1>imgtrain report: {_e(result.name)}</h1>",
+        _table("summary", None, summary, text_columns=(0, 1)),
+        "<h2>Learning curves</h2>",
+        figure("learning-curves", f"Loss and accuracy per epoch (validation = the {result.validation_split} split)."),
+        "<h2>Average precision per label</h2>",
+        figure("label-ap", f"Each label's average precision on the {ev.split} split; the dashed line is their mean (mAP)."),
+        "<h2>Thresholds and per-label scores</h2>",
+        _table("thresholds-table", ["label", "AP", "threshold", "precision", "recall", "F1", "support"], labels),
+        "<h2>Images with the most wrong labels</h2>",
+        figure("most-wrong", "The test images with the most labels decided wrong at the thresholds "
+                             "(missed and extra), the worst first."),
+    ]
+    page = out / PAGE_FILE
+    atomic_write_text(page, '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+                      f"<title>imgtrain report: {_e(result.name)}</title><style>{CSS}</style></head>\n<body>\n"
+                      + "\n".join(sections) + "\n</body></html>\n")
+    if in_store:
+        mirror.push(location.store(storage), run_dir.name, under=REPORT_DIR)
+    return page
+
+
+def _ap_bars(ev, path: Path) -> None:
+    ap = [s["ap"] if s["ap"] is not None else 0.0 for s in ev.per_label.values()]
+    fig = _figure(max(4.0, 0.35 * len(ap) + 1.5), 3.2)
+    ax = fig.subplots()
+    ax.bar(range(len(ap)), ap, color=RIGHT)
+    ax.axhline(ev.map, color=WRONG, linestyle="--", linewidth=1)
+    ax.set_xticks(range(len(ap)), [_literal(c) for c in ev.classes], rotation=90 if len(ap) > 12 else 0)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("average precision")
+    fig.savefig(path)
+
+
+def _most_wrong_grid(ev, rows: np.ndarray, pictures: dict, path: Path) -> None:
+    if len(rows) == 0:
+        fig = _figure(6, 1.5)
+        fig.text(0.5, 0.5, "Every label of every test image decided right: nothing to show.", ha="center",
+                 va="center", fontsize=14, color=RIGHT)
+        fig.savefig(path)
+        return
+    columns, used_rows = min(GRID_SIDE, len(rows)), -(-len(rows) // GRID_SIDE)
+    fig = _figure(2.4 * columns, 2.4 * used_rows)
+    axes = np.atleast_1d(fig.subplots(used_rows, columns)).ravel()
+    for ax in axes:
+        ax.axis("off")
+    for ax, i in zip(axes, rows):
+        ax.axis("on")
+        _show_image(ax, pictures[int(ev.ids[i])])
+        true = [ev.classes[k] for k in np.flatnonzero(ev.targets[i])]
+        said = [ev.classes[k] for k in np.flatnonzero(ev.scores[i] >= ev.thresholds)]
+        ax.set_title(_literal(f"true {' '.join(true) or '-'}\npred {' '.join(said) or '-'}"), color=WRONG, fontsize=9)
+    fig.savefig(path)

@@ -4,11 +4,14 @@ methods are its routes. A new route is a method of ``ModelServer`` here, nothing
     POST /predict   body: PNG/JPEG bytes (any Content-Type but JSON), or JSON pixels 0..255:
                     one image as [H][W], [H][W][C] or a flat list of H*W*C values, ``{"pixels": ...}``,
                     or a list of images / ``{"images": [...]}`` for a batch
-                    -> {"label", "index", "confidence", "probabilities": {class: prob}} (a list for a batch)
+                    -> {"label", "index", "confidence", "probabilities": {class: prob}} (a list for a batch);
+                    a multi-label model: {"labels": [{"label", "probability"}, ...] (the classes at or
+                    over their thresholds, most probable first), "probabilities"} (multilabel_answers.py)
     GET  /healthz   -> {"status": "ok", "checkpoint" (its name), "classes", "image_shape",
                         "forward_passes", "images_predicted" (this replica's, since it started),
                         "tta" (none, or flip: --tta), "engine" (torch, or onnxruntime: --engine),
-                        "preset" (digits or photos: the try page draws digits, takes photos)}
+                        "preset" (digits or photos: the try page draws digits, takes photos);
+                        a multi-label model's also "multi_label": true and "thresholds": {class: threshold}}
     GET  /          a page to try the model in a browser (try_page.py)
     GET  /openapi.json  only with ``--openapi`` (no /docs or /redoc: they load outside scripts)
 
@@ -43,6 +46,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from imgtrain.inference.batcher import Batcher
+from imgtrain.inference.multilabel_answers import answer as multilabel_answer
 from imgtrain.inference.options import Limits
 from imgtrain.inference.predictor import Predictor
 from imgtrain.inference.requests import RETRY_AFTER, RequestError, decode_request, read_body
@@ -101,6 +105,7 @@ class ModelServer:
         self.engine = engine
         self.shape = self.predictor.loaded.preprocess.image_shape  # (H, W, C)
         self.classes = list(self.predictor.loaded.preprocess.classes)
+        self.multi_label = self.predictor.multi_label
         # A name, not the server's file system layout: /healthz answers anyone who can connect.
         self.checkpoint = f"{Path(checkpoint_dir).parent.name}/{Path(checkpoint_dir).name}"
         self.limits, self.max_pixels, self.openapi = limits, limits.image_pixels(self.shape), openapi
@@ -125,7 +130,9 @@ class ModelServer:
         return {"status": "ok", "checkpoint": self.checkpoint, "classes": self.classes,
                 "image_shape": list(self.shape), "forward_passes": self.forward_passes,
                 "images_predicted": self.images_predicted, "tta": self.predictor.tta,
-                "engine": self.engine, "preset": self.predictor.loaded.preprocess.preset}
+                "engine": self.engine, "preset": self.predictor.loaded.preprocess.preset,
+                **({"multi_label": True, "thresholds": dict(zip(self.classes, self.predictor.thresholds.tolist()))}
+                   if self.multi_label else {})}
 
     @http_app.get("/openapi.json")
     def openapi_schema(self):
@@ -169,11 +176,14 @@ class ModelServer:
             probs = await self._run_model(images)
         else:
             probs = (await self.batcher(images[0]))[None]
-        answers = [
-            {"label": self.classes[int(p.argmax())], "index": int(p.argmax()), "confidence": float(p.max()),
-             "probabilities": {c: float(v) for c, v in zip(self.classes, p)}}
-            for p in probs
-        ]
+        if self.multi_label:
+            answers = [multilabel_answer(p, self.predictor.thresholds, self.classes) for p in probs]
+        else:
+            answers = [
+                {"label": self.classes[int(p.argmax())], "index": int(p.argmax()), "confidence": float(p.max()),
+                 "probabilities": {c: float(v) for c, v in zip(self.classes, p)}}
+                for p in probs
+            ]
         return answers if batch else answers[0]
 
     async def _run_model(self, images: np.ndarray) -> np.ndarray:

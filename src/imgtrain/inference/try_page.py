@@ -1,4 +1,5 @@
-"""The page ``imgtrain serve`` shows at ``/``: draw a digit or drop an image, see the top classes.
+"""The page ``imgtrain serve`` shows at ``/``: draw a digit or drop an image, see the top classes
+(a multi-label model's: every label at or over its threshold, with its probability).
 A photo model (the photos preset, from /healthz) gets no drawing pad, whose white strokes on
 black mean nothing to it: a photo is dropped, pasted or chosen instead.
 
@@ -124,6 +125,11 @@ async function send(blob, preview) {
     const r = await fetch("predict", { method: "POST", body: blob, headers: { "Content-Type": blob.type || "image/png" } });
     const answer = await r.json();
     if (!r.ok) { show([], answer.error || ("HTTP " + r.status)); return; }
+    if (Array.isArray(answer.labels)) {  // a multi-label model: every label at or over its threshold
+      const over = answer.labels.map(l => [l.label, l.probability]);
+      show(over, "", over.length ? over.map(l => l[0]).join(", ") : "no label over its threshold");
+      return;
+    }
     const top = Object.entries(answer.probabilities).sort((a, b) => b[1] - a[1]).slice(0, 5);
     show(top, "", answer.label);
   } catch (err) { show([], String(err)); }
@@ -139,7 +145,7 @@ function show(top, error, label) {
   }
   document.getElementById("top").textContent = label === undefined ? "" : label;
   document.getElementById("error").textContent = error;
-  document.body.dataset.state = error ? "error" : (top.length ? "answered" : "");
+  document.body.dataset.state = error ? "error" : (top.length || label ? "answered" : "");
 }
 </script></body></html>
 """

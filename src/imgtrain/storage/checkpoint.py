@@ -12,6 +12,10 @@ A checkpoint directory holds:
   sharded/        only with ``--strategy fsdp``: the training weights, optimizer state and moving
                   average as a ``torch.distributed.checkpoint`` directory, one file per rank (each
                   rank writes its own); train_state.pt then holds neither optimizer nor weights
+  thresholds.pt   only for a multi-label data set (training/multilabel.py), in a validated checkpoint:
+                  {"thresholds": float32 [classes], each label's decision threshold on its
+                  sigmoid, "chosen_on": "val" (the F1-best per label there) or None (0.5 each: no
+                  val split to choose them on)}; tensors and plain types, ``weights_only=True``
   meta.json       config, model args, data set summary, metrics, and the sha256 of every file
                   above. Written last: a directory without a valid meta.json is not a checkpoint.
 """
@@ -30,6 +34,7 @@ from imgtrain.ops.files import atomic_write_text, sha256_file
 
 MODEL_FILE = "model.pt"
 TRAIN_STATE_FILE = "train_state.pt"
+THRESHOLDS_FILE = "thresholds.pt"
 META_FILE = "meta.json"
 SHARDED_DIR = "sharded"
 FORMAT_VERSION = 1
@@ -71,18 +76,23 @@ class CheckpointError(ImgtrainError):
 
 
 def save(directory: str | os.PathLike, model_state: dict, train_state: dict, meta: dict,
-         other_files: dict[str, str] | None = None) -> Path:
+         other_files: dict[str, str] | None = None, thresholds: dict | None = None) -> Path:
     """Write a checkpoint into ``directory`` (created); meta.json last, with every file's sha256.
     ``other_files``: {relative path: sha256} of files other ranks write into the same
-    checkpoint (FSDP's shards), recorded and verified like the rest."""
+    checkpoint (FSDP's shards), recorded and verified like the rest. ``thresholds``: a
+    multi-label model's (THRESHOLDS_FILE)."""
     import torch
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     torch.save(model_state, d / MODEL_FILE)
     torch.save(train_state, d / TRAIN_STATE_FILE)
+    written = [MODEL_FILE, TRAIN_STATE_FILE]
+    if thresholds is not None:
+        torch.save(thresholds, d / THRESHOLDS_FILE)
+        written.append(THRESHOLDS_FILE)
     meta = dict(meta, format_version=FORMAT_VERSION)
-    meta["sha256"] = {**(other_files or {}), **{name: sha256_file(d / name) for name in (MODEL_FILE, TRAIN_STATE_FILE)}}
+    meta["sha256"] = {**(other_files or {}), **{name: sha256_file(d / name) for name in written}}
     atomic_write_text(d / META_FILE, json.dumps(meta, indent=2, default=str))
     return d
 
@@ -167,6 +177,26 @@ def load_model_state(directory: str | os.PathLike, map_location="cpu") -> dict:
 
 def load_train_state(directory: str | os.PathLike) -> dict:
     return _load(Path(directory) / TRAIN_STATE_FILE)
+
+
+def load_thresholds(directory: str | os.PathLike, num_classes: int):
+    """A multi-label checkpoint's decision thresholds, float32 numpy [num_classes], and the split
+    they were chosen on (None: 0.5 each); (None, None) when it has none (a checkpoint taken inside
+    an epoch, never validated: the reader's 0.5 then). The file is verified by ``verify`` like
+    the others; its values are still held to what a threshold can be."""
+    import numpy as np
+
+    path = Path(directory) / THRESHOLDS_FILE
+    if not path.is_file():
+        return None, None
+    saved = _load(path)
+    values = saved.get("thresholds") if isinstance(saved, dict) else None
+    chosen_on = saved.get("chosen_on") if isinstance(saved, dict) else None
+    values = values.detach().float().cpu().numpy() if hasattr(values, "detach") else None
+    if values is None or values.shape != (num_classes,) or not np.all((values >= 0) & (values <= 1)):
+        raise CheckpointError(f"{path} does not hold {num_classes} thresholds between 0 and 1; "
+                              "use another checkpoint")
+    return values, chosen_on if chosen_on in ("val",) else None
 
 
 def unwrap(model):

@@ -204,7 +204,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 # a number under one of these keys, is skipped, as a line cut short is; readers of the history
 # rely on the types (a record may lack a key: one an older imgtrain wrote).
 EPOCH_NUMBERS = ("step", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_f1_macro", "images_per_s",
-                 "epoch_time_s", "lr", "data_wait_fraction")
+                 "epoch_time_s", "lr", "data_wait_fraction", "val_map")  # val_map: a multi-label run's
 
 
 def is_number(value) -> bool:
@@ -298,6 +298,7 @@ class RunResult:
     def to_json(self) -> dict:
         keep = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_f1_macro",
                 "lr", "epoch_time_s", "images_per_s", "world_size", "checkpoint")
+        keep += ("val_map",) * any("val_map" in r for r in self.history)  # multi-label runs only
         stop = self.stopped_early
         return {
             "name": self.name, "path": str(self.path), "location": self.location or str(self.path),

@@ -20,9 +20,10 @@ import torch
 
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.data.format import eval_split
+from imgtrain.training import multilabel
 from imgtrain.training.calibration import calibrate_batchnorm
 from imgtrain.training.checkpointing import save
-from imgtrain.training.evaluation import evaluate, evaluated_model, plain_model
+from imgtrain.training.evaluation import THRESHOLDS, evaluate, evaluated_model, plain_model
 from imgtrain.training.run_state import Run
 
 
@@ -52,12 +53,14 @@ def save_average(run: Run) -> None:
     backend.progress.enter("eval")
     if backend.calibration_batches is not None:
         calibrate_batchnorm(averaged, backend, manifest, run.memory_format)
-    validation = evaluate(averaged, backend, manifest, cfg.label_smoothing, run.memory_format)
+    validation = evaluate(averaged, backend, manifest, cfg.label_smoothing, run.memory_format,
+                          multilabel.validation_loss(cfg, manifest, backend.device))
+    thresholds = validation.pop(THRESHOLDS, None)
     epochs = list(run.window.epochs)  # rank 0's: only rank 0 writes the record and the checkpoint
     metrics = {"epoch": last, "step": run.step, **validation, "val_split": eval_split(manifest), "time": time.time()}
     name = POLICY.average_name(last, backend.damaged)
     save(run, last, metrics, None, name, averaged, average={"epochs": epochs},
-         trained_evaluated=None if run.sharded else trained)
+         trained_evaluated=None if run.sharded else trained, thresholds=thresholds)
     if backend.rank == 0:
         backend.send(dict(metrics, kind="average", epochs=epochs, checkpoint=name))
 

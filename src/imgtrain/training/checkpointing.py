@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from imgtrain.checkpoint_policy import POLICY
+from imgtrain.data.format import eval_split
 from imgtrain.models.zoo import model_args
 from imgtrain.storage import checkpoint as ckpt
 from imgtrain.storage.runs import versions
@@ -41,12 +42,13 @@ def checkpoint_inside_epoch(run: Run, epoch: int, steps_done: int, sums: torch.T
 
 def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name: str,
          evaluated: nn.Module | None = None, average: dict | None = None,
-         trained_evaluated: nn.Module | None = None) -> None:
+         trained_evaluated: nn.Module | None = None, thresholds: torch.Tensor | None = None) -> None:
     """Rank 0 writes the checkpoint ``name``; every rank reports it (report is a barrier).
     ``epoch_progress``: how far into ``epoch`` a step checkpoint was taken; ``evaluated``: the
     model validation just used, when it did. ``average``: the average checkpoint's record
     (``averaging.py``), whose model.pt is not the evaluated model training goes on with:
     ``trained_evaluated`` is (its weights are kept in train_state.pt; FSDP's are in sharded/).
+    ``thresholds``: a multi-label model's, chosen by validation (``multilabel.validate``).
 
     With FSDP every rank also writes its shards of the training state into ``sharded/`` of its
     own directory; Ray Train copies every rank's directory into the same checkpoint, and rank
@@ -94,7 +96,9 @@ def save(run: Run, epoch: int, metrics: dict, epoch_progress: dict | None, name:
             if average is not None:
                 meta[ckpt.AVERAGE_KEY] = average
             model_state = _cpu((run.evaluated if evaluated is None else evaluated).state_dict())
-            save_dir = str(ckpt.save(tmp, model_state, train_state, meta, shard_hashes))
+            kept = None if thresholds is None else {
+                "thresholds": thresholds.float().cpu(), "chosen_on": "val" if eval_split(run.manifest) == "val" else None}
+            save_dir = str(ckpt.save(tmp, model_state, train_state, meta, shard_hashes, kept))
         backend.progress.enter("report")
         backend.report(metrics, save_dir, name)
     faults.maybe_fire(backend.fault, backend.rank, run.step, backend.run_dir, "saved")  # stored, not yet announced

@@ -211,12 +211,29 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
             and stream.preset(cfg, manifest) != "photos":
         raise ImgtrainError("--augment-policy, --color-jitter and --random-erasing augment photos; this data set "
                             "trains with the digits preset: drop them, or pass --preset photos")
+    if problem := _label_problem(cfg, manifest):
+        raise ImgtrainError(problem)
     if cfg.backend == "local" and cfg.use_gpu and not _cuda_available():
         raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
     if stored is None:
         _check_model(cfg, manifest, display)
     display.note(_selection_note(cfg, manifest))  # every check passed: what the run's figures will mean
     return _Plan(cfg, manifest, stored, exists and overwrite, resume)
+
+
+def _label_problem(cfg: TrainConfig, manifest: dict) -> str | None:
+    """A setting that means nothing for this data set's kind of labels (one, or a set per image)."""
+    from imgtrain.checkpoint_policy import MULTI_LABEL_METRICS
+    from imgtrain.data.format import is_multi_label
+
+    if is_multi_label(manifest) and cfg.sampling == "balanced":
+        return ("--sampling balanced draws each class equally often, which has no meaning when an image carries "
+                "several labels (drawing one draws all of them): use --sampling shuffle, and --class-weights auto "
+                "to weigh rare labels up")
+    if not is_multi_label(manifest) and cfg.select_metric in MULTI_LABEL_METRICS:
+        return (f"--select-metric {cfg.select_metric} is a multi-label figure and this data set has one label per "
+                "image: use val_accuracy, val_loss or val_f1_macro")
+    return None
 
 
 def _selection_note(cfg: TrainConfig, manifest: dict) -> str:

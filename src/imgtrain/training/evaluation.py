@@ -11,20 +11,28 @@ import torch.nn as nn
 from imgtrain.config import TrainConfig
 from imgtrain.data.tensors import to_model_input
 from imgtrain.models.zoo import build_from_args, model_args
-from imgtrain.training import fsdp
+from imgtrain.training import fsdp, multilabel
 from imgtrain.training.backend import Backend
 from imgtrain.training.run_state import Run
 
 
+THRESHOLDS = "thresholds"  # a multi-label set's: popped from the figures, stored with the checkpoint
+
+
 def evaluate(
     model: nn.Module, backend: Backend, manifest: dict, label_smoothing: float = 0.0,
-    memory_format: torch.memory_format = torch.contiguous_format,
+    memory_format: torch.memory_format = torch.contiguous_format, multi_label_loss: nn.Module | None = None,
 ) -> dict:
     """``val_loss``, ``val_accuracy``, ``val_f1_macro`` and ``val_samples`` on the validation
     split, each row counted once across all ranks: each rank gets its own rows (``ingest.py``)
     and the sums are all-reduced, in one collective. The plain (unwrapped) model is used, so no
     rank waits on a DDP collective for a forward pass another rank does not make.
+
+    A multi-label set (``multi_label_loss``: its unweighted loss) gets ``multilabel.validate``'s
+    figures, ``val_map`` among them, and its per-label thresholds under ``THRESHOLDS``.
     """
+    if multilabel.is_multi_label(manifest):
+        return _evaluate_multi_label(model, backend, manifest, multi_label_loss, memory_format)
     mean, std = manifest["normalize"]["mean"], manifest["normalize"]["std"]
     k = int(manifest["num_classes"])
     criterion = nn.CrossEntropyLoss(reduction="sum", label_smoothing=label_smoothing)
@@ -53,6 +61,26 @@ def evaluate(
     loss, acc, n = means(total[:3])
     return {"val_loss": loss, "val_accuracy": acc, "val_f1_macro": f1_macro(total[3:].view(3, k)),
             "val_samples": n}
+
+
+def _evaluate_multi_label(model: nn.Module, backend: Backend, manifest: dict, criterion: nn.Module,
+                          memory_format: torch.memory_format) -> dict:
+    mean, std = manifest["normalize"]["mean"], manifest["normalize"]["std"]
+    sums = torch.zeros(2, dtype=torch.float64)  # [loss sum, samples]
+    logits, targets = [], []  # this rank's rows: the mAP and the thresholds need every score
+    was_training = model.training
+    model.eval()
+    with torch.inference_mode():
+        for batch in backend.val_batches():
+            if not len(batch["label"]):
+                continue
+            out = model(to_model_input(batch["image"], mean, std).contiguous(memory_format=memory_format))
+            sums += torch.tensor([criterion(out, batch["label"]).item(), len(out)], dtype=torch.float64)
+            logits.append(out.float().cpu())
+            targets.append(batch["label"].cpu())
+    model.train(was_training)
+    figures, thresholds = multilabel.validate(backend, manifest, logits, targets, sums)
+    return {**figures, THRESHOLDS: thresholds}
 
 
 def f1_macro(counts: torch.Tensor) -> float:

@@ -28,6 +28,11 @@ from imgtrain.data import stream
 BATCH_DTYPES = {"id": torch.int64, "image": torch.uint8, "label": torch.int64}
 
 
+def batch_dtypes(manifest: dict) -> dict:
+    """The batches' dtypes: a multi-label set's ``label`` is uint8 multi-hot [B, classes]."""
+    return dict(BATCH_DTYPES, label=torch.uint8) if fmt.is_multi_label(manifest) else BATCH_DTYPES
+
+
 def steps(cfg: TrainConfig, manifest: dict) -> int:
     return max(1, steps_per_epoch(manifest["splits"]["train"]["num_samples"], cfg.batch_size, cfg.limit_train_batches))
 

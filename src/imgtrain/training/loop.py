@@ -31,7 +31,7 @@ from imgtrain.data.tensors import affine_matrices, apply_affine, to_model_input
 from imgtrain.errors import ImgtrainError
 from imgtrain.models.zoo import build_from_args, model_args
 from imgtrain.storage import checkpoint as ckpt
-from imgtrain.training import faults, mechanics, mixing
+from imgtrain.training import faults, mechanics, mixing, multilabel
 from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
 from imgtrain.training.averaging import save_average
 from imgtrain.training.weight_window import WeightWindow
@@ -39,6 +39,7 @@ from imgtrain.training.backend import Backend, Batch
 from imgtrain.training.calibration import calibrate_batchnorm
 from imgtrain.training.checkpointing import checkpoint_inside_epoch, restore, save
 from imgtrain.training.evaluation import (
+    THRESHOLDS,
     evaluate,
     evaluated_model,
     global_means,
@@ -135,8 +136,7 @@ def setup(cfg: TrainConfig, manifest: dict, backend: Backend) -> tuple[Run, Resu
         cfg, manifest, backend, model, forward=torch.compile(model) if cfg.compile else model,  # same parameters
         optimizer=optimizer,
         scheduler=schedule_for(optimizer, cfg, resumed.step, total_steps, steps_per_epoch, resumed.schedule),
-        ema=ema, criterion=nn.CrossEntropyLoss(weight=class_weights(cfg, manifest, backend.device), reduction="sum",
-                                               label_smoothing=cfg.label_smoothing),
+        ema=ema, criterion=criterion_for(cfg, manifest, backend.device),
         autocast=torch.autocast(backend.device.type, dtype=half or torch.bfloat16, enabled=half is not None),
         memory_format=memory_format, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         step=resumed.step, history=list(resumed.history), ledger=None,
@@ -145,6 +145,15 @@ def setup(cfg: TrainConfig, manifest: dict, backend: Backend) -> tuple[Run, Resu
     if cfg.ledger and backend.run_dir:
         run.ledger = Ledger(backend, run.step)
     return run, resumed
+
+
+def criterion_for(cfg: TrainConfig, manifest: dict, device) -> nn.Module:
+    """The training loss, summed over the rows: the cross-entropy, or for a multi-label set one
+    sigmoid loss per label (``multilabel.MultiLabelLoss``)."""
+    if multilabel.is_multi_label(manifest):
+        return multilabel.criterion_for(cfg, manifest, device)
+    return nn.CrossEntropyLoss(weight=class_weights(cfg, manifest, device), reduction="sum",
+                               label_smoothing=cfg.label_smoothing)
 
 
 def class_weights(cfg: TrainConfig, manifest: dict, device) -> torch.Tensor | None:
@@ -259,7 +268,8 @@ def train_step(run: Run, batch: Batch, affine: torch.Tensor | None = None):
             mechanics.backward(loss, run.scaler)
         with torch.no_grad():
             piece_loss = loss.detach().double() * cfg.batch_size / world  # this rank's summed loss
-            piece_correct = (logits.argmax(1) == counted_k).sum()
+            piece_correct = multilabel.predicted_right(logits, counted_k) if counted_k.ndim == 2 \
+                else (logits.argmax(1) == counted_k).sum()
             summed = piece_loss if summed is None else summed + piece_loss
             correct = piece_correct if correct is None else correct + piece_correct
     backend.progress.enter("optimizer")
@@ -284,7 +294,9 @@ def end_epoch(run: Run, epoch: int, sums: torch.Tensor, timing: EpochTiming, tra
     if backend.calibration_batches is not None:
         calibrate_batchnorm(evaluated, backend, run.manifest, run.memory_format)
     faults.maybe_fire(backend.fault, backend.rank, run.step, backend.run_dir, "validating")
-    validation = evaluate(evaluated, backend, run.manifest, run.cfg.label_smoothing, run.memory_format)
+    validation = evaluate(evaluated, backend, run.manifest, run.cfg.label_smoothing, run.memory_format,
+                          multilabel.validation_loss(run.cfg, run.manifest, backend.device))
+    thresholds = validation.pop(THRESHOLDS, None)  # a multi-label set's: stored beside model.pt
     metrics = {
         "epoch": epoch, "step": run.step, "train_loss": train_loss, "train_accuracy": train_acc,
         **validation, "val_split": eval_split(run.manifest),
@@ -296,8 +308,9 @@ def end_epoch(run: Run, epoch: int, sums: torch.Tensor, timing: EpochTiming, tra
     name = POLICY.epoch_name(epoch, backend.damaged)
     run.history.append(dict(metrics, kind="epoch", checkpoint=name))
     run.window.add(epoch, evaluated)  # --average-last's: before saving, as the checkpoint carries it
-    save(run, epoch, metrics, None, name, evaluated)
+    save(run, epoch, metrics, None, name, evaluated, thresholds=thresholds)
     del evaluated  # with FSDP a full copy of the weights: not kept through the next epoch
     if backend.rank == 0:  # only once the checkpoint is stored: history never runs ahead of it
         backend.send(run.history[-1])
+
 

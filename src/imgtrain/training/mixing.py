@@ -12,6 +12,11 @@ lam is the share of pixels left uncovered); the cross-entropy's label smoothing 
 the mixed target, as smoothing the two labels before mixing would (the mix is linear). Training
 accuracy on a mixed batch counts a prediction right when it names the label with the larger
 share of the image.
+
+A multi-label set's labels are multi-hot vectors [n, classes] already: they are mixed as they
+are (an image keeps each of its labels at weight lam, takes its partner's at 1 - lam, a label
+both carry stays 1), and the training accuracy counts a row right when every label of 1/2 or
+more of the mix is predicted and no other (``multilabel.predicted_right``).
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ def draw(cfg: TrainConfig, global_step: int, epoch: int, height: int, width: int
 def mixed(x: torch.Tensor, y: torch.Tensor, mix: Mix, num_classes: int, backend,
           global_batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mixed images, soft targets [n, classes], the label with the larger share) of this rank's
-    rows; ``x`` [n, C, H, W] and ``y`` [n] are its share of the global batch."""
+    rows; ``x`` [n, C, H, W] and ``y`` [n] are its share of the global batch. A multi-label
+    set's ``y`` is multi-hot [n, classes]: its third item is then the soft targets again."""
     world, rank = backend.world_size, backend.rank
     partner_x, partner_y = _mirrors(x, y, backend, world, rank, global_batch)
     if mix.box is None:
@@ -70,9 +76,12 @@ def mixed(x: torch.Tensor, y: torch.Tensor, mix: Mix, num_classes: int, backend,
         y0, y1, x0, x1 = mix.box
         out = x.clone()
         out[:, :, y0:y1, x0:x1] = partner_x[:, :, y0:y1, x0:x1]
-    own = torch.nn.functional.one_hot(y, num_classes).to(x.dtype)
-    other = torch.nn.functional.one_hot(partner_y, num_classes).to(x.dtype)
+    multi_label = y.ndim == 2
+    own = y.to(x.dtype) if multi_label else torch.nn.functional.one_hot(y, num_classes).to(x.dtype)
+    other = partner_y.to(x.dtype) if multi_label else torch.nn.functional.one_hot(partner_y, num_classes).to(x.dtype)
     target = own * mix.lam + other * (1.0 - mix.lam)
+    if multi_label:
+        return out, target, target
     return out, target, y if mix.lam >= 0.5 else partner_y
 
 

@@ -93,7 +93,8 @@ def epoch_line(r: dict, epochs: int) -> str:
     return (
         f"epoch {r['epoch'] + 1:>3}/{epochs}  train_loss {num('train_loss', '.4f')}  "
         f"train_acc {num('train_accuracy', '.2%')}  val_loss {num('val_loss', '.4f')}  "
-        f"val_acc {num('val_accuracy', '.2%')}  {num('images_per_s', '.0f')} img/s  "
+        f"val_acc {num('val_accuracy', '.2%')}  " + (f"val_mAP {r['val_map']:.4f}  " if "val_map" in r else "")
+        + f"{num('images_per_s', '.0f')} img/s  "
         + (f"data wait {wait:.0%}  " if wait is not None else "")
         + f"{num('epoch_time_s', '.1f')}s"
     )

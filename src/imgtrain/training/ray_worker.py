@@ -28,7 +28,6 @@ from imgtrain.storage import location
 from imgtrain.training import faults, health, ingest
 from imgtrain.training.backend import Backend, single_process_collectives
 from imgtrain.training.health import Progress
-from imgtrain.training.ingest import BATCH_DTYPES
 from imgtrain.training.loop import phase_record, run_loop
 
 
@@ -188,7 +187,7 @@ def _ray_data_ingest(cfg: TrainConfig, manifest: dict, rank: int, world: int, de
 
     whole = ray.train.get_dataset_shard("train")  # not split: DataConfig(datasets_to_split=[])
     columns = {"id": [], "image": [], "label": []}
-    for batch in whole.iter_torch_batches(batch_size=8192, dtypes=BATCH_DTYPES):
+    for batch in whole.iter_torch_batches(batch_size=8192, dtypes=ingest.batch_dtypes(manifest)):
         for key in columns:
             columns[key].append(batch[key])
     rows = sort_by_id(*(torch.cat(columns[key]) for key in ("id", "image", "label")))

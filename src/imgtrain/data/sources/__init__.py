@@ -36,7 +36,7 @@ def _parquet(source_path, opts):
 def _path_list(source_path, opts):
     from imgtrain.data.sources.path_list import list_file_table
 
-    return list_file_table(source_path, opts.path_column, opts.label_column, opts.seed)
+    return list_file_table(source_path, opts.path_column, opts.label_column, opts.seed, opts)
 
 
 def _webdataset(source_path, opts):
@@ -67,23 +67,24 @@ register(SourceSpec(
 register(SourceSpec(
     name="parquet", summary="a Parquet table of images (PNG/JPEG bytes or pixel arrays) and labels",
     lister=_parquet, source="a .parquet file or a folder of them",
-    options=frozenset({"image_column", "label_column"}),
+    options=frozenset({"image_column", "label_column", "multi_label", "label_sep", "split_column"}),
 ))
 register(SourceSpec(
     name="list", summary="a CSV or Parquet table of image paths and labels",
     lister=_path_list, source="a .csv or .parquet file",
-    options=frozenset({"label_column", "path_column"}), ignores=frozenset({"image_column"}),
+    options=frozenset({"label_column", "path_column", "multi_label", "label_sep", "split_column"}),
+    ignores=frozenset({"image_column"}),
 ))
 register(SourceSpec(
     name="webdataset", summary="WebDataset .tar shards: key.jpg|png with key.cls|json|txt labels "
                                "(train/val/test shard names kept as splits)",
     lister=_webdataset, source="a folder of .tar shards, a glob or a brace pattern (shards-{000..099}.tar), "
                                "local or s3://bucket/... (copied into the cache first)",
-    options=frozenset({"label_column"}), remote_source=True,
+    options=frozenset({"label_column", "multi_label", "label_sep"}), remote_source=True,
 ))
 register(SourceSpec(
     name="hf", summary="a Hugging Face data set saved locally (save_to_disk, or Parquet/Arrow files with "
                        "the Image struct); ClassLabel names and train/validation/test splits kept",
     lister=_hf, source="a save_to_disk folder, or .parquet/.arrow files (a file or a folder)",
-    options=frozenset({"image_column", "label_column"}),
+    options=frozenset({"image_column", "label_column", "multi_label", "label_sep"}),
 ))

@@ -6,6 +6,9 @@ train/validation/test splits are kept.
 
 Read with pyarrow a unit at a time (``hf_files``): the labels first, then the pool's chunks read
 their rows' images. Rows without a label (ClassLabel's -1, null) are skipped and listed.
+With ``--multi-label`` the label column holds several labels a row: a ``Sequence(ClassLabel)``
+(its names kept), a list of names, or names joined by ``--label-sep``; a row without any is
+kept (every class negative).
 
 The ``parquet`` source reads the same image structs from any Parquet table, as a plain table
 (labels as they are, a ``split`` column); this source adds what the ``datasets`` library
@@ -23,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from imgtrain.data import hf_files
+from imgtrain.data import label_sets
 from imgtrain.data.class_labels import ClassBook
 from imgtrain.data.limits import TableRows, check_class_count
 from imgtrain.data.listing import MAX_LISTED_BAD, Chunk, Listing, Skipped
@@ -41,7 +45,7 @@ class _Unit:
     unit: int
     rows: np.ndarray  # int64, in the unit
     row0: int  # the unit's first row in its file
-    labels: np.ndarray  # int64, provisional (ClassBook)
+    labels: np.ndarray | label_sets.LabelSets  # int64, provisional (ClassBook); --multi-label: LabelSets
     ids: np.ndarray  # int64: the rows' positions in the whole source
     split: int  # SPLIT_CODES, -1: none of the source's own
 
@@ -55,7 +59,10 @@ def list_hf(source, opts) -> Listing:
     features = layout.features or hf_files.features_of(schema) or {}
     image = _pick(schema, features, opts.image_column, ("image", "Image"), layout.parts[0])
     label = _pick(schema, features, opts.label_column, ("label", "ClassLabel"), layout.parts[0])
-    book = ClassBook(_class_names(features.get(label)), "class ids and class names")
+    feature = features.get(label)
+    if opts.multi_label and isinstance(feature, dict) and feature.get("_type") in ("Sequence", "List"):
+        feature = feature.get("feature")  # Sequence(ClassLabel): the names of the listed ids
+    book = ClassBook(_class_names(feature), "class ids and class names")
     rows = TableRows()  # the rows every file declares, held to bounds before any is read
     for part in layout.parts:
         hf_files.check_rows(part.path, rows, part.name)
@@ -64,21 +71,24 @@ def list_hf(source, opts) -> Listing:
         skipped.add(name, why)
     for part in layout.parts:
         _check_columns(hf_files.schema_of(part.path) if part is not layout.parts[0] else schema, part, image, label)
-        first_id = _list_part(part, label, book, first_id, found, skipped)
+        first_id = _list_part(part, label, book, first_id, found, skipped, opts)
     if not found:
         if not skipped.count:
             raise ImgtrainError(f"{source} holds no rows")
         return Listing([], np.zeros(0, np.int64), [], skipped=skipped)  # prepare says what was skipped
-    return _chunked(found, image, book, skipped, opts.seed, source)
+    return _chunked(found, image, book, skipped, opts, source, schema.field(label).type)
 
 
 def _list_part(part: hf_files.Part, label: str, book: ClassBook, first_id: int, found: list[_Unit],
-               skipped: Skipped) -> int:
+               skipped: Skipped, opts) -> int:
     """The labelled rows of one file, unit by unit; returns the id of the next file's first row."""
     split = SPLIT_CODES[part.split] if part.split else -1
     bad, bad_count, reasons, row0 = [], 0, set(), 0
     for u, (column,) in enumerate(hf_files.units(part.path, [label])):
-        labels, why = _unit_labels(column, book, f"{part.name} row {row0}")
+        if opts.multi_label:
+            labels, why = _unit_label_sets(column, label, book, opts.label_sep, f"{part.name} row {row0}")
+        else:
+            labels, why = _unit_labels(column, book, f"{part.name} row {row0}")
         for k in np.flatnonzero(why != ""):
             bad_count += 1
             reasons.add(why[k])
@@ -122,6 +132,20 @@ def _unit_labels(column: pa.Array, book: ClassBook, where: str) -> tuple[np.ndar
     return labels, why
 
 
+def _unit_label_sets(column: pa.Array, label: str, book: ClassBook, sep: str | None,
+                     where: str) -> tuple[label_sets.LabelSets, np.ndarray]:
+    """(each row's labels, provisional; "" for every row: none is skipped) of one unit."""
+    if label_sets.column_kind(column.type) is None:
+        raise ImgtrainError(f"--multi-label: label column {label!r} at {where} has type {column.type}; expected a "
+                            "Sequence(ClassLabel), a list of class names, or names joined by --label-sep")
+    sets, names = label_sets.from_column(column, label, sep, book.fixed)
+    if label_sets.column_kind(column.type) == "ids":
+        book.indices(sets.values, where)
+    else:
+        sets = sets.renumbered(np.array([book.name(n, where) for n in names], np.int64))
+    return sets, np.full(len(sets), "", object)
+
+
 def _pick(schema: pa.Schema, features: dict, given: str, default: tuple[str, str], part: hf_files.Part) -> str:
     """The column asked for; when it is the default name and absent, the one column whose feature
     is of that type (CIFAR-10's images are "img")."""
@@ -161,19 +185,44 @@ def _class_names(feature) -> list[str] | None:
     return names if len(set(names)) == len(names) else None
 
 
-def _chunked(found: list[_Unit], image: str, book: ClassBook, skipped: Skipped, seed: int, source) -> Listing:
+def _chunked(found: list[_Unit], image: str, book: ClassBook, skipped: Skipped, opts, source,
+             label_type: pa.DataType) -> Listing:
     """The chunks in a seeded random order (a saved data set is often sorted by class; the rows
     of a chunk stay in the file's order, so each chunk reads one unit)."""
-    order = np.random.default_rng([seed, 0x4F]).permutation(len(found))
+    order = np.random.default_rng([opts.seed, 0x4F]).permutation(len(found))
     found = [found[i] for i in order]
     chunks, first = [], 0
     for u in found:
         chunks.append(Chunk(first, [f"{u.part.name} row {u.row0 + r}" for r in u.rows.tolist()],
                             functools.partial(hf_files.read_images, str(u.part.path), u.unit, image, u.rows.tolist())))
         first += len(u.rows)
+    codes = np.concatenate([np.full(len(u.rows), u.split, np.int8) for u in found])
+    fixed_test, fixed_val = fixed_splits(None if (codes < 0).all() else codes, f"--source {source}")
+    if opts.multi_label:
+        joined = label_sets.column_kind(label_type) == "joined"
+        labels, classes = _multi_label_classes(found, book, codes, opts.label_sep, joined,
+                                               [n for c in chunks for n in c.names])
+        return Listing(classes, labels, chunks, fixed_test, np.concatenate([u.ids for u in found]), fixed_val, skipped)
     labels, classes = book.classes(np.concatenate([u.labels for u in found]))
     if len(classes) < 2:
         raise ImgtrainError(f"{source} holds {len(classes)} class(es); a classifier needs at least 2")
-    codes = np.concatenate([np.full(len(u.rows), u.split, np.int8) for u in found])
-    fixed_test, fixed_val = fixed_splits(None if (codes < 0).all() else codes, f"--source {source}")
     return Listing(classes, labels, chunks, fixed_test, np.concatenate([u.ids for u in found]), fixed_val, skipped)
+
+
+def _multi_label_classes(found: list[_Unit], book: ClassBook, codes: np.ndarray, sep: str | None, joined: bool,
+                         names: list[str]) -> tuple[label_sets.LabelSets, list[str]]:
+    """Every row's labels, numbered by the sorted class names: a ClassLabel's names as they are,
+    else the names the training rows carry (one only in validation or test rows is refused)."""
+    sets = label_sets.LabelSets.concat([u.labels for u in found])
+    if joined:
+        label_sets.check_separator(sets, sep)
+    if book.kind == "name":
+        rank, classes = book.classes(np.arange(len(book.names), dtype=np.int64))
+        sets = sets.renumbered(rank)
+    else:
+        classes = list(book.fixed) if book.fixed is not None else [str(i) for i in range(book.top + 1)]
+    if book.fixed is not None:
+        return sets, classes
+    if not classes:
+        raise ImgtrainError("--multi-label: no row of the source has a label; a classifier needs labels to learn")
+    return label_sets.train_classes(sets, classes, codes <= SPLIT_CODES["train"], lambda r: names[r])

@@ -1,5 +1,6 @@
 """parquet: a Parquet table (a file or a folder of them) of images and labels, with optional
-``id`` and train/test ``split`` columns. Images stored as PNG/JPEG bytes (also Hugging Face's
+``id`` and train/test ``split`` columns (or the train/val/test column ``--split-column`` names;
+with ``--multi-label`` a list of labels, or joined names, a row). Images stored as PNG/JPEG bytes (also Hugging Face's
 {bytes, path} structs) are checked like files; pixel arrays (nested lists, a tensor column) are
 kept as tensors. Read a row group at a time, never whole, once the row counts the files declare
 passed ``limits.TableRows``' bounds."""
@@ -17,15 +18,15 @@ import pyarrow.parquet as pq
 
 from imgtrain.data import tables
 from imgtrain.data.images import ImageRejected
-from imgtrain.data.listing import Chunk, Listing, PixelListing, fixed_test
+from imgtrain.data.listing import Chunk, Listing, PixelListing, table_labels, table_splits
 from imgtrain.errors import ImgtrainError, one_line
 
 
 def list_parquet(path, opts) -> Listing | PixelListing:
     """Encoded images are checked and kept as they are; pixel arrays are stored as tensors."""
     if holds_encoded_images(path, opts.image_column):
-        return list_parquet_images(path, opts.image_column, opts.label_column)
-    return list_parquet_pixels(path, opts.image_column, opts.label_column)
+        return list_parquet_images(path, opts.image_column, opts.label_column, opts)
+    return list_parquet_pixels(path, opts.image_column, opts.label_column, opts)
 
 
 def holds_encoded_images(path, image_column: str) -> bool:
@@ -42,14 +43,14 @@ def holds_encoded_images(path, image_column: str) -> bool:
             or pa.types.is_struct(typ) and typ.get_field_index("bytes") >= 0)  # Hugging Face's images
 
 
-def list_parquet_images(path, image_column: str, label_column: str) -> Listing:
+def list_parquet_images(path, image_column: str, label_column: str, opts=None) -> Listing:
     """A table of PNG/JPEG bytes: one chunk per row group."""
-    rows = _table_rows(path, image_column, label_column)
+    rows = _table_rows(path, image_column, label_column, opts)
     chunks = []
     for file, group, first, count in rows.groups:
         chunks.append(Chunk(first, [f"{file.name} row {first + k}" for k in range(count)],
                             functools.partial(read_encoded_row_group, str(file), group, image_column)))
-    return Listing(rows.classes, rows.labels, chunks, rows.fixed_test, rows.ids)
+    return Listing(rows.classes, rows.labels, chunks, rows.fixed_test, rows.ids, rows.fixed_val)
 
 
 def read_encoded_row_group(file: str, group: int, column: str):
@@ -61,11 +62,12 @@ def read_encoded_row_group(file: str, group: int, column: str):
         yield value if isinstance(value, (bytes, bytearray)) else ImageRejected("empty (null) image")
 
 
-def list_parquet_pixels(path, image_column: str, label_column: str) -> PixelListing:
+def list_parquet_pixels(path, image_column: str, label_column: str, opts=None) -> PixelListing:
     """A table of pixel arrays, read a row group at a time."""
-    rows = _table_rows(path, image_column, label_column)
+    rows = _table_rows(path, image_column, label_column, opts)
     return PixelListing(rows.classes, rows.labels, rows.ids, rows.fixed_test,
-                        functools.partial(iter_parquet_pixels, rows.groups, image_column), f"column {image_column!r}")
+                        functools.partial(iter_parquet_pixels, rows.groups, image_column), f"column {image_column!r}",
+                        rows.fixed_val)
 
 
 @dataclass
@@ -73,26 +75,32 @@ class _TableRows:
     """A table listed: labels, ids and the row groups to read."""
 
     classes: list[str]
-    labels: np.ndarray
+    labels: np.ndarray  # or LabelSets (--multi-label)
     ids: np.ndarray
     fixed_test: np.ndarray | None
     groups: list[tuple[Path, int, int, int]]  # (file, row group, first row position, rows)
+    fixed_val: np.ndarray | None = None
 
 
-def _table_rows(path, image_column: str, label_column: str) -> _TableRows:
+def _table_rows(path, image_column: str, label_column: str, opts=None) -> _TableRows:
     """Labels, ids and a ``split`` column, read (column by column, safely) without the images."""
     path = Path(path)
     files = tables.parquet_files(path)
     if not files:
         raise ImgtrainError(f"no Parquet files at {path}; pass a .parquet file or a folder of them")
+    split_column = getattr(opts, "split_column", None)
     try:
-        table = tables.read_parquet_columns(files, [image_column, label_column], ["id", "split"],
-                                            "choose with --image-column / --label-column", skip=[image_column])
+        wanted = [image_column, label_column] + ([split_column] if split_column else [])
+        table = tables.read_parquet_columns(files, wanted,
+                                            ["id", "split"], "choose with --image-column / --label-column"
+                                            f"{' / --split-column' if split_column else ''}", skip=[image_column])
     except (pa.ArrowException, OSError) as e:
         raise ImgtrainError(f"cannot read Parquet data at {path}: {one_line(e, 200)}") from None
     if table.num_rows == 0:
         raise ImgtrainError(f"{path} has no rows")
-    labels, classes = tables.labels_from_column(table.column(label_column), label_column)
+    test, val = table_splits(table, split_column, f"--source {path}")
+    labels, classes = table_labels(table, label_column, opts, (test, val),
+                                   lambda r: f"row {r} of the table at {path}")
     ids = np.arange(table.num_rows, dtype=np.int64)
     if "id" in table.column_names and "id" not in (image_column, label_column):
         col = table.column("id")
@@ -106,7 +114,7 @@ def _table_rows(path, image_column: str, label_column: str) -> _TableRows:
         for g in range(meta.num_row_groups):
             groups.append((f, g, first, meta.row_group(g).num_rows))
             first += meta.row_group(g).num_rows
-    return _TableRows(classes, labels, ids, fixed_test(table), groups)
+    return _TableRows(classes, labels, ids, test, groups, val)
 
 
 def iter_parquet_pixels(groups: list[tuple[Path, int, int, int]], image_column: str):

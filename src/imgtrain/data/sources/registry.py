@@ -34,6 +34,8 @@ SOURCE_OPTIONS = {
     "--download": ("download",),
     "--image-column/--label-column": ("image_column", "label_column"),
     "--path-column": ("path_column",),
+    "--multi-label/--label-sep": ("multi_label", "label_sep"),
+    "--split-column": ("split_column",),
 }
 
 
@@ -103,6 +105,8 @@ def problems(spec: SourceSpec, source_path, opts: PrepareOptions) -> list[str]:
         issues.append(f"--channels/--size do not apply to {spec.name} ({spec.fixed_images})")
     issues += _not_taken(spec, given, "--image-column/--label-column")
     issues += _not_taken(spec, given, "--path-column")
+    issues += _not_taken(spec, given, "--multi-label/--label-sep")
+    issues += _not_taken(spec, given, "--split-column")
     if spec.fixed_split and "test_fraction" in given:
         issues.append(f"{spec.name} has a fixed train/test split; drop --test-fraction")
     return issues

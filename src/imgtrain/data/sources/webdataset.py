@@ -2,7 +2,9 @@
 the consecutive members sharing a key (the path up to the first dot of the file name, as
 WebDataset groups them): its image ``key.jpg|jpeg|png`` and its label, ``key.cls`` (a class
 index as text), else ``key.json`` (the field ``--label-column`` names), else ``key.txt`` (a
-class name). Shards whose names say train/val/test keep those splits.
+class name). Shards whose names say train/val/test keep those splits. With ``--multi-label`` a
+sample has several labels: a JSON array (of names or indices) in the ``.json`` field, or names
+(indices, in ``.cls``) joined by ``--label-sep``; none at all is allowed (every class negative).
 
 Listed without reading an image: the shards' headers are read in order and each sample is kept
 as (shard, offset, size, label); the pool's chunks later read the image bytes by offset. Any
@@ -20,6 +22,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from imgtrain.data import label_sets
 from imgtrain.data.class_labels import ClassBook
 from imgtrain.data.listing import CHUNK_FILES, Chunk, Listing, Skipped
 from imgtrain.data.named_splits import SPLIT_CODES, fixed_splits, splits_of_files
@@ -90,6 +93,44 @@ def label_of(parts: dict[str, Member], field: str, book: ClassBook, where: str) 
     return book.name(value, where)
 
 
+def labels_of(parts: dict[str, Member], field: str, book: ClassBook, sep: str | None, where: str) -> tuple[list, bool]:
+    """--multi-label: a sample's labels (class indices or names' provisional numbers), and whether
+    they were names joined in a string; ValueError: why it has none that can be read."""
+    ext = next((e for e in LABEL_EXTENSIONS if e in parts), None)
+    if ext is None:
+        raise ValueError("no label (.cls, .json or .txt)")
+    data = parts[ext].data
+    if data is None:
+        raise ValueError(f"label file .{ext} is over 1 MiB")
+    if ext == "json":
+        value = _json_field(data, field)
+    else:
+        try:
+            value = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"label file .{ext} is not UTF-8 text") from None
+    joined = isinstance(value, str)
+    if joined:
+        value = [v.strip() for v in value.split(sep if sep is not None else label_sets.DEFAULT_SEP) if v.strip()]
+        if ext == "cls":
+            if not all(v.isascii() and v.isdigit() for v in value):
+                raise ValueError(f".cls holds {data[:20]!r}, not class indices")
+            value = [int(v) for v in value]
+    elif not isinstance(value, list):
+        value = [value]
+    if len(value) > label_sets.MAX_LABELS_PER_IMAGE:
+        raise ValueError(f"the sample has {len(value):,} labels, over {label_sets.MAX_LABELS_PER_IMAGE:,}")
+    found = []
+    for v in value:
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            found.append(int(book.indices(np.array([v], np.int64), where)[0]))
+        elif isinstance(v, str) and v and len(v) <= MAX_CLASS_NAME:
+            found.append(book.name(v, where))
+        else:
+            raise ValueError(f"a label in .{ext} is not a class name or index: {str(v)[:40]!r}")
+    return sorted(set(found)), joined
+
+
 def _json_field(data: bytes, field: str):
     try:
         obj = json.loads(data)
@@ -110,10 +151,11 @@ def list_webdataset(source, opts) -> Listing:
     for name, why in not_read:
         skipped.add(name, why)
     found = _Found()
+    labelling = (opts.label_column, book) + ((opts.label_sep,) if opts.multi_label else ())
     for s, shard in enumerate(shards):
         scan = ShardScan(shard, is_label_file)
         for key, parts in grouped(scan):
-            found.add(s, f"{names[s]}:{key}", parts, (opts.label_column, book),
+            found.add(s, f"{names[s]}:{key}", parts, labelling,
                       SPLIT_CODES[named[s]] if named[s] else -1, skipped)
         if scan.damage:
             skipped.add(names[s], f"{scan.damage}; the samples before it were kept")
@@ -122,8 +164,11 @@ def list_webdataset(source, opts) -> Listing:
             raise ImgtrainError(f"the shards at {source} hold no samples; WebDataset samples are members "
                                 "key.jpg|jpeg|png with a label key.cls, key.json or key.txt")
         return Listing([], np.zeros(0, np.int64), [], skipped=skipped)  # prepare says what was skipped
-    label_array, classes = book.classes(np.frombuffer(found.label, np.int64))
-    if len(classes) < 2:
+    if opts.multi_label:
+        label_array, classes = _multi_label_classes(found, book, opts.label_sep)
+    else:
+        label_array, classes = book.classes(np.frombuffer(found.label, np.int64))
+    if len(classes) < (1 if opts.multi_label else 2):
         raise ImgtrainError(f"the shards at {source} hold {len(classes)} class(es); a classifier needs at least 2")
     return _chunked(found, [str(p) for p in shards], label_array, classes, skipped, opts.seed, source)
 
@@ -134,6 +179,7 @@ class _Found:
     def __init__(self):
         self.shard, self.offset, self.size = array("i"), array("q"), array("q")
         self.label, self.split, self.id = array("q"), array("b"), array("q")
+        self.values, self.joined = array("q"), False  # --multi-label: the labels (label: how many each has)
         self.names: list[str] = []
         self.count = self.seen = 0
 
@@ -145,10 +191,17 @@ class _Found:
             skipped.add(f"{where}.{'|'.join(sorted(parts))}", "no .jpg/.jpeg/.png image for this key")
             return
         try:
-            label = label_of(parts, *labelling, where)
+            if len(labelling) == 3:
+                labels, joined = labels_of(parts, *labelling, where)
+                label = len(labels)
+            else:
+                label = label_of(parts, *labelling, where)
         except ValueError as e:
             skipped.add(f"{where}.{image.name.rsplit('.', 1)[-1]}", str(e))
             return
+        if len(labelling) == 3:
+            self.values.extend(labels)
+            self.joined |= joined
         self.shard.append(shard), self.offset.append(image.offset), self.size.append(image.size)
         self.label.append(label), self.split.append(split), self.id.append(self.seen - 1)
         self.names.append(f"{where}.{image.name.rsplit('.', 1)[-1]}")
@@ -172,3 +225,22 @@ def _chunked(found: _Found, paths: list[str], labels: np.ndarray, classes: list[
                             functools.partial(read_members, [paths[u] for u in used], which, offset[part], size[part])))
     return Listing(classes, labels[order], chunks, fixed_test, np.frombuffer(found.id, np.int64)[order],
                    fixed_val, skipped)
+
+
+def _multi_label_classes(found: _Found, book: ClassBook, sep: str | None) -> tuple[label_sets.LabelSets, list[str]]:
+    """The samples' labels, in listing order, numbered by the sorted class names (indices as
+    they are); a name only in val/test shards is refused."""
+    sizes = np.frombuffer(found.label, np.int64)
+    sets = label_sets.LabelSets(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+                                np.frombuffer(found.values, np.int64).copy())
+    if found.joined:
+        label_sets.check_separator(sets, sep)
+    if book.kind == "name":
+        rank, classes = book.classes(np.arange(len(book.names), dtype=np.int64))
+        sets = sets.renumbered(rank)
+    else:
+        classes = [str(i) for i in range(book.top + 1)]
+    if not classes:
+        raise ImgtrainError("--multi-label: no sample has a label; a classifier needs labels to learn")
+    train = np.frombuffer(found.split, np.int8) <= SPLIT_CODES["train"]
+    return label_sets.train_classes(sets, classes, train, lambda r: found.names[r])

@@ -18,7 +18,7 @@ from imgtrain.ops import remote
 
 STEP_KEYS = ("loss", "accuracy", "images_per_s", "data_wait_fraction", "lr", "grad_norm", "loss_scale")
 EPOCH_KEYS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "val_f1_macro", "images_per_s",
-              "data_wait_fraction", "epoch_time_s")
+              "data_wait_fraction", "epoch_time_s", "val_map")  # val_map: multi-label runs only
 RANK_KEYS = ("step_time_s", "data_wait_s", "data_wait_fraction")
 MODEL_FILES = ("model.pt", "meta.json")  # the final model; train_state.pt (optimizer) stays out
 
