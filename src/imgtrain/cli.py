@@ -399,12 +399,14 @@ def _finished_line(r) -> str:
         return f"finished {r.name}"
     which = "average checkpoint" if best.get("kind") == "average" else "best checkpoint"
     head = f"finished {r.name}: {which} epoch {best['epoch'] + 1}"
+    # a multi-label run's figure is its mAP (its accuracy is the exact-match ratio, rarely the point)
+    figure = f"mAP {best['val_map']:.4f}" if runs.is_number(best.get("val_map")) else \
+        f"accuracy {best['val_accuracy']:.2%}"
     if best.get("val_split", "test") == "val":
         storage = r.config.get("storage")
         evaluate = f"imgtrain evaluate {r.name}" + (f" --storage {storage}" if storage not in (None, RUNS) else "")
-        return f"{head}, validation accuracy {best['val_accuracy']:.2%}; run `{evaluate}` for the test split"
-    return (f"{head}, accuracy {best['val_accuracy']:.2%} on the test split that chose it (no val split): "
-            "optimistic, not a test result")
+        return f"{head}, validation {figure}; run `{evaluate}` for the test split"
+    return f"{head}, {figure} on the test split that chose it (no val split): optimistic, not a test result"
 
 
 def _selection_lines(r) -> list[str]:

@@ -159,3 +159,18 @@ def test_thresholds_are_stored_with_the_checkpoint_verified_and_held_to_their_bo
     with pytest.raises(ckpt.CheckpointError, match="between 0 and 1"):
         ckpt.load_thresholds(d, 3)
     assert ckpt.load_thresholds(ckpt.save(tmp_path / "none", {}, {}, {}), 3) == (None, None)
+
+
+def test_trains_last_line_names_a_multi_label_runs_map_and_a_single_label_runs_accuracy():
+    from types import SimpleNamespace
+
+    from imgtrain.cli import _finished_line
+
+    def run(**record):
+        best = {"epoch": 1, "val_accuracy": 0.25, "val_split": "val", **record}
+        return SimpleNamespace(name="g", best_record=best, config={"storage": None})
+
+    assert _finished_line(run(val_map=0.8123)) == \
+        "finished g: best checkpoint epoch 2, validation mAP 0.8123; run `imgtrain evaluate g` for the test split"
+    assert _finished_line(run()) == \
+        "finished g: best checkpoint epoch 2, validation accuracy 25.00%; run `imgtrain evaluate g` for the test split"
