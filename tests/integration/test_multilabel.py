@@ -3,10 +3,10 @@ digits shown (``tests/multilabel_digits.py``), prepared from a CSV with a split 
 on 2 Ray workers with the defaults shared by the checks of what it recorded, stored and
 evaluates to, and of its answers: predicted (a prepared split on Ray Data, a folder of PNGs in
 this process), exported to ONNX (verified by label sets) and that export served over real HTTP
-(``imgtrain serve --engine onnxruntime``, joined to the session's cluster). The same run with a
-Ray Train worker SIGKILLed mid-epoch ends with the uninterrupted run's bits; so does exact
-resumption on the local backend (interrupted inside an epoch, then resumed), with label-vector
-mixing and positive weights on; and ``--sampling balanced`` refused in one line."""
+(``imgtrain serve --engine onnxruntime``, joined to the session's cluster). That run loses a
+Ray Train worker to a SIGKILL on the way and finishes. Exact resumption on the local backend
+(interrupted inside an epoch, then resumed, with label-vector mixing and positive weights on),
+and ``--sampling balanced`` refused in one line."""
 
 from __future__ import annotations
 
@@ -53,14 +53,19 @@ def imgtrain_cli(*args):
 
 @pytest.fixture(scope="module")
 def ray_run(ray_cluster, grids, tmp_path_factory):
+    """The module's one Ray run, which survives a killed worker on the way
+    (``test_a_sigkilled_ray_worker_is_replaced_and_the_run_finishes``): rank 1 SIGKILLs itself
+    about to train step 18, late in the second epoch, and Ray Train replaces the worker group
+    once, from a step checkpoint. That a resumed run ends with the uninterrupted run's bits is
+    test_resume's (Ray, killed workers) and this module's local resume test (multi-label)."""
     storage = tmp_path_factory.mktemp("ml-runs")
-    cfg = TrainConfig(data=str(grids), storage=str(storage), name="grids", **RAY_RUN)
-    result = imgtrain.train(cfg, display=quiet_display())
+    cfg = TrainConfig(data=str(grids), storage=str(storage), name="grids", max_failures=1, checkpoint_every_steps=4,
+                      **RAY_RUN)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ENV_VAR, "kill:1:18")
+        result = imgtrain.train(cfg, display=quiet_display())
     assert result.status == "finished"
     return result
-
-
-HISTORY_KEYS = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_map", "val_accuracy")
 
 
 def test_two_workers_record_val_map_and_store_thresholds_chosen_on_val(ray_run):
@@ -125,26 +130,14 @@ def test_the_report_shows_ap_per_label_thresholds_and_the_most_wrong_images(ray_
 # ---------------------------------------------------------------- a killed Ray Train worker
 
 
-def test_a_sigkilled_ray_worker_is_replaced_and_the_run_ends_with_the_uninterrupted_bits(
-        ray_run, grids, tmp_path, monkeypatch):
-    """Rank 1 SIGKILLs itself about to train step 18, late in the second epoch; Ray Train replaces
-    the worker group once, from the newest checkpoint it had registered (step checkpoints every 4
-    steps, the first epoch's at step 10: which one depends on when Ray Train saw its report), and
-    the run ends with the same losses, mAP, weights and thresholds as the one never interrupted."""
-    monkeypatch.setenv(ENV_VAR, "kill:1:18")
-    cfg = TrainConfig(data=str(grids), storage=str(tmp_path), name="killed", max_failures=1,
-                      checkpoint_every_steps=4, **RAY_RUN)
-    killed = imgtrain.train(cfg, display=quiet_display())
-    assert killed.status == "finished"
-    assert (killed.path / ".faults" / "kill-1-18-1").is_file()  # the fault really fired
-    starts = [r["step"] for r in runs.read_metrics(killed.path) if r["kind"] == "start"]
+def test_a_sigkilled_ray_worker_is_replaced_and_the_run_finishes(ray_run):
+    """Ray Train restarts from the newest checkpoint it had registered (step checkpoints every 4
+    steps, the first epoch's at step 10: which one depends on when Ray Train saw its report)."""
+    assert (ray_run.path / ".faults" / "kill-1-18-1").is_file()  # the fault really fired
+    starts = [r["step"] for r in runs.read_metrics(ray_run.path) if r["kind"] == "start"]
     assert len(starts) == 2 and starts[1] in (10, 12, 16), starts  # one restart, from a checkpoint
-    assert [[r[k] for k in HISTORY_KEYS] for r in killed.history] == [[r[k] for k in HISTORY_KEYS]
-                                                                       for r in ray_run.history]
-    a, b = (ckpt.load_model_state(r.latest_checkpoint) for r in (ray_run, killed))
-    assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-6
-    assert np.array_equal(ckpt.load_thresholds(ray_run.latest_checkpoint, 10)[0],
-                          ckpt.load_thresholds(killed.latest_checkpoint, 10)[0])
+    assert [r["epoch"] for r in ray_run.history] == [0, 1]  # each epoch once, none lost
+    assert ckpt.load_thresholds(ray_run.latest_checkpoint, 10)[1] == "val"
 
 
 # ---------------------------------------------------------------- its answers: predict, export, serve
