@@ -13,7 +13,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,28 +31,33 @@ def ensure_data(data: Path) -> None:
 def ray_head(cpus: int = 4):
     """A Ray cluster started here (``ray start --head``, 4 logical CPUs unless told) for ``--address
     auto``, as on a cluster where Ray outlives the driver; ready once a first task has run; stopped
-    on exit. GPUs are detected. On a shared machine: ``auto`` means this cluster (RAY_ADDRESS), and
-    only its own processes are stopped (``ray stop`` would stop every Ray on the machine)."""
+    on exit. GPUs are detected. Only its own processes are stopped: ``ray stop`` would stop every
+    Ray cluster on a shared machine."""
     ray = str(Path(sys.executable).parent / "ray")
-    previous, session = os.environ.get("RAY_ADDRESS"), None
+    session = None
     try:
         subprocess.run([ray, "start", "--head", f"--port={PORT}", f"--num-cpus={cpus}", "--include-dashboard=false"],
                        check=True, capture_output=True)
-        # what `ray start` just wrote: this cluster's session folder (its daemons name it) and address
-        session = os.path.realpath(Path(tempfile.gettempdir(), "ray", "session_latest"))
-        address = Path(tempfile.gettempdir(), "ray", "ray_current_cluster").read_text().strip()
-        if address.endswith(f":{PORT}"):
-            os.environ["RAY_ADDRESS"] = address
+        session = _session_of_port(PORT)  # its daemons name it: how its processes are found
         script = "import ray; ray.init(address='auto', log_to_driver=False); ray.get(ray.remote(lambda: 1).remote())"
         subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
         yield
     finally:
         if session:
             _stop_cluster(session)
-        if previous is None:
-            os.environ.pop("RAY_ADDRESS", None)
-        else:
-            os.environ["RAY_ADDRESS"] = previous
+
+
+def _session_of_port(port: str) -> str | None:
+    """The session folder of the cluster whose GCS listens on ``port`` (from its command line)."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                args = Path(f"/proc/{entry.name}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if f"--gcs_server_port={port}" in args:
+                return next((a.split("=", 1)[1] for a in args if a.startswith("--session-dir=")), None)
+    return None
 
 
 def _stop_cluster(session: str) -> None:
