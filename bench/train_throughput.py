@@ -167,26 +167,26 @@ def cpu_per_step(steps: list[dict], cpu: dict, kind: str) -> float:
     locally, "worker" for one Ray worker) over the steady steps of ``steady_rate``: less
     sensitive than images/s to what else the machine runs. Its CPU seconds at each end of the
     window are interpolated between the samples around it (they grow linearly while it trains)."""
-    series = [samples for k, samples in cpu.values() if k == kind]
-    if len(series) != 1 or len(series[0]) < 2:
-        return float("nan")
-    times, seconds = zip(*series[0])
-
-    def at(t: float) -> float:
+    def at(samples: list, t: float) -> float:
+        times = [time for time, _ in samples]
         i = min(max(bisect.bisect_left(times, t), 1), len(times) - 1)
-        (t0, c0), (t1, c1) = series[0][i - 1], series[0][i]
+        (t0, c0), (t1, c1) = samples[i - 1], samples[i]
         return c0 + (c1 - c0) * (t - t0) / max(t1 - t0, 1e-9)
 
-    used = n = 0.0
+    windows, n = [], 0
     by_epoch: dict[int, list[dict]] = {}
     for s in steps:
         by_epoch.setdefault(s["epoch"], []).append(s)
     for epoch_steps in by_epoch.values():
         steady = epoch_steps[WARMUP_STEPS:]
         if len(steady) > 1:
-            used += at(steady[-1]["time"]) - at(steady[0]["time"])
+            windows.append((steady[0]["time"], steady[-1]["time"]))
             n += steady[-1]["step"] - steady[0]["step"]
-    return 1000 * used / n if n else float("nan")
+    # the process of that kind that used the most CPU over the window: on a shared machine
+    # another run's Ray Train workers may be sampled too
+    used = [sum(at(samples, b) - at(samples, a) for a, b in windows)
+            for k, samples in cpu.values() if k == kind and len(samples) > 1]
+    return 1000 * max(used) / n if used and n else float("nan")
 
 
 def figures(start: float, wall: float, peaks: dict, steps: list[dict]) -> dict:

@@ -53,7 +53,8 @@ def test_the_ray_backends_cost_is_taken_repeat_by_repeat():
 def test_cpu_per_step_interpolates_the_training_process_samples_over_the_steady_steps():
     # 100 steps a second from t=0; the process uses 0.5 CPU s per second; samples every 0.5 s
     steps = [{"epoch": 0, "step": 10 * k, "time": 0.1 * k} for k in range(1, 31)]
-    cpu = {7: ("worker", [(0.5 * i, 0.25 * i) for i in range(8)]), 3: ("main", [(0.0, 0.0), (4.0, 40.0)])}
+    cpu = {7: ("worker", [(0.5 * i, 0.25 * i) for i in range(8)]), 3: ("main", [(0.0, 0.0), (4.0, 40.0)]),
+           9: ("worker", [(0.0, 1.0), (4.0, 1.5)])}  # another run's worker, nearly idle
     # steady: from the third record (t=0.3, step 30) to the last (t=3.0, step 300)
     assert abs(train_throughput.cpu_per_step(steps, cpu, "worker") - 5.0) < 1e-9  # ms
     assert train_throughput.cpu_per_step(steps, {}, "worker") != train_throughput.cpu_per_step(steps, {}, "worker")  # nan
