@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -30,16 +31,64 @@ def ensure_data(data: Path) -> None:
 def ray_head(cpus: int = 4):
     """A Ray cluster started here (``ray start --head``, 4 logical CPUs unless told) for ``--address
     auto``, as on a cluster where Ray outlives the driver; ready once a first task has run; stopped
-    on exit. GPUs are detected."""
+    on exit. GPUs are detected. Only its own processes are stopped: ``ray stop`` would stop every
+    Ray cluster on a shared machine."""
     ray = str(Path(sys.executable).parent / "ray")
-    subprocess.run([ray, "start", "--head", f"--port={PORT}", f"--num-cpus={cpus}", "--include-dashboard=false"],
-                   check=True, capture_output=True)
+    session = None
     try:
+        subprocess.run([ray, "start", "--head", f"--port={PORT}", f"--num-cpus={cpus}", "--include-dashboard=false"],
+                       check=True, capture_output=True)
+        session = _session_of_port(PORT)  # its daemons name it: how its processes are found
         script = "import ray; ray.init(address='auto', log_to_driver=False); ray.get(ray.remote(lambda: 1).remote())"
         subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
         yield
     finally:
-        subprocess.run([ray, "stop", "--force"], capture_output=True)
+        if session:
+            _stop_cluster(session)
+
+
+def _session_of_port(port: str) -> str | None:
+    """The session folder of the cluster whose GCS listens on ``port`` (from its command line)."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                args = Path(f"/proc/{entry.name}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if f"--gcs_server_port={port}" in args:
+                return next((a.split("=", 1)[1] for a in args if a.startswith("--session-dir=")), None)
+    return None
+
+
+def _stop_cluster(session: str) -> None:
+    """Stop the processes of the cluster whose session folder is ``session`` (its daemons name it
+    on their command lines; its workers are their children), and nothing else."""
+    def family() -> set[int]:
+        parents, found = {}, set()
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry.name}/stat").read_text()
+                    parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+                    if session.encode() in Path(f"/proc/{entry.name}/cmdline").read_bytes():
+                        found.add(int(entry.name))
+                except (OSError, ValueError):
+                    pass
+        grew = True
+        while grew:
+            children = {pid for pid, parent in parents.items() if parent in found} - found
+            found |= children
+            grew = bool(children)
+        return found - {os.getpid()}
+
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
+        pids = family()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.time() + wait
+        while time.time() < deadline and family():
+            time.sleep(0.2)
 
 
 def environment() -> dict:

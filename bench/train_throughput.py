@@ -7,6 +7,9 @@ Rows (each run ``--repeats`` times, interleaved, so that drift hits every row al
   tutorial     bench/tutorial_pipeline.py: the tutorial as written, starting its own Ray
   raw-ray-up   the raw loop again, while the Ray cluster of the next rows sits idle: what Ray's own
                processes (raylet, GCS, agents, internal actors) take from 2 cores
+  local-ray-up  the local backend again, while the Ray cluster of the next rows sits idle: with
+               ray-1 (``--rows local-ray-up,ray-1``) the two alternate, so their ratio is what the
+               Ray backend adds around the same loop
   ray-1        imgtrain train --workers 1, Ray Data ingest, Ray already running
   ray-1-torch  the same with --ingest torch
   ray-2        imgtrain train --workers 2, Ray already running
@@ -26,11 +29,18 @@ first steps of each epoch and everything between epochs), seconds from the comma
 the end of its first training step, wall seconds, and peak RSS (VmHWM) of the main process and
 of each Ray Train worker. Results: ``bench/results/train_throughput-*.json`` and a Markdown
 table on stdout. ``--quick``: 1 epoch of 12 steps, one run per row (about 3 minutes here).
+
+The per-step cost of the Ray backend shows only where a step is short: ``--model timm:test_resnet
+--batch-size 8 --threads-per-worker 1 --log-every-steps 10 --rows local-ray-up,ray-1`` (a step of
+about 10 ms here) adds the ratio ray-1 / local and the difference per step in microseconds, each
+repeat's pair taken together (the rows alternate). ``--model``, ``--batch-size`` and the threads
+apply to the imgtrain rows only (the raw loop and the tutorial are ResNet-18 at 128).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import subprocess
@@ -57,20 +67,23 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 WARMUP_STEPS = 2  # steps at the start of each epoch left out of the steady state
 BATCH = 128
-ROWS = ("raw", "local", "demo", "tutorial", "raw-ray-up", "ray-1", "ray-1-torch", "ray-2", "ray-2-tracked", "ingest",
+ROWS = ("raw", "local", "demo", "tutorial", "raw-ray-up", "local-ray-up", "ray-1", "ray-1-torch", "ray-2", "ray-2-tracked", "ingest",
         "to-accuracy")
-NEEDS_CLUSTER = ("raw-ray-up", "ray-1", "ray-1-torch", "ray-2", "ray-2-tracked", "ingest", "to-accuracy")
+NEEDS_CLUSTER = ("raw-ray-up", "local-ray-up", "ray-1", "ray-1-torch", "ray-2", "ray-2-tracked", "ingest", "to-accuracy")
 GPU_FLAGS = ["--gpu", "--precision", "bf16", "--data-on-device"]
-WORKERS = {"to-accuracy": 1, "raw": 1, "raw-ray-up": 1, "local": 1, "demo": 2, "tutorial": 2, "ray-1": 1, "ray-1-torch": 1, "ray-2": 2,
+WORKERS = {"to-accuracy": 1, "raw": 1, "raw-ray-up": 1, "local": 1, "local-ray-up": 1, "demo": 2, "tutorial": 2, "ray-1": 1, "ray-1-torch": 1, "ray-2": 2,
            "ray-2-tracked": 2}
 
 
 class PeakRss:
     """Samples /proc twice a second: the peak RSS (VmHWM, a high-water mark, so no peak between
-    samples is missed) of the launched process and of every Ray Train worker process."""
+    samples is missed) of the launched process and of every Ray Train worker process, and the
+    CPU seconds each has used so far (``cpu``: pid -> (kind, [(time, seconds)]))."""
 
     def __init__(self, root_pid: int):
         self.root_pid, self.peaks, self.stop = root_pid, {}, threading.Event()
+        self.cpu: dict[int, tuple[str, list]] = {}
+        self.tick = os.sysconf("SC_CLK_TCK")
         self.kinds: dict[int, str | None] = {}  # pid -> "main", "worker" or None (not measured)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -105,6 +118,9 @@ class PeakRss:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):
                     self.peaks[pid] = (kind, int(line.split()[1]) / 1024)
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            utime, stime = stat[stat.rindex(")") + 2:].split()[11:13]
+            self.cpu.setdefault(pid, (kind, []))[1].append((time.time(), (int(utime) + int(stime)) / self.tick))
         except (OSError, IndexError, ValueError):
             pass  # the process ended between listing and reading
 
@@ -117,8 +133,9 @@ class PeakRss:
         return out
 
 
-def run(cmd: list[str], log: Path, cwd: Path = ROOT) -> tuple[float, float, dict, str]:
-    """Run ``cmd`` to the end: (start time, wall seconds, peak RSS by kind, stdout)."""
+def run(cmd: list[str], log: Path, cwd: Path = ROOT) -> tuple[float, float, dict, str, dict]:
+    """Run ``cmd`` to the end: (start time, wall seconds, peak RSS by kind, stdout, CPU samples
+    by pid as ``PeakRss.cpu``)."""
     start = time.time()
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=cwd)
@@ -127,8 +144,9 @@ def run(cmd: list[str], log: Path, cwd: Path = ROOT) -> tuple[float, float, dict
     wall = time.time() - start
     peaks = rss.finish()
     if proc.returncode != 0:
-        raise RuntimeError(f"{cmd[:4]}... exited {proc.returncode}; see {log}")
-    return start, wall, peaks, out
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])  # the folder is temporary
+        raise RuntimeError(f"{cmd[:4]}... exited {proc.returncode}; {log} ends:\n{tail}")
+    return start, wall, peaks, out, rss.cpu
 
 
 def steady_rate(steps: list[dict]) -> float:
@@ -144,15 +162,46 @@ def steady_rate(steps: list[dict]) -> float:
     return images / seconds if seconds else float("nan")
 
 
+def cpu_per_step(steps: list[dict], cpu: dict, kind: str) -> float:
+    """CPU milliseconds per step of the training process (the one ``kind`` process: "main"
+    locally, "worker" for one Ray worker) over the steady steps of ``steady_rate``: less
+    sensitive than images/s to what else the machine runs. Its CPU seconds at each end of the
+    window are interpolated between the samples around it (they grow linearly while it trains)."""
+    def at(samples: list, t: float) -> float:
+        times = [time for time, _ in samples]
+        i = min(max(bisect.bisect_left(times, t), 1), len(times) - 1)
+        (t0, c0), (t1, c1) = samples[i - 1], samples[i]
+        return c0 + (c1 - c0) * (t - t0) / max(t1 - t0, 1e-9)
+
+    windows, n = [], 0
+    by_epoch: dict[int, list[dict]] = {}
+    for s in steps:
+        by_epoch.setdefault(s["epoch"], []).append(s)
+    for epoch_steps in by_epoch.values():
+        steady = epoch_steps[WARMUP_STEPS:]
+        if len(steady) > 1:
+            windows.append((steady[0]["time"], steady[-1]["time"]))
+            n += steady[-1]["step"] - steady[0]["step"]
+    # the process of that kind that used the most CPU over the window: on a shared machine
+    # another run's Ray Train workers may be sampled too
+    used = [sum(at(samples, b) - at(samples, a) for a, b in windows)
+            for k, samples in cpu.values() if k == kind and len(samples) > 1]
+    return 1000 * max(used) / n if used and n else float("nan")
+
+
 def figures(start: float, wall: float, peaks: dict, steps: list[dict]) -> dict:
     return {"images_per_s": steady_rate(steps), "first_step_s": steps[0]["time"] - start, "wall_s": wall,
             "peak_rss_mb": peaks, "steps": len(steps)}
 
 
 def imgtrain_cmd(opts, tmp: Path, name: str, *args: str) -> list[str]:
-    """``imgtrain train`` with a step record after every step (the timestamps), into ``tmp/runs``."""
+    """``imgtrain train`` with a step record every ``--log-every-steps`` steps (the timestamps),
+    into ``tmp/runs``."""
     return [sys.executable, "-m", "imgtrain.cli", "train", "--data", str(opts.data), "--name", name,
-            "--storage", str(tmp / "runs"), "--log-every-steps", "1", *(GPU_FLAGS if opts.gpu else []), *args]
+            "--storage", str(tmp / "runs"), "--log-every-steps", str(opts.log_every_steps),
+            *(["--model", opts.model] if opts.model else []),
+            *(["--batch-size", str(opts.batch_size)] if opts.batch_size else []),
+            *(["--threads-per-worker", str(opts.threads_per_worker)] if opts.threads_per_worker else []), *(GPU_FLAGS if opts.gpu else []), *args]
 
 
 def imgtrain_row(row: str, opts, tmp: Path, k: int) -> dict:
@@ -160,27 +209,36 @@ def imgtrain_row(row: str, opts, tmp: Path, k: int) -> dict:
     cmd = imgtrain_cmd(opts, tmp, name, "--epochs", str(opts.epochs), "--seed", "0")
     if opts.limit_steps:
         cmd += ["--limit-train-batches", str(opts.limit_steps)]
-    cmd += {"local": ["--backend", "local"], "demo": ["--workers", "2"],
+    cmd += {"local": ["--backend", "local"], "local-ray-up": ["--backend", "local"], "demo": ["--workers", "2"],
             "ray-1": ["--workers", "1", "--address", "auto"],
             "ray-1-torch": ["--workers", "1", "--address", "auto", "--ingest", "torch"],
             "ray-2": ["--workers", "2", "--address", "auto"],
             "ray-2-tracked": ["--workers", "2", "--address", "auto", "--tensorboard",
                               "--mlflow", f"sqlite:///{tmp / 'mlflow.db'}"]}[row]
     # cwd: MLflow puts a sqlite store's artifacts in ./mlruns
-    start, wall, peaks, _ = run(cmd, tmp / f"{name}.log", cwd=tmp)
-    return figures(start, wall, peaks, _steps(read_metrics(tmp / "runs" / name)))
+    start, wall, peaks, _, cpu = run(cmd, tmp / f"{name}.log", cwd=tmp)
+    records = read_metrics(tmp / "runs" / name)
+    steps = _steps(records)
+    return dict(figures(start, wall, peaks, steps), batch=_batch(records),
+                cpu_ms_per_step=cpu_per_step(steps, cpu, "worker" if row.startswith("ray") else "main"))
 
 
 def _steps(records: list[dict]) -> list[dict]:
-    batch = sum(next(r for r in records if r["kind"] == "start")["local_batch_sizes"])
-    return [dict(r, images=batch) for r in records if r["kind"] == "step"]
+    """The step records, each with the images trained since the one before (a record every N steps)."""
+    batch = _batch(records)
+    steps = [r for r in records if r["kind"] == "step"]
+    return [dict(r, images=batch * (r["step"] - prev["step"] if prev else 1)) for prev, r in zip([None, *steps], steps)]
+
+
+def _batch(records: list[dict]) -> int:
+    return sum(next(r for r in records if r["kind"] == "start")["local_batch_sizes"])
 
 
 def accuracy_row(opts, tmp: Path, k: int) -> dict:
     """The demo recipe (all its epochs) on 1 worker: when does test accuracy first reach the target?"""
     name = f"to-accuracy-{k}"
     cmd = imgtrain_cmd(opts, tmp, name, "--workers", "1", "--address", "auto", "--seed", "2")
-    start, wall, peaks, _ = run(cmd, tmp / f"{name}.log")
+    start, wall, peaks, _, _ = run(cmd, tmp / f"{name}.log")
     records = read_metrics(tmp / "runs" / name)
     reached = [r for r in records if r["kind"] == "epoch" and r["val_accuracy"] >= opts.time_to_accuracy]
     result = figures(start, wall, peaks, _steps(records))
@@ -192,7 +250,7 @@ def accuracy_row(opts, tmp: Path, k: int) -> dict:
 def raw_row(opts, tmp: Path, k: int) -> dict:
     cmd = [sys.executable, str(BENCH / "raw_loop.py"), "--data", str(opts.data), "--epochs", str(opts.epochs),
            "--limit-steps", str(opts.limit_steps), *(["--device", "cuda", "--precision", "bf16"] if opts.gpu else [])]
-    start, wall, peaks, out = run(cmd, tmp / f"raw-{k}-{time.time():.0f}.log")
+    start, wall, peaks, out, _ = run(cmd, tmp / f"raw-{k}-{time.time():.0f}.log")
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return figures(start, wall, peaks, [x for x in lines if "step" in x])
 
@@ -202,7 +260,7 @@ def tutorial_row(opts, tmp: Path, k: int) -> dict:
     out_dir.mkdir()
     cmd = [sys.executable, str(BENCH / "tutorial_pipeline.py"), "--data", str(opts.data), "--epochs", str(opts.epochs),
            "--out", str(out_dir), "--rows", str(opts.limit_steps * BATCH if opts.limit_steps else 0)]
-    start, wall, peaks, out = run(cmd, tmp / f"tutorial-{k}.log")
+    start, wall, peaks, out, _ = run(cmd, tmp / f"tutorial-{k}.log")
     info = json.loads(out.strip().splitlines()[-1])
     result = figures(start, wall, peaks, read_jsonl(Path(info["step_times"])))
     result["fit_s"] = info["fit_end"] - info["fit_start"]
@@ -212,7 +270,7 @@ def tutorial_row(opts, tmp: Path, k: int) -> dict:
 def ingest_row(opts, tmp: Path, k: int) -> dict:
     cmd = [sys.executable, str(BENCH / "ingest_only.py"), "--data", str(opts.data), "--address", "auto",
            "--passes", "3" if opts.quick else "10"]
-    start, wall, peaks, out = run(cmd, tmp / f"ingest-{k}.log")
+    start, wall, peaks, out, _ = run(cmd, tmp / f"ingest-{k}.log")
     lines = {x["source"]: x for x in map(json.loads, out.strip().splitlines())}
     return {"images_per_s": lines["blocks"]["images_per_s"], "parquet_images_per_s": lines["parquet"]["images_per_s"],
             "first_batch_s": lines["blocks"]["first_batch_s"], "wall_s": wall, "peak_rss_mb": peaks}
@@ -280,13 +338,27 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def targets(results: dict) -> list[tuple[str, bool, str]]:
+def ray_cost(local: list[dict], ray: list[dict]) -> dict:
+    """Ray one-worker against the local backend, repeat by repeat (run k of each row came one
+    after the other): the ratio of images/s and what Ray adds to each step, in microseconds."""
+    pairs = list(zip(local, ray))
+    return {"ratio": summarize([r["images_per_s"] / lo["images_per_s"] for lo, r in pairs]),
+            "cpu_ratio": summarize([lo["cpu_ms_per_step"] / r["cpu_ms_per_step"] for lo, r in pairs]),
+            "cpu_ms_per_step": {row: summarize([r["cpu_ms_per_step"] for r in runs]) for row, runs in
+                                (("local", local), ("ray", ray))},
+            "step_us": summarize([r["batch"] * 1e6 * (1 / r["images_per_s"] - 1 / lo["images_per_s"]) for lo, r in pairs])}
+
+
+def targets(results: dict, runs: dict | None = None) -> list[tuple[str, bool, str]]:
     """The issue's targets, each as (what, met, the measured figure)."""
     med = {row: s["images_per_s"]["median"] for row, s in results.items()}
     checks = []
     if {"raw", "ray-1"} <= med.keys():
         r = med["ray-1"] / med["raw"]
         checks.append(("1 worker >= 90% of raw", r >= 0.9, f"{r:.2f}"))
+    if runs and {"local-ray-up", "ray-1"} <= med.keys():
+        r = ray_cost(runs["local-ray-up"], runs["ray-1"])["ratio"]["median"]
+        checks.append(("1 worker on Ray >= 97% of the local backend (interleaved)", r >= 0.97, f"{r:.3f}"))
     if {"raw-ray-up", "ray-1"} <= med.keys():
         r = med["ray-1"] / med["raw-ray-up"]
         checks.append(("(diagnostic) 1 worker / raw with the Ray cluster idle", r >= 0.9, f"{r:.2f}"))
@@ -320,6 +392,11 @@ def main() -> None:
     parser.add_argument("--limit-steps", type=int, default=None, help="steps per epoch; 0 = all (12 with --quick)")
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " + ", ".join(ROWS))
     parser.add_argument("--data", type=Path, default=SAMPLE_DATA)
+    parser.add_argument("--model", default=None, help="the imgtrain rows' model (default: imgtrain's, resnet18)")
+    parser.add_argument("--batch-size", type=int, default=0, help="the imgtrain rows' global batch (0: imgtrain's choice)")
+    parser.add_argument("--threads-per-worker", type=int, default=0, help="the imgtrain rows' torch threads (0: imgtrain's choice)")
+    parser.add_argument("--log-every-steps", type=int, default=1,
+                        help="the imgtrain rows' step records, the timestamps of the steady rate (default 1)")
     parser.add_argument("--gpu", action="store_true", help="CUDA, bf16 and data on the device for raw and imgtrain")
     parser.add_argument("--time-to-accuracy", type=float, default=0.0, metavar="A",
                         help="add the to-accuracy row: seconds until test accuracy first reaches A (e.g. 0.985)")
@@ -351,12 +428,15 @@ def main() -> None:
             with ray_head():
                 measure_all(clustered, Path(tmp))
     results = {row: summary(r) for row, r in runs.items()}
-    checks = targets(results)
+    checks = targets(results, runs)
+    if {"local-ray-up", "ray-1"} <= runs.keys():
+        results["ray-1-vs-local"] = ray_cost(runs["local-ray-up"], runs["ray-1"])
     payload = {
         "environment": environment(),
         "config": {"data": str(opts.data), "epochs": opts.epochs, "gpu": opts.gpu,
                    "time_to_accuracy": opts.time_to_accuracy, "limit_steps": opts.limit_steps,
-                   "global_batch": BATCH, "repeats": opts.repeats, "quick": opts.quick, "warmup_steps": WARMUP_STEPS},
+                   "global_batch": opts.batch_size or "imgtrain's choice", "model": opts.model or "resnet18",
+                   "threads_per_worker": opts.threads_per_worker, "log_every_steps": opts.log_every_steps, "repeats": opts.repeats, "quick": opts.quick, "warmup_steps": WARMUP_STEPS},
         "results": results, "runs": runs,
         "targets": [{"target": t, "met": met, "measured": m} for t, met, m in checks],
         "bench_seconds": time.time() - began,
@@ -370,6 +450,11 @@ def main() -> None:
         s = results["to-accuracy"]
         print(f"time to {opts.time_to_accuracy:.1%} test accuracy: {fmt(s['to_accuracy_s'], 1)} s "
               f"(best {fmt(s['best_accuracy'], 4)})")
+    if "ray-1-vs-local" in results:
+        s = results["ray-1-vs-local"]
+        print(f"ray-1 / local-ray-up, pair by pair: {fmt(s['ratio'], 3)}; Ray adds {fmt(s['step_us'])} us per step")
+        print(f"CPU ms per step of the training process: local {fmt(s['cpu_ms_per_step']['local'], 2)}, "
+              f"ray-1's worker {fmt(s['cpu_ms_per_step']['ray'], 2)}; local / ray-1 pair by pair {fmt(s['cpu_ratio'], 3)}")
     print(f"\nn = {opts.repeats} per row, median (min-max); {time.time() - began:.0f} s; results: {path}")
 
 

@@ -33,6 +33,33 @@ def test_targets_compare_ratios_within_one_run():
     assert checks["peak RSS per training worker <= 1.5 GB"] is False
 
 
+def test_records_every_n_steps_count_the_images_of_the_steps_between_them():
+    records = [{"kind": "start", "local_batch_sizes": [4, 4]}] + [
+        {"kind": "step", "epoch": 0, "step": s, "time": float(s)} for s in (10, 20, 30, 35)]
+    assert [s["images"] for s in train_throughput._steps(records)] == [8, 80, 80, 40]
+
+
+def test_the_ray_backends_cost_is_taken_repeat_by_repeat():
+    local = [{"images_per_s": 800.0, "batch": 8, "cpu_ms_per_step": 10.0},
+             {"images_per_s": 400.0, "batch": 8, "cpu_ms_per_step": 12.0}]
+    ray = [{"images_per_s": 790.0, "batch": 8, "cpu_ms_per_step": 10.5},
+           {"images_per_s": 400.0, "batch": 8, "cpu_ms_per_step": 12.0}]
+    cost = train_throughput.ray_cost(local, ray)
+    assert cost["ratio"]["values"] == [790 / 800, 1.0]  # each pair ran one after the other
+    assert round(cost["step_us"]["values"][0], 3) == round(8e6 * (1 / 790 - 1 / 800), 3) and cost["step_us"]["min"] == 0
+    assert cost["cpu_ratio"]["values"] == [10.0 / 10.5, 1.0]
+
+
+def test_cpu_per_step_interpolates_the_training_process_samples_over_the_steady_steps():
+    # 100 steps a second from t=0; the process uses 0.5 CPU s per second; samples every 0.5 s
+    steps = [{"epoch": 0, "step": 10 * k, "time": 0.1 * k} for k in range(1, 31)]
+    cpu = {7: ("worker", [(0.5 * i, 0.25 * i) for i in range(8)]), 3: ("main", [(0.0, 0.0), (4.0, 40.0)]),
+           9: ("worker", [(0.0, 1.0), (4.0, 1.5)])}  # another run's worker, nearly idle
+    # steady: from the third record (t=0.3, step 30) to the last (t=3.0, step 300)
+    assert abs(train_throughput.cpu_per_step(steps, cpu, "worker") - 5.0) < 1e-9  # ms
+    assert train_throughput.cpu_per_step(steps, {}, "worker") != train_throughput.cpu_per_step(steps, {}, "worker")  # nan
+
+
 def test_scaling_model_ring_allreduce_and_efficiency():
     # 2 devices: each sends and receives half the gradients twice over: S / bus bandwidth.
     assert scaling_model.allreduce_s(2, bus_gb_s=44.70148, latency_us=0) == 1e-3

@@ -1,6 +1,6 @@
 """What a rank is doing, as the driver sees it: phases, heartbeats, and which phases wait for
-other ranks. Shared by the workers (which report) and the driver's watchdog (which judges),
-so it imports neither torch nor the loop.
+other ranks, and the outbox its records leave by. Shared by the workers (which report) and the
+driver's watchdog (which judges), so it imports neither torch nor the loop.
 """
 
 from __future__ import annotations
@@ -34,9 +34,46 @@ class Progress:
         return {"phase": self.phase, "step": self.step, "phase_since": self.since}
 
 
-def start_heartbeat(monitor, rank: int, world: int, progress: Progress):
-    """Send this rank's progress to the driver every HEARTBEAT_S seconds; returns a stop function."""
-    if monitor is None:
+# Records a rank sends every few steps: they wait in the outbox for the next heartbeat.
+BATCHED_KINDS = frozenset({"step", "rank"})
+
+
+class Outbox:
+    """A rank's records to the driver (``Monitor``), fire and forget, in the order sent.
+
+    An actor call costs the calling thread the GIL for a while (0.1-0.5 ms here, issue 51), so
+    the frequent records (``BATCHED_KINDS``) are not sent from the training step: they go with
+    the heartbeat, once a second, in the heartbeat thread. Any other record (a phase, the start,
+    an epoch) goes at once, together with those waiting before it; so does whatever waits when
+    the rank stops (``flush``)."""
+
+    def __init__(self, monitor):
+        self.monitor = monitor
+        self.waiting: list[dict] = []
+        self.lock = threading.Lock()  # one sender at a time: the calls leave in the records' order
+
+    def send(self, record: dict) -> None:
+        if self.monitor is None:
+            return
+        with self.lock:
+            self.waiting.append(record)
+        if record.get("kind") not in BATCHED_KINDS:
+            self.flush()
+
+    def flush(self, beat: dict | None = None) -> None:
+        """Send what waits, with ``beat`` (this rank's heartbeat) if given: one actor call."""
+        with self.lock:
+            records, self.waiting = self.waiting, []
+            if beat is not None:
+                self.monitor.heartbeat.remote(beat, records)
+            elif records:
+                self.monitor.push.remote(*records)
+
+
+def start_heartbeat(outbox: Outbox, rank: int, world: int, progress: Progress):
+    """Send this rank's progress (and the records waiting in ``outbox``) to the driver every
+    HEARTBEAT_S seconds; returns a stop function, which sends what still waits."""
+    if outbox.monitor is None:
         return lambda: None
     import ray
 
@@ -51,8 +88,13 @@ def start_heartbeat(monitor, rank: int, world: int, progress: Progress):
     def beat():
         while not stop.is_set():
             with contextlib.suppress(Exception):  # a lost heartbeat must never fail training
-                monitor.heartbeat.remote(dict(ids, **progress.snapshot(), time=time.time()))
+                outbox.flush(dict(ids, **progress.snapshot(), time=time.time()))
             stop.wait(HEARTBEAT_S)
 
+    def stopped():
+        stop.set()
+        with contextlib.suppress(Exception):
+            outbox.flush()
+
     threading.Thread(target=beat, name="imgtrain-heartbeat", daemon=True).start()
-    return stop.set
+    return stopped

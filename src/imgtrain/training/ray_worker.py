@@ -1,8 +1,9 @@
 """The worker side of the Ray backend: ``train_loop_per_worker`` wires ``run_loop`` to Ray Train.
 
 Each worker also runs a heartbeat thread that tells the driver, once a second, which step
-and phase it is in, so that a stuck rank can be named (``watchdog.Watchdog``), and dumps its
-Python stacks when asked (``stacks.py``).
+and phase it is in, so that a stuck rank can be named (``watchdog.Watchdog``), and carries
+its step records (``health.Outbox``: no actor call in the step); it dumps its Python stacks
+when asked (``stacks.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train
     import ray.train.torch
 
+    # Ray Data's usage statistics: the first Ray Data pass starts a thread that queries the
+    # cluster's Prometheus every 10 s for as long as the worker lives, its Python taking the GIL
+    # from the training steps (issue 51). Off in this process, unless the user chose otherwise.
+    os.environ.setdefault("RAY_DATA_USAGE_DISABLED", "1")
     cfg = TrainConfig(**config["cfg"])
     manifest = config["manifest"]
     monitor = config.get("monitor")
@@ -45,7 +50,8 @@ def train_loop_per_worker(config: dict) -> None:
     torch.set_num_threads(threads_for(ctx.get_local_world_size(), cfg.threads_per_worker, cfg.use_gpu))
     device = ray.train.torch.get_device()
     progress = Progress()
-    stop_heartbeat = health.start_heartbeat(monitor, rank, world, progress)
+    outbox = health.Outbox(monitor)
+    stop_heartbeat = health.start_heartbeat(outbox, rank, world, progress)
 
     resume = config.get("resume") or {}
     restored_checkpoint = functools.partial(_restored_checkpoint, resume.get("fallback"))
@@ -53,10 +59,7 @@ def train_loop_per_worker(config: dict) -> None:
     shutil.rmtree(staging, ignore_errors=True)  # what an earlier attempt left: over now
     report = functools.partial(_report_async, staging=staging) if remote.is_remote(cfg.storage) else _report
 
-    def send(record: dict) -> None:
-        if monitor is not None:
-            monitor.push.remote(record)  # fire and forget: never a barrier
-
+    send = outbox.send  # fire and forget: never a barrier
     if rank == 0:
         send(phase_record("loading data"))
     train_batches, val_batches, calibration = _batches(cfg, manifest, rank, world, device)
