@@ -21,15 +21,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
-def pytest_collection_modifyitems(items):
-    """The files that start Ray or processes first, the unit layer after: with two pytest
-    processes (`make test`: xdist's --dist loadfile, --no-loadscope-reorder) the many short files
-    fill in at the end, and neither process waits on the other's last long file. xdist's own
-    order, files with the most tests first, put the long one-test files (the elastic run's 100 s)
-    last."""
-    items.sort(key=lambda item: item.get_closest_marker("integration") is None)  # stable: files stay whole
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _cache_of_the_session(tmp_path_factory):
     """imgtrain's cache (logs, working copies, checkpoints being saved) in the session's temporary
