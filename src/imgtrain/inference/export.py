@@ -228,17 +228,9 @@ def _verify(model, exported, data_dir: Path, manifest: dict, split: str,
             loaded: LoadedCheckpoint) -> tuple[Verification, dict]:
     """Both models on every image of the split, batch by batch (memory: one batch); the test
     metrics of the PyTorch model."""
-    import torch
-
-    from imgtrain.data import stream
-
     result, sums = Verification(split), EvalSums(len(loaded.preprocess.classes))
-    for batch in stream.split_batches(data_dir, manifest, split, loaded.preprocess.preset, VERIFY_BATCH):
-        x = np.ascontiguousarray(batch["image"].transpose(0, 3, 1, 2))  # NHWC -> NCHW
-        with torch.no_grad():
-            ours = model(torch.from_numpy(x)).numpy()
-        theirs = np.asarray(exported(x))
-        result.images += len(x)
+    for batch, ours, theirs in _both_outputs(model, exported, data_dir, manifest, split, loaded):
+        result.images += len(ours)
         result.agreeing += int((ours.argmax(1) == theirs.argmax(1)).sum())
         result.max_prob_diff = max(result.max_prob_diff, float(np.abs(ours - theirs).max()))
         top = np.argsort(-ours, axis=1, kind="stable")[:, :TOP_K]
@@ -251,25 +243,31 @@ def _verify_label_sets(model, exported, data_dir: Path, manifest: dict, split: s
     """A multi-label model's ``_verify``: label sets compared at the checkpoint's thresholds, and
     its multi-label test figures (``multilabel_eval.label_figures``); the split's probabilities are
     kept for the average precision, float32 [n, classes], as ``evaluate`` keeps them."""
-    import torch
-
-    from imgtrain.data import stream
     from imgtrain.inference.multilabel_eval import label_figures
 
     thresholds, chosen_on = ml.thresholds_of(loaded)
     result, scores, targets = LabelSetVerification(split), [], []
-    for batch in stream.split_batches(data_dir, manifest, split, loaded.preprocess.preset, VERIFY_BATCH):
-        x = np.ascontiguousarray(batch["image"].transpose(0, 3, 1, 2))  # NHWC -> NCHW
-        with torch.no_grad():
-            ours = model(torch.from_numpy(x)).numpy()
-        theirs = np.asarray(exported(x))
-        result.images += len(x)
+    for batch, ours, theirs in _both_outputs(model, exported, data_dir, manifest, split, loaded):
+        result.images += len(ours)
         result.agreeing += int((ml.decide(ours, thresholds) == ml.decide(theirs, thresholds)).all(1).sum())
         result.max_prob_diff = max(result.max_prob_diff, float(np.abs(ours - theirs).max()))
         scores.append(ours)
         targets.append(np.asarray(batch["label"], np.uint8))
     figures = label_figures(np.concatenate(scores), np.concatenate(targets), thresholds, loaded.preprocess.classes)
     return result, {"multi_label": True, "images": result.images, **figures, "thresholds_chosen_on": chosen_on}
+
+
+def _both_outputs(model, exported, data_dir: Path, manifest: dict, split: str, loaded: LoadedCheckpoint):
+    """(batch, the PyTorch model's outputs, the export's) for every batch of the split."""
+    import torch
+
+    from imgtrain.data import stream
+
+    for batch in stream.split_batches(data_dir, manifest, split, loaded.preprocess.preset, VERIFY_BATCH):
+        x = np.ascontiguousarray(batch["image"].transpose(0, 3, 1, 2))  # NHWC -> NCHW
+        with torch.no_grad():
+            ours = model(torch.from_numpy(x)).numpy()
+        yield batch, ours, np.asarray(exported(x))
 
 
 def _metrics(sums: EvalSums, classes) -> dict:

@@ -89,14 +89,7 @@ def write_report(run, checkpoint: str = ReportOptions.checkpoint, storage: str =
     pictures = stream.fetch_images(ev.data, ev.split, set(preds["id"].iloc[:n]) | set(worst["id"]),
                                    preset=preprocess_preset(Path(ev.checkpoint)))
 
-    out = result.path / REPORT_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    used = Path(ev.checkpoint)
-    used_meta = ckpt.read_meta(used)
-    in_store = remote.is_remote(storage) and run_dir.parent == location.storage_root(storage)
-    # The run as its user names it (the s3:// URI of a run in an object store), not its working
-    # copy in this machine's cache: that path holds this user's name, and the page is uploaded.
-    where = location.location(storage, run_dir.name) if in_store else str(result.path)
+    out, used, used_meta, in_store, where = _page_place(result, run_dir, storage, ev)
     png = {plot_id: out / file for plot_id, file, _ in PLOTS}
     _learning_curves(result.history, used_meta.get("epoch"), png["learning-curves"])
     first = preds.iloc[:n]
@@ -125,6 +118,19 @@ def _label_issues(ev, path: Path) -> None:
     pictures = stream.fetch_images(ev.data, "train", set(rows["id"]), preset=preprocess_preset(Path(ev.checkpoint)))
     _image_grid(_stack(pictures, rows), rows, ev.classes, path, with_confidence=True, given="labelled",
                 empty="No training image contradicts its label confidently: nothing to show.")
+
+
+def _page_place(result, run_dir: Path, storage, ev) -> tuple[Path, Path, dict, bool, str]:
+    """The report's folder (made), the checkpoint evaluated and its meta, whether the run lives in
+    the object store, and the run as its user names it (the s3:// URI of a run in an object
+    store), not its working copy in this machine's cache: that path holds this user's name, and
+    the page is uploaded."""
+    out = result.path / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    used = Path(ev.checkpoint)
+    in_store = remote.is_remote(storage) and run_dir.parent == location.storage_root(storage)
+    where = location.location(storage, run_dir.name) if in_store else str(result.path)
+    return out, used, ckpt.read_meta(used), in_store, where
 
 
 def _located(path: Path, run_dir: Path, where: str) -> str:
@@ -499,12 +505,7 @@ def _write_multi_label_report(result: runs.RunResult, run_dir: Path, checkpoint:
     from imgtrain.inference.predictor import preprocess_preset
 
     ev = evaluate(str(result.path), checkpoint, storage, options=InferenceOptions(backend="local"))
-    out = result.path / REPORT_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    used = Path(ev.checkpoint)
-    used_meta = ckpt.read_meta(used)
-    in_store = remote.is_remote(storage) and run_dir.parent == location.storage_root(storage)
-    where = location.location(storage, run_dir.name) if in_store else str(result.path)
+    out, used, used_meta, in_store, where = _page_place(result, run_dir, storage, ev)
     wrong = ev.wrong_labels()
     worst = np.argsort(-wrong, kind="stable")[:GRID_SIDE**2]
     worst = worst[wrong[worst] > 0]

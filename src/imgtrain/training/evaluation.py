@@ -33,30 +33,20 @@ def evaluate(
     """
     if multilabel.is_multi_label(manifest):
         return _evaluate_multi_label(model, backend, manifest, multi_label_loss, memory_format)
-    mean, std = manifest["normalize"]["mean"], manifest["normalize"]["std"]
     k = int(manifest["num_classes"])
     criterion = nn.CrossEntropyLoss(reduction="sum", label_smoothing=label_smoothing)
     sums = torch.zeros(3, dtype=torch.float64)
     # [3, K] per class: true positives, predicted, actual (never a K x K matrix: K may be large)
     counts = torch.zeros(3, k, dtype=torch.long, device=backend.device)
-    was_training = model.training
-    model.eval()
-    with torch.inference_mode():
-        for batch in backend.val_batches():
-            if not len(batch["label"]):
-                continue
-            x = to_model_input(batch["image"], mean, std)
-            y = batch["label"]
-            logits = model(x.contiguous(memory_format=memory_format))
-            predicted = logits.argmax(1)
-            sums += torch.tensor(
-                [criterion(logits, y).item(), (predicted == y).sum().item(), len(y)],
-                dtype=torch.float64,
-            )
-            counts[0] += torch.bincount(y[predicted == y], minlength=k).to(counts.device)
-            counts[1] += torch.bincount(predicted, minlength=k).to(counts.device)
-            counts[2] += torch.bincount(y, minlength=k).to(counts.device)
-    model.train(was_training)
+    for y, logits in _val_outputs(model, backend, manifest, memory_format):
+        predicted = logits.argmax(1)
+        sums += torch.tensor(
+            [criterion(logits, y).item(), (predicted == y).sum().item(), len(y)],
+            dtype=torch.float64,
+        )
+        counts[0] += torch.bincount(y[predicted == y], minlength=k).to(counts.device)
+        counts[1] += torch.bincount(predicted, minlength=k).to(counts.device)
+        counts[2] += torch.bincount(y, minlength=k).to(counts.device)
     total = backend.all_reduce_sum(torch.cat([sums, counts.flatten().cpu().double()]))
     loss, acc, n = means(total[:3])
     return {"val_loss": loss, "val_accuracy": acc, "val_f1_macro": f1_macro(total[3:].view(3, k)),
@@ -65,22 +55,30 @@ def evaluate(
 
 def _evaluate_multi_label(model: nn.Module, backend: Backend, manifest: dict, criterion: nn.Module,
                           memory_format: torch.memory_format) -> dict:
-    mean, std = manifest["normalize"]["mean"], manifest["normalize"]["std"]
     sums = torch.zeros(2, dtype=torch.float64)  # [loss sum, samples]
     logits, targets = [], []  # this rank's rows: the mAP and the thresholds need every score
-    was_training = model.training
-    model.eval()
-    with torch.inference_mode():
-        for batch in backend.val_batches():
-            if not len(batch["label"]):
-                continue
-            out = model(to_model_input(batch["image"], mean, std).contiguous(memory_format=memory_format))
-            sums += torch.tensor([criterion(out, batch["label"]).item(), len(out)], dtype=torch.float64)
-            logits.append(out.float().cpu())
-            targets.append(batch["label"].cpu())
-    model.train(was_training)
+    for y, out in _val_outputs(model, backend, manifest, memory_format):
+        sums += torch.tensor([criterion(out, y).item(), len(out)], dtype=torch.float64)
+        logits.append(out.float().cpu())
+        targets.append(y.cpu())
     figures, thresholds = multilabel.validate(backend, manifest, logits, targets, sums)
     return {**figures, THRESHOLDS: thresholds}
+
+
+def _val_outputs(model: nn.Module, backend: Backend, manifest: dict, memory_format: torch.memory_format):
+    """(labels, logits) of each non-empty validation batch of this rank, the model in eval mode
+    and without autograd meanwhile (its mode restored after)."""
+    mean, std = manifest["normalize"]["mean"], manifest["normalize"]["std"]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for batch in backend.val_batches():
+                if len(batch["label"]):
+                    x = to_model_input(batch["image"], mean, std)
+                    yield batch["label"], model(x.contiguous(memory_format=memory_format))
+    finally:
+        model.train(was_training)
 
 
 def f1_macro(counts: torch.Tensor) -> float:

@@ -69,19 +69,9 @@ def grouped(members: Iterable[Member]) -> Iterator[tuple[str, dict[str, Member]]
 def label_of(parts: dict[str, Member], field: str, book: ClassBook, where: str) -> int:
     """A sample's label: a class index or a class name's provisional number (``book``);
     ValueError: why it has none."""
-    ext = next((e for e in LABEL_EXTENSIONS if e in parts), None)
-    if ext is None:
-        raise ValueError("no label (.cls, .json or .txt)")
-    data = parts[ext].data
-    if data is None:
-        raise ValueError(f"label file .{ext} is over 1 MiB")
-    if ext == "json":
-        value = _json_field(data, field)
-    else:
-        try:
-            value = data.decode("utf-8").strip()
-        except UnicodeDecodeError:
-            raise ValueError(f"label file .{ext} is not UTF-8 text") from None
+    ext, value = _label_file(parts, field)
+    if ext != "json":
+        value = value.strip()
         if ext == "cls":
             if not value.isascii() or not value.isdigit():
                 raise ValueError(f".cls holds {value[:20]!r}, not a class index")
@@ -96,25 +86,13 @@ def label_of(parts: dict[str, Member], field: str, book: ClassBook, where: str) 
 def labels_of(parts: dict[str, Member], field: str, book: ClassBook, sep: str | None, where: str) -> tuple[list, bool]:
     """--multi-label: a sample's labels (class indices or names' provisional numbers), and whether
     they were names joined in a string; ValueError: why it has none that can be read."""
-    ext = next((e for e in LABEL_EXTENSIONS if e in parts), None)
-    if ext is None:
-        raise ValueError("no label (.cls, .json or .txt)")
-    data = parts[ext].data
-    if data is None:
-        raise ValueError(f"label file .{ext} is over 1 MiB")
-    if ext == "json":
-        value = _json_field(data, field)
-    else:
-        try:
-            value = data.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError(f"label file .{ext} is not UTF-8 text") from None
+    ext, value = _label_file(parts, field)
     joined = isinstance(value, str)
     if joined:
         value = [v.strip() for v in value.split(sep if sep is not None else label_sets.DEFAULT_SEP) if v.strip()]
         if ext == "cls":
             if not all(v.isascii() and v.isdigit() for v in value):
-                raise ValueError(f".cls holds {data[:20]!r}, not class indices")
+                raise ValueError(f".cls holds {parts[ext].data[:20]!r}, not class indices")
             value = [int(v) for v in value]
     elif not isinstance(value, list):
         value = [value]
@@ -129,6 +107,23 @@ def labels_of(parts: dict[str, Member], field: str, book: ClassBook, sep: str | 
         else:
             raise ValueError(f"a label in .{ext} is not a class name or index: {str(v)[:40]!r}")
     return sorted(set(found)), joined
+
+
+def _label_file(parts: dict[str, Member], field: str) -> tuple[str, object]:
+    """The sample's label file's extension and what it holds: the .json's ``field``, or the text
+    of a .cls or .txt; ValueError: why there is none that can be read."""
+    ext = next((e for e in LABEL_EXTENSIONS if e in parts), None)
+    if ext is None:
+        raise ValueError("no label (.cls, .json or .txt)")
+    data = parts[ext].data
+    if data is None:
+        raise ValueError(f"label file .{ext} is over 1 MiB")
+    if ext == "json":
+        return ext, _json_field(data, field)
+    try:
+        return ext, data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"label file .{ext} is not UTF-8 text") from None
 
 
 def _json_field(data: bytes, field: str):
