@@ -50,7 +50,8 @@ browser:
 	  fi
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass. Two pytest
-# processes (pytest-xdist), each test file whole in one of them (its module fixtures trained once):
+# processes (pytest-xdist), each test file whole in one of them (its module fixtures trained once;
+# the files that read the session's shared runs all in one, tests/conftest.py):
 # much of a Ray test's time is waiting on Ray's timers and process starts, which the other fills
 # (688-737 s instead of 924-974 s on 2 cores, docs/NOTES.md "Two pytest processes").
 # Files in the order tests/conftest.py gives (those that start Ray first), not xdist's by test count.

@@ -52,7 +52,7 @@ def imgtrain_cli(*args):
 
 
 @pytest.fixture(scope="module")
-def ray_run(ray_cluster, grids, tmp_path_factory):
+def ml_run(ray_cluster, grids, tmp_path_factory):
     """The module's one Ray run, which survives a killed worker on the way
     (``test_a_sigkilled_ray_worker_is_replaced_and_the_run_finishes``): rank 1 SIGKILLs itself
     about to train step 18, late in the second epoch, and Ray Train replaces the worker group
@@ -68,27 +68,27 @@ def ray_run(ray_cluster, grids, tmp_path_factory):
     return result
 
 
-def test_two_workers_record_val_map_and_store_thresholds_chosen_on_val(ray_run):
-    assert [r["world_size"] for r in ray_run.history] == [2, 2]
-    for r in ray_run.history:
+def test_two_workers_record_val_map_and_store_thresholds_chosen_on_val(ml_run):
+    assert [r["world_size"] for r in ml_run.history] == [2, 2]
+    for r in ml_run.history:
         assert 0.0 <= r["val_map"] <= 1.0 and r["val_samples"] == 36 and np.isfinite(r["val_loss"])
-    values, chosen_on = ckpt.load_thresholds(ray_run.best_checkpoint, 10)
+    values, chosen_on = ckpt.load_thresholds(ml_run.best_checkpoint, 10)
     assert chosen_on == "val" and values.shape == (10,) and ((values >= 0) & (values <= 1)).all()
-    assert ckpt.THRESHOLDS_FILE in ckpt.verify(ray_run.best_checkpoint)["sha256"]
+    assert ckpt.THRESHOLDS_FILE in ckpt.verify(ml_run.best_checkpoint)["sha256"]
 
 
-def test_evaluate_json_reports_the_multi_label_figures(ray_run, capsys):
-    proc = cli_here(capsys, "evaluate", "grids", "--storage", str(ray_run.path.parent), "--json")
+def test_evaluate_json_reports_the_multi_label_figures(ml_run, capsys):
+    proc = cli_here(capsys, "evaluate", "grids", "--storage", str(ml_run.path.parent), "--json")
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
     assert got["multi_label"] is True and got["num_samples"] == 36 and got["split"] == "test"
     for key in ("map", "f1_micro", "f1_macro", "exact_match", "hamming_loss"):
         assert 0.0 <= got[key] <= 1.0, key
-    values, _ = ckpt.load_thresholds(ray_run.best_checkpoint, 10)
+    values, _ = ckpt.load_thresholds(ml_run.best_checkpoint, 10)
     assert [got["per_label"][c]["threshold"] for c in got["classes"]] == pytest.approx(values.tolist())
     assert set(got["per_label"]["0"]) == {"precision", "recall", "f1", "ap", "threshold", "support"}
     assert got["thresholds_chosen_on"] == "val"
-    assert got["recorded_val_map"] == pytest.approx(ckpt.read_meta(ray_run.best_checkpoint)["metrics"]["val_map"])
+    assert got["recorded_val_map"] == pytest.approx(ckpt.read_meta(ml_run.best_checkpoint)["metrics"]["val_map"])
 
 
 def test_local_resume_inside_an_epoch_ends_with_the_uninterrupted_bits(grids, tmp_path, monkeypatch):
@@ -118,40 +118,40 @@ def test_balanced_sampling_is_refused_for_a_multi_label_set(grids, tmp_path, cap
     assert_one_line_error(proc, "--sampling balanced", "several labels")
 
 
-def test_the_report_shows_ap_per_label_thresholds_and_the_most_wrong_images(ray_run):
+def test_the_report_shows_ap_per_label_thresholds_and_the_most_wrong_images(ml_run):
     from imgtrain.inference.report import write_report
 
-    page = write_report(str(ray_run.path)).read_text()
+    page = write_report(str(ml_run.path)).read_text()
     for part in ('id="label-ap"', 'id="thresholds-table"', 'id="most-wrong"', "mAP re-evaluated now"):
         assert part in page, part
-    assert json.loads((page_dir := ray_run.path / "report" / "evaluation.json").read_text())["multi_label"] is True, page_dir
+    assert json.loads((page_dir := ml_run.path / "report" / "evaluation.json").read_text())["multi_label"] is True, page_dir
 
 
 # ---------------------------------------------------------------- a killed Ray Train worker
 
 
-def test_a_sigkilled_ray_worker_is_replaced_and_the_run_finishes(ray_run):
+def test_a_sigkilled_ray_worker_is_replaced_and_the_run_finishes(ml_run):
     """Ray Train restarts from the newest checkpoint it had registered (step checkpoints every 4
     steps, the first epoch's at step 10: which one depends on when Ray Train saw its report)."""
-    assert (ray_run.path / ".faults" / "kill-1-18-1").is_file()  # the fault really fired
-    starts = [r["step"] for r in runs.read_metrics(ray_run.path) if r["kind"] == "start"]
+    assert (ml_run.path / ".faults" / "kill-1-18-1").is_file()  # the fault really fired
+    starts = [r["step"] for r in runs.read_metrics(ml_run.path) if r["kind"] == "start"]
     assert len(starts) == 2 and starts[1] in (10, 12, 16), starts  # one restart, from a checkpoint
-    assert [r["epoch"] for r in ray_run.history] == [0, 1]  # each epoch once, none lost
-    assert ckpt.load_thresholds(ray_run.latest_checkpoint, 10)[1] == "val"
+    assert [r["epoch"] for r in ml_run.history] == [0, 1]  # each epoch once, none lost
+    assert ckpt.load_thresholds(ml_run.latest_checkpoint, 10)[1] == "val"
 
 
 # ---------------------------------------------------------------- its answers: predict, export, serve
 
 
 @pytest.fixture(scope="module")
-def torch_predictor(ray_run):
+def torch_predictor(ml_run):
     from imgtrain.inference.predictor import Predictor
 
-    return Predictor(ray_run.best_checkpoint)
+    return Predictor(ml_run.best_checkpoint)
 
 
 def test_predict_writes_the_label_sets_and_every_probability_for_a_split_and_a_folder(
-        ray_run, grids, torch_predictor, tmp_path):
+        ml_run, grids, torch_predictor, tmp_path):
     """A prepared split on Ray Data's actor pool (the default backend), and the source's PNG
     files in this process: ``labels`` is the classes at or over the checkpoint's thresholds,
     joined by a space; ``prob_<class>`` the model's sigmoids."""
@@ -161,10 +161,10 @@ def test_predict_writes_the_label_sets_and_every_probability_for_a_split_and_a_f
     from imgtrain.inference.options import InferenceOptions
 
     classes = [str(d) for d in range(10)]
-    thresholds, _ = ckpt.load_thresholds(ray_run.best_checkpoint, 10)
+    thresholds, _ = ckpt.load_thresholds(ml_run.best_checkpoint, 10)
     columns = ["labels", *[f"prob_{c}" for c in classes]]
 
-    split = predict(ray_run.best_checkpoint, str(grids), tmp_path / "split.parquet",
+    split = predict(ml_run.best_checkpoint, str(grids), tmp_path / "split.parquet",
                     options=InferenceOptions(backend="ray", batch_size=16)).predictions
     ids, images, targets = _test_split(grids)
     assert list(split.columns) == ["id", "true_labels", *columns] and split["id"].tolist() == ids.tolist()
@@ -174,7 +174,7 @@ def test_predict_writes_the_label_sets_and_every_probability_for_a_split_and_a_f
     assert split["true_labels"].tolist() == [" ".join(c for c, on in zip(classes, row) if on) for row in targets]
 
     source = grids.parent / "source" / "images"
-    files = predict(ray_run.best_checkpoint, str(source), tmp_path / "files.csv",
+    files = predict(ml_run.best_checkpoint, str(source), tmp_path / "files.csv",
                     options=InferenceOptions(backend="local")).out
     table = pd.read_csv(files, keep_default_na=False)  # "" is an image without a label
     assert list(table.columns) == ["path", *columns] and len(table) == 240
@@ -183,17 +183,17 @@ def test_predict_writes_the_label_sets_and_every_probability_for_a_split_and_a_f
 
 
 @pytest.fixture(scope="module")
-def exported(ray_run, tmp_path_factory):
+def exported(ml_run, tmp_path_factory):
     from imgtrain.inference.export import export
 
-    return export(ray_run.best_checkpoint, "onnx", tmp_path_factory.mktemp("ml-export") / "onnx")
+    return export(ml_run.best_checkpoint, "onnx", tmp_path_factory.mktemp("ml-export") / "onnx")
 
 
-def test_the_onnx_export_holds_sigmoids_and_the_thresholds_verified_by_label_sets(ray_run, grids, exported,
+def test_the_onnx_export_holds_sigmoids_and_the_thresholds_verified_by_label_sets(ml_run, grids, exported,
                                                                                     torch_predictor):
     from imgtrain.inference.predictor import Predictor
 
-    thresholds, _ = ckpt.load_thresholds(ray_run.best_checkpoint, 10)
+    thresholds, _ = ckpt.load_thresholds(ml_run.best_checkpoint, 10)
     v = exported.verification
     assert v.images == 36 and v.agreement >= 0.999 and "label sets identical" in v.line()
     folder = exported.out
@@ -221,7 +221,7 @@ def _test_split(grids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tuple(np.concatenate([b[k] for b in batches]) for k in ("id", "image", "label"))
 
 
-def test_serve_of_the_export_answers_the_label_list_over_http(ray_cluster, ray_run, grids, exported,
+def test_serve_of_the_export_answers_the_label_list_over_http(ray_cluster, ml_run, grids, exported,
                                                                torch_predictor, tmp_path):
     """The real ``imgtrain serve --engine onnxruntime`` of the export, joined to the session's
     cluster through Serve's proxy (no Ray start of its own): a PNG posted to /predict is answered
@@ -236,7 +236,7 @@ def test_serve_of_the_export_answers_the_label_list_over_http(ray_cluster, ray_r
     thresholds = torch_predictor.thresholds
     expected = sorted((c for c in range(10) if probs[c] >= thresholds[c]), key=lambda c: -probs[c])
     try:
-        with serving(Path(ray_run.path).parent, tmp_path, "--ingress", "proxy", "--address", ray_cluster,
+        with serving(Path(ml_run.path).parent, tmp_path, "--ingress", "proxy", "--address", ray_cluster,
                      "--engine", "onnxruntime", run=str(exported.out)) as (proc, port, _, stderr):
             status, health = request(port, "/healthz")
             assert status == 200 and health["multi_label"] is True
@@ -253,8 +253,8 @@ def test_serve_of_the_export_answers_the_label_list_over_http(ray_cluster, ray_r
         serve.shutdown()
 
 
-def test_what_has_no_meaning_for_a_multi_label_model_is_refused_in_one_line(ray_run, tmp_path, capsys):
-    storage, name = str(ray_run.path.parent), ray_run.path.name
+def test_what_has_no_meaning_for_a_multi_label_model_is_refused_in_one_line(ml_run, tmp_path, capsys):
+    storage, name = str(ml_run.path.parent), ml_run.path.name
     proc = cli_here(capsys, "predict", name, str(tmp_path), "--storage", storage, "--out", str(tmp_path / "p.csv"),
                     "--top-k", "5", "--backend", "local")
     assert_one_line_error(proc, "--top-k", "multi-label")

@@ -102,13 +102,14 @@ def test_rerun_of_a_finished_sweep_trains_nothing_and_other_settings_are_refused
     assert_one_line_error(other, "sweep 's' already exists", "epochs: 2 -> 3")
 
 
-def test_interrupted_sweep_resumes_without_rerunning_finished_trials(tiny_data, tmp_path, capsys):
+def test_interrupted_sweep_resumes_without_rerunning_finished_trials(tiny_data, tmp_path, ray_cluster, capsys):
     # The second trial stops for good before its step 20 (rank 0 hangs: IMGTRAIN_INJECT_FAULT),
     # after its epoch-1 checkpoint; the first, with twice the batch, has 16 steps in all and
     # never gets there. So the Ctrl-C always finds the first trial done and the second one
     # training, with a checkpoint to resume from (the first version of this test raced a trial
     # to its end). The sweep starts a cluster of its own, from this environment: the fault
-    # reaches its trials (a joined cluster's processes keep the cluster's environment).
+    # reaches its trials (a joined cluster's processes keep the cluster's environment). The resume,
+    # with no fault, joins the session's cluster: a sweep resumes on another cluster than its first.
     args = ["tune", "--data", str(tiny_data), "--name", "r", "--storage", str(tmp_path), "--search",
             "batch_size=grid(32,16)", "--scheduler", "fifo", "--epochs", "2", "--workers", "1",
             "--max-concurrent", "1", "--model", "timm:test_resnet"]
@@ -128,7 +129,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(tiny_data, 
     assert show(capsys, tmp_path, "r")["status"] == "interrupted"
     first = (trials_dir / "trial-00000" / runs.METRICS_FILE).read_text()
 
-    again = run_cli(*args, timeout=240)
+    again = run_cli(*args, "--address", ray_cluster, timeout=240)
     assert again.returncode == 0, again.stderr
     assert "trial-00000: started" not in again.stdout and "trial-00001: started" in again.stdout
     assert (trials_dir / "trial-00000" / runs.METRICS_FILE).read_text() == first  # not trained again
