@@ -23,11 +23,21 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
+TRAINING_FIXTURES = {"local_run", "ray_run", "ray_cluster"}  # below: each trains a run or starts Ray
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m "not integration" deselects
 def pytest_collection_modifyitems(items):
-    """The files that start Ray or processes first, the unit layer after (`make test`: xdist's
+    """A test that uses a run of the session or its Ray cluster is an integration test whatever
+    its file says: `make test-fast` (the unit layer) never trains nor starts Ray.
+
+    The files that start Ray or processes first, the unit layer after (`make test`: xdist's
     --dist loadfile, --no-loadscope-reorder), so that no long one-test file (xdist's own order
     puts the files with the most tests first) is left running alone at the end. On the idle VM,
     925 tests: 1,120 and 1,233 s this way, 1,245 s in xdist's order: within the runs' spread."""
+    for item in items:
+        if TRAINING_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.integration)
     items.sort(key=lambda item: item.get_closest_marker("integration") is None)  # stable: files stay whole
 
 

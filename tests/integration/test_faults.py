@@ -32,7 +32,7 @@ def test_a_stuck_rank_is_named_and_killed_within_the_stall_timeout(ray_cluster, 
     shown = io.StringIO()
     with pytest.raises(ImgtrainError) as failed:
         imgtrain.train(TrainConfig(data=str(tiny_data), name="stuck", epochs=1, batch_size=32, storage=str(tmp_path),
-                                   stall_timeout_s=8, log_every_steps=1, model="timm:test_resnet"),
+                                   stall_timeout_s=8, log_every_steps=1, model="timm:test_resnet", ingest="torch"),
                        display=TrainingDisplay(Console(file=shown, width=200)))
 
     message = str(failed.value)
@@ -79,7 +79,7 @@ def test_a_full_disk_leaves_no_broken_checkpoint_and_says_the_disk_is_full(ray_c
         # epoch's checkpoint is the one that does not fit.
         with pytest.raises(ImgtrainError) as failed:
             imgtrain.train(TrainConfig(data=str(tiny_data), name="full", workers=1, threads_per_worker=1, epochs=2,
-                                       batch_size=32, limit_train_batches=2, storage=str(storage)),
+                                       batch_size=32, limit_train_batches=2, storage=str(storage), ingest="torch"),
                            display=quiet_display())
         message = str(failed.value)
         assert "is full (No space left on device)" in message, message

@@ -28,9 +28,10 @@ from tests.conftest import run_cli, wait_for
 from tests.terminal import Terminal
 
 pytestmark = pytest.mark.integration
-# What is proved is how the command stops, whatever the model: timm's small test ResNet (ResNet-18
-# builds, steps and checkpoints 30 times the weights).
-SMALL_MODEL = ("--model", "timm:test_resnet")
+# What is proved is how the command stops, whatever the model and the ingest: timm's small test
+# ResNet (ResNet-18 builds, steps and checkpoints 30 times the weights) and the torch DataLoader
+# (no Ray Data start-up).
+QUICK = ("--model", "timm:test_resnet", "--ingest", "torch")
 
 # The command starts as a user's shell starts it: SIGINT and SIGHUP at their defaults and
 # unblocked (a child inherits an ignored or blocked signal, and the suite's process may have one).
@@ -46,7 +47,7 @@ def train_command(tiny_data: Path, storage: Path, name: str, backend: str) -> li
     return [sys.executable, "-c", CLI, "train", "--data", str(tiny_data), "--storage", str(storage), "--name", name,
             "--backend", backend, "--workers", "1", "--threads-per-worker", "1", "--epochs", "1",
             "--batch-size", "32", "--checkpoint-every-steps", "2", "--log-every-steps", "1",
-            *SMALL_MODEL]
+            *QUICK]
 
 
 def checkpointed(run_dir: Path) -> bool:

@@ -20,8 +20,10 @@ from tests.conftest import assert_one_line_error, cli_here, run_cli, wait_for
 pytestmark = pytest.mark.integration
 
 # lr 0.003 learns in 8 steps (val accuracy 0.27 after 2 epochs, 0.23 after 1); lr 1e-6 does
-# not (0.12): run one at a time in grid order, ASHA stops the second at its first rung.
-ASHA = ["--search", "lr=grid(0.003,1e-6)", "--scheduler", "asha", "--epochs", "2", "--workers", "1",
+# not (0.12): run one at a time in grid order, ASHA stops the second at its first rung. Every
+# sweep here feeds its trials with the torch DataLoader: what is proved is Tune's, and Ray Data's
+# start-up costs each trial seconds (Ray Data ingest is proved in test_train and others).
+ASHA = ["--search", "lr=grid(0.003,1e-6)", "--scheduler", "asha", "--epochs", "2", "--workers", "1", "--ingest", "torch",
         "--batch-size", "32", "--eval-batch-size", "50", "--max-concurrent", "1"]
 
 
@@ -112,7 +114,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(tiny_data, 
     # with no fault, joins the session's cluster: a sweep resumes on another cluster than its first.
     args = ["tune", "--data", str(tiny_data), "--name", "r", "--storage", str(tmp_path), "--search",
             "batch_size=grid(32,16)", "--scheduler", "fifo", "--epochs", "2", "--workers", "1",
-            "--max-concurrent", "1", "--model", "timm:test_resnet"]
+            "--max-concurrent", "1", "--model", "timm:test_resnet", "--ingest", "torch"]
     trials_dir = tmp_path / "r" / "trials"
     proc = subprocess.Popen([sys.executable, "-m", "imgtrain.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, FAULT_ENV: "hang:0:20"})
@@ -160,7 +162,7 @@ def test_bad_sweeps_fail_in_seconds_with_one_line(ray_cluster, tiny_data, tmp_pa
 
 def test_failed_trials_are_reported_and_a_sweep_of_failures_exits_non_zero(ray_cluster, tiny_data, tmp_path, capsys):
     proc = run_cli(*sweep_args(tiny_data, tmp_path, "f", ray_cluster, "--search", "model=choice(nosuchnet)",
-                               "--epochs", "1", "--workers", "1"))
+                               "--epochs", "1", "--workers", "1", "--ingest", "torch"))
     assert proc.returncode == 1, (proc.stdout, proc.stderr)
     assert re.search(r"trial-00000: failed: --model nosuchnet: no torchvision model 'nosuchnet'", proc.stdout)
     assert proc.stderr.startswith("error: every trial of sweep 'f' failed") and "Traceback" not in proc.stderr
