@@ -207,3 +207,15 @@ def test_decode_gpu_on_cpu_workers_is_refused_before_training():
     validate(TrainConfig(name="x", decode="auto"))
     # the same crops, flips and operations either way: a run may be resumed with another --decode
     assert changed_fields({"decode": "cpu"}, {"decode": "gpu"}) == []
+
+
+def test_a_batch_is_decoded_in_parts_of_bounded_size(real_jpegs, monkeypatch):
+    """Twelve-megapixel photos in a batch of 256 are 9 GB decoded: nvJPEG gets them in parts."""
+    sources = rows_of(real_jpegs[:3])  # 427x640, 213x320, 106x160
+    monkeypatch.setattr(device_photos, "DECODE_BYTES", 427 * 640 * 3)
+    assert device_photos._parts([0, 1, 2], sources, 3) == [[0], [1, 2]]
+    draws = np.random.default_rng(4).random((3, images.PHOTO_PARAMS))
+    parted = device_photos.batch_images({"source": sources, "draw": draws}, reader_for(), "cpu")
+    monkeypatch.undo()
+    whole = device_photos.batch_images({"source": sources, "draw": draws}, reader_for(), "cpu")
+    assert torch.equal(parted, whole)

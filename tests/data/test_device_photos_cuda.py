@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from imgtrain.data import device_photos, images, photo_augment
+from imgtrain.data import device_photos, images, photo_augment, stream
 from imgtrain.data.photo_augment import PhotoAugment
-from tests.data.test_device_photos import reader_for, real_jpegs, rows_of  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -19,7 +18,44 @@ pytestmark = pytest.mark.skipif(
            "or bench/gpu_session.sh)")
 
 
-def test_nvjpeg_crops_are_within_tolerance_of_the_cpu_paths(real_jpegs):  # noqa: F811
+def reader_for(shape, aug: PhotoAugment = PhotoAugment()) -> stream.Reader:
+    return stream.Reader("unused", "encoded", "photos", shape, photo_augment=aug, decode="gpu")
+
+
+def rows_of(datas: list) -> np.ndarray:
+    out = np.empty(len(datas), object)
+    for k, data in enumerate(datas):  # one by one: a list of arrays would become a 4-d array
+        out[k] = data
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_jpegs() -> list[bytes]:
+    """scikit-learn's two sample photos (427x640) as JPEGs at full, half and quarter size; where
+    scikit-learn is not installed (a lent GPU machine may lack it), generated smooth photos."""
+    import io
+
+    from PIL import Image
+
+    try:
+        from sklearn.datasets import load_sample_images
+
+        photos = load_sample_images().images
+    except ImportError:
+        rng = np.random.default_rng(0)
+        photos = [np.asarray(Image.fromarray(rng.integers(0, 256, (12, 16, 3), np.uint8)).resize(
+            (640, 427), Image.Resampling.BICUBIC)) for _ in range(2)]
+    out = []
+    for pixels in photos:
+        for scale in (1, 2, 4):
+            im = Image.fromarray(pixels)
+            buffer = io.BytesIO()
+            im.resize((im.width // scale, im.height // scale), Image.Resampling.BICUBIC).save(buffer, "JPEG", quality=90)
+            out.append(buffer.getvalue())
+    return out
+
+
+def test_nvjpeg_crops_are_within_tolerance_of_the_cpu_paths(real_jpegs):
     shape = (96, 96, 3)
     draws = np.random.default_rng(0).random((8 * len(real_jpegs), images.PHOTO_PARAMS))
     sources = rows_of([real_jpegs[k % len(real_jpegs)] for k in range(len(draws))])

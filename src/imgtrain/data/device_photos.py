@@ -37,6 +37,9 @@ DECODE_IMAGES_PER_CPU = {"none": 7806, "randaugment": 1513, "trivialaugment": 19
 GPU_IMAGES_PER_S = 12000
 # Pixels of one image size resized at once: float32 copies of the batch stay under 256 MB.
 CHUNK_VALUES = 64 << 20
+# Decoded bytes held on the device at once: a batch of 256 twelve-megapixel photos is 9 GB decoded,
+# so nvJPEG gets the batch in parts of at most this much.
+DECODE_BYTES = 1 << 30
 _PRECISION_BITS = 32 - 8 - 2  # Pillow's fixed-point filter weights (libImaging/Resample.c)
 
 
@@ -120,12 +123,28 @@ def batch_images(batch: dict, reader, device):
     for i, source in enumerate(sources):
         if not isinstance(source, bytes):  # the CPU path's pixels
             out[i] = torch.from_numpy(np.array(source)).permute(2, 0, 1).to(device)  # a copy: may be read-only
-    if jpegs:
-        _decode_into(out, jpegs, sources, draws, reader, device)
+    for part in _parts(jpegs, sources, c):
+        _decode_into(out, part, sources, draws, reader, device)
     if "seed" in batch:
         for i, seed in enumerate(batch["seed"]):
             out[i] = photo_augment.apply_tensor(reader.photo_augment, out[i], int(seed))
     return out.permute(0, 2, 3, 1).contiguous()
+
+
+def _parts(rows: list[int], sources, channels: int) -> list[list[int]]:
+    """``rows`` in parts of at most DECODE_BYTES decoded (sizes from the JPEG headers)."""
+    import simplejpeg
+
+    parts, held = [], DECODE_BYTES
+    for i in rows:
+        height, width, _, _ = simplejpeg.decode_jpeg_header(sources[i])
+        size = height * width * channels
+        if held + size > DECODE_BYTES:
+            parts.append([])
+            held = 0
+        parts[-1].append(i)
+        held += size
+    return parts
 
 
 def _decode_into(out, rows: list[int], sources, draws, reader, device) -> None:
