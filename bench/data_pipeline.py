@@ -15,6 +15,7 @@ one run of this script. Training figures: a real two-epoch run on the N photos.
     python bench/data_pipeline.py [--images 3000] [--size 96] [--repeats 3] [--workers-k 2]
     python bench/data_pipeline.py --gpu --images 12000   # a lent GPU: the training figures only, one GPU worker
     python bench/data_pipeline.py --gpu --images 12000 --policies randaugment,trivialaugment,autoaugment
+    python bench/data_pipeline.py --gpu --images 12000 --policies randaugment --decode cpu,gpu   # issue 51
 """
 
 from __future__ import annotations
@@ -247,6 +248,8 @@ def main() -> None:
     parser.add_argument("--policies", default="", help="with --gpu: also train with each of these comma-separated "
                         "--augment-policy values, and the last of them with --few-cpus decoding CPUs")
     parser.add_argument("--few-cpus", type=int, default=4, help="with --policies: decoding CPUs of the last run")
+    parser.add_argument("--decode", default="cpu", help="with --gpu: train each policy with each of these "
+                        "comma-separated --decode values (cpu, gpu, auto), interleaved policy by policy")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="imgtrain-bench-") as tmp:
         work = Path(tmp)
@@ -256,10 +259,15 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "imgtrain.cli", "data", "prepare", "folder",
                             str(work / f"data-{args.images}"), "--source", str(work / f"jpeg-{args.images}")],
                            check=True, capture_output=True, cwd=work)
-            variants = {"speed": []}
-            for policy in filter(None, args.policies.split(",")):
-                variants[f"policy-{policy}"] = ["--augment-policy", policy]
-            if len(variants) > 1:  # the decoding rate per CPU, where the data (not the GPU) sets the pace
+            variants, decodes = {}, args.decode.split(",")
+            for policy in ["none", *filter(None, args.policies.split(","))]:
+                for decode in decodes:  # interleaved: each policy's decodings one after the other
+                    name = "speed" if policy == "none" else f"policy-{policy}"
+                    flags = [] if policy == "none" else ["--augment-policy", policy]
+                    if decode != "cpu":
+                        name, flags = f"{name}-decode-{decode}", [*flags, "--decode", decode]
+                    variants[name] = flags
+            if args.policies and "cpu" in decodes:  # the decoding rate per CPU, where the data (not the GPU) sets the pace
                 variants[f"{policy}-{args.few_cpus}-cpus"] = ["--augment-policy", policy,
                                                               "--preprocess-cpus", str(args.few_cpus)]
             result["training"] = training(work, args.images, gpu=True, variants=variants)

@@ -92,11 +92,23 @@ def main() -> None:
                 torch.stack(crops)
             sync()
 
+        def device_photos_batch():  # imgtrain's --decode gpu: nvJPEG + Pillow's box resize as batched matrices
+            from imgtrain.data import device_photos, images, stream
+
+            reader = stream.Reader("unused", "encoded", "photos", (args.out_size, args.out_size, 3), decode="gpu")
+            draws = np.random.default_rng(0).random((len(data), images.PHOTO_PARAMS))
+            for i in range(0, len(data), args.batch):
+                sources = np.empty(len(data[i : i + args.batch]), object)
+                sources[:] = data[i : i + args.batch]
+                device_photos.batch_images({"source": sources, "draw": draws[i : i + args.batch]}, reader, device)
+            sync()
+
         key = f"{width}x{height}"
         rows[key] = {
             "cpu_simplejpeg_one_core": rate(cpu_decode, len(data)),
             "gpu_nvjpeg_batched": rate(gpu_decode, len(data)),
             "gpu_nvjpeg_crop_flip": rate(gpu_decode_crop, len(data)),
+            "imgtrain_decode_gpu_crop_flip": rate(device_photos_batch, len(data)),
             "mean_jpeg_bytes": float(np.mean([len(b) for b in data])),
         }
         print(key, {k: round(v) for k, v in rows[key].items()}, flush=True)

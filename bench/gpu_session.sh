@@ -37,5 +37,9 @@ step "${THROUGHPUT_S:-300}" train_throughput python3 bench/train_throughput.py -
   --rows raw,local,ray-1,to-accuracy --time-to-accuracy 0.985 --repeats 3 --epochs 4
 step "${PIPELINE_S:-170}" data_pipeline python3 bench/data_pipeline.py --gpu --images 12000 \
   --policies randaugment,trivialaugment,autoaugment
+# issue 51: the data wait with the photos decoded on the GPU against the CPUs, per policy, interleaved
+step "${DECODE_S:-240}" data_pipeline_decode python3 bench/data_pipeline.py --gpu --images 12000 \
+  --policies randaugment,trivialaugment --decode cpu,gpu
+step "${DECODE_TESTS_S:-60}" device_photos_cuda python3 -m pytest -q -p no:cacheprovider tests/data/test_device_photos_cuda.py
 find bench/results -newer "$out/gpu.txt" -name '*.json' -exec cp {} "$out/" \;
 ls "$out"

@@ -79,6 +79,12 @@ class TrainConfig:
     preprocess_cpus: int = setting(0, "CPUs each worker's data pipeline decodes and augments with (streamed data "
                                    "sets); 0 = the logical CPUs the training workers leave free, shared among them.",
                                    range="[0, 1024]", resumable=True)
+    decode: str = setting("cpu", "Photos stored as JPEG: where they are decoded and augmented. ``cpu``: in the "
+                          "decoding tasks; ``gpu``: on each worker's GPU (nvJPEG, the same crops, flips and policy "
+                          "operations from the same seeds, pixels within a grey level or two); ``auto``: the GPU when "
+                          "each GPU has fewer CPUs than the augmentation policy needs to feed it (docs/training.md), "
+                          "the CPUs otherwise and on CPU-only workers. May change when a run is resumed.",
+                          choices=("cpu", "gpu", "auto"), resumable=True)
     dashboard: bool = setting(False, "Start the Ray dashboard with a local cluster (about ten more processes; off to "
                               "start fast).", resumable=True, run_only=True)
 
@@ -373,6 +379,9 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
             f"--batch-size {cfg.batch_size} is smaller than --workers {cfg.workers}: "
             "every worker needs at least one sample per step; raise the batch size or use fewer workers"
         )
+    if cfg.decode == "gpu" and not cfg.use_gpu:
+        issues.append("--decode gpu decodes photos on the workers' GPUs and this run trains on CPUs: add --gpu, "
+                      "or use --decode cpu or auto")
     if cfg.strategy == "fsdp" and cfg.backend == "local":
         issues.append("--strategy fsdp shards the model over Ray Train workers; --backend local is one process: "
                       "use --strategy ddp or --backend ray")

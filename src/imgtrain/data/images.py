@@ -137,7 +137,7 @@ def conform_image(im, image_shape, preset: str = "digits") -> tuple[np.ndarray, 
     mode = "L" if c == 1 else "RGB"
     changed = im.mode != mode or im.size != (w, h) or preset == "photos"  # photos: always the centre crop
     if im.format == "JPEG" and changed:
-        side = int(max(h, w) / EVAL_CROP) + 1 if preset == "photos" else max(h, w)
+        side = eval_draft_side((h, w)) if preset == "photos" else max(h, w)
         im.draft(mode, (side, side))  # the decoder's own downscaling: less memory and time
     im = to_mode(im, c)
     if preset == "photos":
@@ -145,6 +145,19 @@ def conform_image(im, image_shape, preset: str = "digits") -> tuple[np.ndarray, 
     elif im.size != (w, h):
         im = im.resize((w, h), _bilinear())
     return np.asarray(im, dtype=np.uint8).reshape(h, w, c), changed
+
+
+def eval_draft_side(shape: tuple[int, int]) -> int:
+    """The side a photo's JPEG is decoded down towards for evaluation (``Image.draft``): Pillow
+    decodes at 1/2, 1/4 or 1/8 scale while both sides stay at least this long."""
+    return int(max(shape) / EVAL_CROP) + 1
+
+
+def eval_draft_shrinks(size_hw: tuple[int, int], shape: tuple[int, int]) -> bool:
+    """Whether evaluation's ``draft`` decodes a JPEG of ``size_hw`` (H, W) at a reduced scale
+    (Pillow's rule: the smaller of the two side ratios is at least 2)."""
+    side = eval_draft_side(shape)
+    return min(size_hw[0] // side, size_hw[1] // side) >= 2
 
 
 # ---------------------------------------------------------------- checking images at prepare time
@@ -242,35 +255,53 @@ def photo_draw(seed: int, global_step: int, global_batch: int) -> np.ndarray:
     return np.random.default_rng([seed, global_step, 0xC209]).random((global_batch, PHOTO_PARAMS))
 
 
-def random_resized_crop(im, draw: np.ndarray, shape: tuple[int, int], min_area: float = CROP_MIN_AREA):
-    """Crop a random region (``draw``: five uniform numbers in [0, 1): area between ``min_area``
-    and 1, log-ratio, x, y, flip) and resize it to ``shape`` (H, W), flipped horizontally when
-    draw[4] < 0.5. One
+def crop_box(size: tuple[int, int], draw: np.ndarray, min_area: float = CROP_MIN_AREA) -> tuple[float, ...]:
+    """The random resized crop's region (x0, y0, x1, y1) of an image of ``size`` (W, H), from
+    ``draw``'s first four numbers (area between ``min_area`` and 1, log-ratio, x, y). One
     attempt, clamped to the image (torchvision retries ten times, which is not reproducible
-    from a fixed number of draws)."""
-    from PIL import Image
-
-    w, h = im.size
+    from a fixed number of draws). The CPU and device paths both crop this region
+    (``data/device_photos.py``), so a sample gets the same crop whichever decodes it."""
+    w, h = size
     area = w * h * (min_area + draw[0] * (1.0 - min_area))
     lo, hi = np.log(CROP_RATIO[0]), np.log(CROP_RATIO[1])
     ratio = np.exp(lo + draw[1] * (hi - lo))
     cw = min(w, max(1.0, np.sqrt(area * ratio)))
     ch = min(h, max(1.0, np.sqrt(area / ratio)))
     x0, y0 = draw[2] * (w - cw), draw[3] * (h - ch)
-    out = im.resize((shape[1], shape[0]), Image.Resampling.BILINEAR, box=(x0, y0, x0 + cw, y0 + ch))
-    return out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if draw[4] < 0.5 else out
+    return (float(x0), float(y0), float(x0 + cw), float(y0 + ch))
+
+
+def flipped(draw: np.ndarray) -> bool:
+    """Whether the crop is mirrored left to right (draw[4] < 0.5)."""
+    return bool(draw[4] < 0.5)
+
+
+def center_box(size: tuple[int, int], shape: tuple[int, int]) -> tuple[float, ...]:
+    """Evaluation's region (x0, y0, x1, y1) of an image of ``size`` (W, H): the centre region that
+    covers EVAL_CROP of it once resized to ``shape`` (H, W)."""
+    w, h = size
+    th, tw = shape
+    scale = max(th / (h * EVAL_CROP), tw / (w * EVAL_CROP))
+    cw, ch = tw / scale, th / scale  # the region that becomes the output
+    x0, y0 = (w - cw) / 2, (h - ch) / 2
+    return (x0, y0, x0 + cw, y0 + ch)
+
+
+def random_resized_crop(im, draw: np.ndarray, shape: tuple[int, int], min_area: float = CROP_MIN_AREA):
+    """Crop a random region (``crop_box``: ``draw`` holds five uniform numbers in [0, 1): area,
+    log-ratio, x, y, flip) and resize it to ``shape`` (H, W), flipped horizontally when
+    draw[4] < 0.5."""
+    from PIL import Image
+
+    out = im.resize((shape[1], shape[0]), Image.Resampling.BILINEAR, box=crop_box(im.size, draw, min_area))
+    return out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flipped(draw) else out
 
 
 def center_crop(im, shape: tuple[int, int]):
     """Evaluation: resize so that ``shape`` covers EVAL_CROP of the image, then the centre crop."""
     from PIL import Image
 
-    w, h = im.size
-    th, tw = shape
-    scale = max(th / (h * EVAL_CROP), tw / (w * EVAL_CROP))
-    cw, ch = tw / scale, th / scale  # the region that becomes the output
-    x0, y0 = (w - cw) / 2, (h - ch) / 2
-    return im.resize((tw, th), Image.Resampling.BILINEAR, box=(x0, y0, x0 + cw, y0 + ch))
+    return im.resize((shape[1], shape[0]), Image.Resampling.BILINEAR, box=center_box(im.size, shape))
 
 
 def transform_array(pixels: np.ndarray, shape, draw: np.ndarray | None, min_area: float = CROP_MIN_AREA) -> np.ndarray:
@@ -314,8 +345,20 @@ def _decode_plain_jpeg(data: bytes, channels: int) -> np.ndarray | None:
     """A JPEG without EXIF data, in YCbCr (or gray for a gray model), decoded by libjpeg-turbo
     straight into uint8 [H, W, C] (simplejpeg); None for anything else, which Pillow decodes.
     Why: Pillow parses JPEG headers in Python; on 96x96 photos this path decoded 1.5x as many
-    images per second, with the same pixels (the same libjpeg-turbo settings). EXIF may hold an
-    orientation, which Pillow applies; the header gives the pixel count before any decoding."""
+    images per second, with the same pixels (the same libjpeg-turbo settings)."""
+    import simplejpeg
+
+    if plain_jpeg_size(data, channels) is None:
+        return None
+    return simplejpeg.decode_jpeg(data, colorspace="RGB" if channels == 3 else "GRAY")
+
+
+def plain_jpeg_size(data: bytes, channels: int) -> tuple[int, int] | None:
+    """(H, W) of a JPEG a plain libjpeg decoder turns into the model's pixels exactly as Pillow
+    would (simplejpeg here, nvJPEG on the device): no EXIF (it may hold an orientation, which
+    Pillow applies), YCbCr or gray for a colour model, gray for a gray model (a colour JPEG for
+    a gray model takes Pillow's RGB -> L weights, as everywhere else). None for anything else.
+    The header gives the pixel count before any decoding: over the cap is refused."""
     import simplejpeg
 
     if data[:2] != b"\xff\xd8" or _EXIF in data[:65536]:
@@ -326,8 +369,5 @@ def _decode_plain_jpeg(data: bytes, channels: int) -> np.ndarray | None:
         return None  # Pillow decodes it or says what is wrong
     if height * width > MAX_DECODE_PIXELS:
         raise ImageTooLarge(f"{width}x{height} pixels is over the limit of {MAX_DECODE_PIXELS:,} pixels")
-    if channels == 3 and colorspace in ("YCbCr", "Gray"):
-        return simplejpeg.decode_jpeg(data, colorspace="RGB")
-    if channels == 1 and colorspace == "Gray":
-        return simplejpeg.decode_jpeg(data, colorspace="GRAY")
-    return None  # a colour JPEG for a gray model: Pillow's RGB -> L weights, as everywhere else
+    plain = colorspace in ("YCbCr", "Gray") if channels == 3 else colorspace == "Gray"
+    return (height, width) if plain else None

@@ -76,7 +76,17 @@ def apply(aug: PhotoAugment, pixels: np.ndarray, seed: int) -> np.ndarray:
     import torch
 
     image = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)
+    return apply_tensor(aug, image, seed).permute(1, 2, 0).contiguous().numpy()
+
+
+def apply_tensor(aug: PhotoAugment, image, seed: int):
+    """uint8 [C, H, W] on any device -> the same, transformed as ``seed`` decides. torchvision
+    draws each operation and magnitude from torch's CPU generator whatever the image's device,
+    so a CUDA image gets the operations a CPU one gets. Only that generator is seeded (not
+    ``torch.manual_seed``, which would reseed a training process's CUDA generator too), inside
+    ``fork_rng`` so that its state is put back."""
+    import torch
+
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
-        out = _transform(aug)(image)
-    return out.permute(1, 2, 0).contiguous().numpy()
+        torch.default_generator.manual_seed(int(seed))
+        return _transform(aug)(image)

@@ -24,6 +24,9 @@ uninterrupted run (of any world size) had them. The random numbers of the augmen
 drawn per global step for the whole global batch (``order.augment_draw``, ``images.photo_draw``), so a
 sample gets the same crop at the same step whoever decodes it.
 
+With ``--decode gpu`` the tasks send encoded photos' JPEG bytes and random numbers instead of
+pixels, and the rank makes the pixels on its GPU (``data/device_photos.py``) from the same draws.
+
 Validation and evaluation read the split's row groups in file order, rank r taking every
 world-th row group: each row once, none dropped.
 """
@@ -97,6 +100,14 @@ class Reader:
     class_weights: tuple[float, ...] = ()
     # a multi-label data set's number of classes: labels are handed out uint8 multi-hot [k, K]; 0: single-label
     multi_label_classes: int = 0
+    # "gpu": encoded photos reach the rank as JPEG bytes and random numbers, decoded on its device
+    # (data/device_photos.py); "cpu": as pixels (--decode, resolved by the rank)
+    decode: str = "cpu"
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the rank decodes this reader's rows itself (encoded photos, --decode gpu)."""
+        return self.decode == "gpu" and self.preset == "photos" and self.storage == "encoded"
 
     @staticmethod
     def for_data(data_dir, manifest: dict, **fields) -> "Reader":
@@ -239,8 +250,11 @@ def read_task(task: dict, reader: Reader) -> dict:
     k = reader.multi_label_classes
     table = fmt.read_row_group(Path(f), g, reader.storage, multi_label=bool(k))
     labels = fmt.multi_hot(table.column("labels"), k) if k else table.column("label").to_numpy()
-    out = {"id": table.column("id").to_numpy()[local], "image": _pixels(table, local, positions, reader),
-           "label": labels[local]}
+    out = {"id": table.column("id").to_numpy()[local], "label": labels[local]}
+    if reader.on_device:
+        out.update(_sources(table, local, positions, reader))
+    else:
+        out["image"] = _pixels(table, local, positions, reader)
     if positions is not None:
         out["position"] = positions
     return out
@@ -284,6 +298,36 @@ def _pixels(table, rows: np.ndarray, positions: np.ndarray | None, reader: Reade
         for k, seed in enumerate(_per_position(positions, reader, photo_augment.image_seeds)):
             pixels[k] = photo_augment.apply(reader.photo_augment, pixels[k], seed)
     return pixels
+
+
+def _sources(table, rows: np.ndarray, positions: np.ndarray | None, reader: Reader) -> dict:
+    """--decode gpu: what the rank's device needs to make the rows' pixels (``device_photos``):
+    "source", each row's JPEG bytes, or uint8 [H, W, C] pixels made here by the CPU path for a
+    row a plain JPEG decoder would not decode as Pillow does (PNG, EXIF, CMYK; for evaluation,
+    a JPEG Pillow decodes at reduced scale); "draw", each row's crop and flip numbers
+    (training); "seed", each row's policy seed (with a policy on). Object arrays travel
+    through ``in_sequence`` and ``cut`` like the others."""
+    import pyarrow as pa
+
+    h, w, c = reader.shape
+    draws = _draws(positions, reader) if positions is not None and reader.augment else None
+    encoded = table.column("image").take(pa.array(rows, pa.int64())).to_pylist()
+    sources = np.empty(len(rows), object)
+    for k, data in enumerate(encoded):
+        draw = None if draws is None else draws[k]
+        size = images.plain_jpeg_size(data, c)
+        if size is not None and (draw is not None or not images.eval_draft_shrinks(size, (h, w))):
+            sources[k] = data
+        else:
+            sources[k] = images.decode_for_training(data, reader.shape, reader.preset, draw, reader.crop_min_area)
+    out = {"source": sources}
+    if draws is not None:
+        out["draw"] = draws
+        if reader.photo_augment.active:
+            from imgtrain.data import photo_augment
+
+            out["seed"] = _per_position(positions, reader, photo_augment.image_seeds)
+    return out
 
 
 def _per_position(positions: np.ndarray, reader: Reader, draw_step) -> np.ndarray:
@@ -420,8 +464,8 @@ def in_sequence(parts: Iterable[dict], windows: list[dict], reader: Reader) -> I
             else:
                 here, part = ({k: v[inside] for k, v in part.items()}, {k: v[~inside] for k, v in part.items()})
             at = np.searchsorted(wanted, here["position"])
-            if held is None:
-                held = {k: np.empty((len(wanted), *here[k].shape[1:]), here[k].dtype) for k in ("id", "image", "label")}
+            if held is None:  # every column but the position: pixels, or what --decode gpu sends instead
+                held = {k: np.empty((len(wanted), *v.shape[1:]), v.dtype) for k, v in here.items() if k != "position"}
             for key, value in held.items():
                 value[at] = here[key]
             filled += len(at)

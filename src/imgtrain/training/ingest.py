@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from imgtrain.config import TrainConfig, per_worker_batch_sizes, steps_per_epoch
+from imgtrain.data import device_photos
 from imgtrain.data import format as fmt
 from imgtrain.data import photo_augment
 from imgtrain.data import stream
@@ -51,6 +52,27 @@ def preprocess_cpus(cfg: TrainConfig, world: int) -> int:
     return max(1, int((total - world * cfg.cpus_per_worker) // max(world, 1)))
 
 
+def decode_path(cfg: TrainConfig, manifest: dict, device, world: int) -> str:
+    """Where this rank decodes its photos (--decode, ``device_photos.choose``): "gpu" only for
+    encoded photos on a GPU worker. ``auto`` weighs the cluster's CPUs against its GPUs (one per
+    worker); CPU-only workers decode on CPUs whatever was asked (``--decode gpu`` with ``--cpu``
+    is refused before training starts, ``config.validate``)."""
+    if torch.device(device).type == "cpu" or manifest["storage"] != "encoded" or stream.preset(cfg, manifest) != "photos":
+        return "cpu"
+    if cfg.decode != "auto":
+        return cfg.decode
+    try:
+        import ray
+
+        resources = ray.cluster_resources()
+        cpus, gpus = resources.get("CPU", 0.0), int(resources.get("GPU", 0))
+    except Exception:  # no Ray: this machine
+        cpus, gpus = float(os.cpu_count() or 1), torch.cuda.device_count()
+    if cfg.preprocess_cpus:  # set outright: that many decode for each GPU
+        cpus, gpus = gpus * (cfg.preprocess_cpus + cfg.cpus_per_worker), max(gpus, 1)
+    return device_photos.choose("auto", gpus, cpus, cfg.augment_policy, cfg.cpus_per_worker)
+
+
 # ---------------------------------------------------------------- training batches, streamed
 
 
@@ -61,6 +83,7 @@ def streamed_train_batches(cfg: TrainConfig, manifest: dict, rank: int, world: i
     split_blocks = stream.blocks(cfg.data, manifest, "train")
     share = per_worker_batch_sizes(cfg.batch_size, world)[rank]
     total = steps(cfg, manifest)
+    decode = decode_path(cfg, manifest, device, world)
 
     def train_batches(epoch: int, first_step: int):
         reader = stream.Reader.for_data(
@@ -69,7 +92,7 @@ def streamed_train_batches(cfg: TrainConfig, manifest: dict, rank: int, world: i
             first_position=first_step * cfg.batch_size, world=world, rank=rank, train=True, augment=cfg.augment,
             max_rotate_deg=cfg.max_rotate_deg, max_shift=cfg.max_shift, max_scale=cfg.max_scale,
             crop_min_area=cfg.crop_min_area, photo_augment=photo_augment.from_config(cfg, manifest),
-            class_weights=balanced_weights(cfg, manifest))
+            class_weights=balanced_weights(cfg, manifest), decode=decode)
         windows = stream.epoch_windows(split_blocks, cfg.seed, epoch, stream.window_blocks(manifest))
         windows = stream.windows_from(windows, reader.first_position)
         yield from _batches(stream.train_tasks(windows, reader), reader, share, device, how,
@@ -105,7 +128,7 @@ def streamed_calibration_batches(cfg: TrainConfig, manifest: dict, rank: int, wo
 
 def _eval_batches(cfg: TrainConfig, manifest: dict, tasks: list, world: int, device, how: str):
     reader = stream.Reader.for_data(cfg.data, manifest, preset=stream.preset(cfg, manifest),
-                                    train=False, augment=False)
+                                    train=False, augment=False, decode=decode_path(cfg, manifest, device, world))
 
     def batches():
         yield from _batches(tasks, reader, cfg.eval_batch_size, device, how, preprocess_cpus(cfg, world))
@@ -121,6 +144,9 @@ def _batches(tasks: list, reader: stream.Reader, size: int, device, how: str, cp
     if windows is not None:
         parts = stream.in_sequence(parts, windows, reader)
     for batch in stream.cut(parts, size):
+        if reader.on_device:  # JPEG bytes and random numbers: the pixels are made on the device
+            source = {k: batch.pop(k) for k in ("source", "draw", "seed") if k in batch}
+            batch["image"] = device_photos.batch_images(source, reader, device)
         yield _to_torch(batch, device)
 
 
@@ -128,6 +154,9 @@ def _to_torch(batch: dict, device) -> dict:
     pin = torch.device(device).type == "cuda"
     out = {}
     for key, value in batch.items():
+        if isinstance(value, torch.Tensor):  # made on the device already
+            out[key] = value
+            continue
         t = torch.from_numpy(np.ascontiguousarray(value))
         out[key] = t if key == "id" else (t.pin_memory() if pin else t).to(device, non_blocking=True)
     return out
