@@ -17,6 +17,7 @@ its end). Then, on the test split:
 Over ``--seeds`` (the split and the training seed alike): mean and range.
 
     PYTHONPATH=src .venv/bin/python bench/calibration_ood.py [--epochs 8] [--seeds 0,1,2]
+        [--train-images 300 --no-augment]   # small, no augmentation or weight decay: overconfident
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from common import environment, write_result  # noqa: E402
 KNOWN = 5  # digits 0-4 are the classes; 5-9 the near out-of-distribution set
 
 
-def write_digit_sets(out: Path, seed: int) -> tuple[Path, Path]:
-    """(the data set of digits 0-4 with a val split, a folder of PNGs of the test digits 5-9)."""
+def write_digit_sets(out: Path, seed: int, train_images: int = 0) -> tuple[Path, Path]:
+    """(the data set of digits 0-4 with a val split, a folder of PNGs of the test digits 5-9);
+    ``train_images``: at most that many training images (0: all)."""
     from PIL import Image
 
     from imgtrain.data.raw import RawDataset, gather
@@ -51,7 +53,8 @@ def write_digit_sets(out: Path, seed: int) -> tuple[Path, Path]:
     test = np.flatnonzero(raw.test.labels < KNOWN)
     split = lambda s, index: gather(s.images, s.labels, s.ids, index)  # noqa: E731
     data = out / "digits-0-4"
-    write_dataset(RawDataset([str(d) for d in range(KNOWN)], split(raw.train, train[:cut]),
+    kept = train[:cut][:train_images] if train_images else train[:cut]
+    write_dataset(RawDataset([str(d) for d in range(KNOWN)], split(raw.train, kept),
                              split(raw.test, test), val=split(raw.train, train[cut:])),
                   data, name="digits-0-4", source="mnist-sample")
     near = out / "digits-5-9"
@@ -104,17 +107,18 @@ def score_cost(run: Path, data: Path, repeats: int = 5) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def one_seed(tmp: Path, seed: int, epochs: int, far: Path) -> dict:
+def one_seed(tmp: Path, seed: int, args, far: Path) -> dict:
     import imgtrain
     from imgtrain.config import TrainConfig
     from imgtrain.inference import ood
     from imgtrain.inference.options import InferenceOptions
     from imgtrain.training.progress import TrainingDisplay
 
-    data, near = write_digit_sets(tmp / f"seed-{seed}", seed)
+    data, near = write_digit_sets(tmp / f"seed-{seed}", seed, args.train_images)
     storage = tmp / "runs"
+    recipe = {} if args.augment else {"augment": False, "weight_decay": 0.0}  # the overconfident one
     imgtrain.train(TrainConfig(data=str(data), storage=str(storage), name=f"run-{seed}", backend="local", workers=1,
-                               epochs=epochs, seed=seed), display=TrainingDisplay(quiet=True))
+                               epochs=args.epochs, seed=seed, **recipe), display=TrainingDisplay(quiet=True))
     run = storage / f"run-{seed}"
     out = {"scores": {}}
     for method in ood.METHODS:
@@ -139,12 +143,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--train-images", type=int, default=0, help="at most this many training images (0: all)")
+    parser.add_argument("--no-augment", dest="augment", action="store_false",
+                        help="no augmentation and no weight decay: a model that ends overconfident")
     args = parser.parse_args()
     by_seed = {}
     with tempfile.TemporaryDirectory(prefix="imgtrain-calibration-ood-") as tmp:
         far = write_far_folder(Path(tmp))
         for seed in (int(s) for s in args.seeds.split(",")):
-            by_seed[seed] = one_seed(Path(tmp), seed, args.epochs, far)
+            by_seed[seed] = one_seed(Path(tmp), seed, args, far)
             print(seed, by_seed[seed], flush=True)
     result = {"environment": environment(), "inputs": vars(args), "by_seed": by_seed}
     print(f"results: {write_result('calibration_ood', result)}")

@@ -231,6 +231,8 @@ def load_calibration(directory: str | os.PathLike) -> dict | None:
 
     d = Path(directory)
     path = d / CALIBRATION_FILE
+    if not (d / META_FILE).is_file():  # a model of the caller's own (a LoadedCheckpoint built in a notebook)
+        return None
     if CALIBRATION_FILE not in (read_meta(d).get("sha256") or {}):
         return None
     saved = _load(path)
