@@ -44,7 +44,7 @@ def test_every_option_of_every_command_comes_from_a_declaration():
             if param.name not in declared:
                 undeclared.append(f"imgtrain {' '.join(path)} {param.opts[0]}")
     assert not undeclared, f"options made in cli.py instead of declared: {undeclared}"
-    assert len([p for p, c in commands() if getattr(c.callback, "declared_options", None)]) == 17
+    assert len([p for p, c in commands() if getattr(c.callback, "declared_options", None)]) == 18
 
 
 def help_rows(path) -> dict[str, str]:
@@ -122,6 +122,7 @@ API = [
     ("inference/export.py", "export", "ExportOptions"),
     ("inference/report.py", "write_report", "ReportOptions"),
     ("inference/serve.py", "run_server", "ServeOptions"),
+    ("inference/calibrate.py", "calibrate", "CalibrateOptions"),
     ("data/inspection.py", "inspect_dataset", "InspectOptions"),
 ]
 

@@ -33,6 +33,7 @@ from imgtrain.data.sources import registry as source_registry
 from imgtrain.errors import ImgtrainError, ImgtrainWarning
 from imgtrain.inference import export_formats
 from imgtrain.inference.options import (
+    CalibrateOptions,
     EvaluateOptions,
     ExportOptions,
     InferenceOptions,
@@ -563,6 +564,9 @@ def evaluate_cmd(run: str = RUN_ARGUMENT, *, options: EvaluateOptions,
     console.print(f"top-5 accuracy {top5:.2%}" if top5 is not None else
                   f"top-5 accuracy n/a ({len(result.classes)} classes: it needs 6 or more)")
     console.print(f"expected calibration error {result.ece:.4f} (15 equal-width confidence bins)")
+    console.print(result.calibration_line())
+    if result.ood is not None:
+        console.print(result.ood_line())
     table = Table("class", "precision", "recall", "f1", "support")
     for name, s in result.per_class.items():
         table.add_row(name, f"{s['precision']:.3f}", f"{s['recall']:.3f}", f"{s['f1']:.3f}", str(s["support"]))
@@ -624,7 +628,25 @@ def predict_cmd(
         summary += f" ({result.converted} image(s) converted to {result.image_shape_text})"
     if result.skipped:
         summary += f"; skipped {len(result.skipped)} unreadable file(s)"
+    if result.threshold is not None:
+        summary += (f"; {result.rejected} answered unknown (their {result.ood_score} score under "
+                    f"{result.threshold:.4g})")
     console.print(summary)
+
+
+@app.command("calibrate")
+@_declared
+def calibrate_cmd(run: str = RUN_ARGUMENT, *, options: CalibrateOptions, json_out: bool = JSON_OUT):
+    """Fit a checkpoint's temperature scaling and its out-of-distribution thresholds (--reject auto) on
+    the validation split, and store them with it. Training does this at its end; this is for older runs."""
+    from imgtrain.inference.calibrate import calibrate
+
+    with _json_alone_on_stdout(json_out):
+        result = calibrate(run, **values(options))
+    if json_out:
+        print(json.dumps(result.to_json(), indent=2))
+        return
+    console.print(f"checkpoint {result.checkpoint}: {result.calibration.line()}")
 
 
 @app.command("export")

@@ -54,6 +54,9 @@ def test_training_on_a_val_split_says_so_and_its_last_figure_is_the_best_checkpo
             f"{meta['metrics']['val_accuracy']:.2%}; run `imgtrain evaluate withval --storage {run.path.parent}` for "
             "the test split") in out
     assert "test accuracy" not in out and "no val split" not in out
+    # calibration (issue 49): fitted on the val split when training ended, stored with the best checkpoint
+    assert f"calibration of {run.best_checkpoint.name}: temperature T = " in out and "fitted on 50 val images" in out
+    assert ckpt.CALIBRATION_FILE in ckpt.verify(run.best_checkpoint)["sha256"]
 
 
 def test_training_without_a_val_split_says_so_in_one_line_and_calls_its_figure_no_test_result(tiny_data, tmp_path,

@@ -17,7 +17,7 @@ from imgtrain.errors import ImgtrainError
 from imgtrain.inference.inputs import CONVERTED_KEY, ERROR_KEY, ROW_KEY, read_task
 from imgtrain.inference.metrics import TOP_K, EvalSums, class_scores
 from imgtrain.inference.options import DEFAULT_TOP_K, ON_ERROR, EvaluateOptions, InferenceOptions, PredictOptions
-from imgtrain.inference.predictor import Predictor, check_tta, load_checkpoint
+from imgtrain.inference.predictor import Predictor, check_score, check_tta, load_checkpoint, rejection, score_method
 from imgtrain.inference.preprocess import LoadedCheckpoint
 from imgtrain.ops import process
 
@@ -31,19 +31,20 @@ DENSE_CONFUSION_MAX_CLASSES = 1_000
 
 
 def predictions(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, on_error: str = "skip",
-                indices: bool = False):
+                indices: bool = False, threshold: float | None = None):
     """Predictions for every row of ``inputs`` (``inputs.list_inputs``), as pandas DataFrames of
     at most a few thousand rows, in input order: the carried columns (path, or id and label),
     pred_* and top-k. Images are read, converted and predicted task by task, never all held:
     here (``backend="local"``) or on Ray Data's tasks and actor pool. Rows that cannot be used
     are left out and reported to ``skipped(name, reason)``; with ``on_error="fail"`` the first
-    one raises. ``indices``: top{i}_index columns too (``Predictor``)."""
+    one raises. ``indices``: top{i}_index columns too (``Predictor``); ``threshold``: the
+    out-of-distribution score under which an image is rejected (``predictor.rejection``)."""
     opts.validate()
     if opts.backend == "local" and opts.use_gpu:
         raise ImgtrainError("--gpu needs the Ray backend (GPU actors); drop --backend local")
     check_tta(opts.tta, loaded.preprocess.preset)
     batches = _local_batches if opts.backend == "local" else _ray_batches
-    for frame in batches(loaded, inputs, opts, indices):
+    for frame in batches(loaded, inputs, opts, indices, threshold):
         bad = frame[ERROR_KEY] != ""
         if bad.any():
             first = frame[bad].iloc[0]
@@ -54,10 +55,11 @@ def predictions(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, on_err
         yield frame[~bad]
 
 
-def _local_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, indices: bool):
+def _local_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, indices: bool, threshold: float | None):
     import pandas as pd
 
-    predictor = Predictor(loaded, top_k=opts.top_k, tta=opts.tta, indices=indices)
+    predictor = Predictor(loaded, top_k=opts.top_k, tta=opts.tta, indices=indices, ood_score=opts.ood_score,
+                          threshold=threshold)
     shape, preset = loaded.preprocess.image_shape, loaded.preprocess.preset
     with process.torch_threads(opts.threads):  # this process's setting, put back after
         for task in inputs.tasks:
@@ -66,7 +68,7 @@ def _local_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, ind
                 yield pd.DataFrame(predictor({k: v[i:i + opts.batch_size] for k, v in rows.items()}))
 
 
-def _ray_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, indices: bool):
+def _ray_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, indices: bool, threshold: float | None):
     """Reading tasks (CPUs) feeding a pool of Predictor actors, order kept, output streamed."""
     import pandas as pd
 
@@ -86,7 +88,7 @@ def _ray_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, indic
             fn_constructor_kwargs=dict(
                 checkpoint=str(loaded.path), device="cuda" if opts.use_gpu else "cpu",
                 top_k=opts.top_k, threads=0 if opts.use_gpu else opts.threads_per_actor(),
-                tta=opts.tta, indices=indices, engine=opts.engine,
+                tta=opts.tta, indices=indices, engine=opts.engine, ood_score=opts.ood_score, threshold=threshold,
             ),
             batch_size=opts.batch_size, batch_format="numpy", num_cpus=1, num_gpus=1 if opts.use_gpu else 0,
             compute=ray.data.ActorPoolStrategy(size=opts.concurrency),
@@ -121,17 +123,44 @@ class EvalResult:
     calibration: list = field(default_factory=list)  # per bin: lower, upper, count, confidence, accuracy
     tta: str = "none"
     label_issues: dict | None = None  # --label-issues N: training images to check (label_issues.py)
+    nll: float | None = None  # mean negative log-likelihood of the labels, as answered (calibrated)
+    # the checkpoint's temperature, the split it was fitted on, ECE and NLL here before (T = 1) and after
+    temperature_scaling: dict = field(default_factory=dict)
+    ood_score: str = "energy"  # the out-of-distribution score's method (--ood-score)
+    ood: dict | None = None  # --ood DIR: AUROC and FPR at 95 % TPR of the score, this split against DIR
     predictions: object = field(default=None, repr=False)  # DataFrame: id, label, pred_*, top-k
     confusion: np.ndarray | None = field(default=None, repr=False)  # confusion_counts: [E, 3]
 
     def to_json(self) -> dict:
         keys = ("accuracy", "top5_accuracy", "num_samples", "classes", "per_class", "macro_avg", "weighted_avg",
                 "ece", "calibration", "confusion_matrix", "checkpoint", "split", "data", "recorded_val_accuracy",
-                "recorded_split", "tta")
+                "recorded_split", "tta", "nll", "temperature_scaling", "ood_score")
         out = {k: getattr(self, k) for k in keys}
         if self.label_issues is not None:
             out["label_issues"] = self.label_issues
+        if self.ood is not None:
+            out["ood"] = self.ood
         return out
+
+    def calibration_line(self) -> str:
+        """One line: the temperature, and ECE and NLL on this split before and after it."""
+        t = self.temperature_scaling
+        if t.get("temperature") is None:
+            return f"no temperature scaling: {t.get('why', 'none stored')} (ECE {self.ece:.4f}, NLL {_fig(self.nll)})"
+        before, after = t["ece"], t["nll"]
+        return (f"temperature scaling T = {t['temperature']:.4f} (fitted on {t['fitted_on'] or 'another'} split): "
+                f"{self.split} ECE {_fig(before['before'])} -> {_fig(before['after'])}, "
+                f"NLL {_fig(after['before'])} -> {_fig(after['after'])}")
+
+    def ood_line(self) -> str:
+        o, inside, outside = self.ood, self.ood["in_distribution"], self.ood["out_of_distribution"]
+        return (f"out-of-distribution ({o['method']} score): {inside['split']} split ({inside['images']:,} images) "
+                f"against {outside['images']:,} images of {outside['folder']}: AUROC {o['auroc']:.4f}, "
+                f"FPR at 95% TPR {o['fpr_at_95_tpr']:.4f}")
+
+
+def _fig(value) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 def confusion_counts(labels: np.ndarray, preds: np.ndarray, num_classes: int) -> np.ndarray:
@@ -179,10 +208,12 @@ def per_class_json(scores, classes) -> dict[str, dict]:
 def evaluate(
     run, checkpoint: str = EvaluateOptions.checkpoint, storage: str = EvaluateOptions.storage,
     split: str = EvaluateOptions.split, data: str | None = EvaluateOptions.data, options: InferenceOptions | None = None,
-    label_issues: int = EvaluateOptions.label_issues,
+    label_issues: int = EvaluateOptions.label_issues, ood: str | None = EvaluateOptions.ood,
 ) -> EvalResult:  # a multi-label checkpoint's: multilabel_eval.MultiLabelEvalResult
     """Accuracy, top-5 accuracy, per-class and averaged scores, calibration and confusion matrix
-    of a checkpoint on a prepared split (``metrics.py`` defines them)."""
+    of a checkpoint on a prepared split (``metrics.py`` defines them); the temperature scaling's
+    ECE and NLL before and after; with ``ood`` (a folder of images of none of the classes) the
+    AUROC and FPR at 95 % TPR of the out-of-distribution score, the split against the folder."""
     from imgtrain.data.format import eval_split, verify_dataset
     from imgtrain.inference.inputs import list_inputs
     from imgtrain.data.staging import local_data
@@ -203,19 +234,31 @@ def evaluate(
     from imgtrain.inference import multilabel_eval
 
     multilabel_eval.check_kind(loaded, manifest, data_dir)
+    if ood and multilabel_eval.is_multi_label(manifest):
+        raise ImgtrainError("--ood scores a single-label model's images (their energy, largest logit or softmax); "
+                            "this model is multi-label: drop --ood")
+    if ood and not Path(ood).expanduser().is_dir():
+        raise ImgtrainError(f"--ood {ood} is not a folder of images")
     if multilabel_eval.is_multi_label(manifest):  # one sigmoid per label: figures of its own
         return multilabel_eval.evaluate_multi_label(loaded, data_dir, manifest, split, opts, label_issues, not data)
+    check_score(loaded.path, loaded.meta, score_method(opts.engine, opts.ood_score))  # before any image is run
     classes = list(loaded.preprocess.classes)
     # The predictor ranks TOP_K classes for top-5 accuracy, by index; the rows kept show opts.top_k.
     ranked = min(max(opts.top_k, TOP_K), len(classes))
     index_columns = [f"top{i}_index" for i in range(1, ranked + 1)]
     unasked = [f"top{i}_{what}" for i in range(opts.top_k + 1, ranked + 1) for what in ("class", "prob")]
-    sums, parts = EvalSums(len(classes)), []
+    sums, plain, parts, nll = EvalSums(len(classes)), EvalSums(len(classes)), [], np.zeros(2)
+    likelihood = ["nll", "uncalibrated_nll", "uncalibrated_confidence", "uncalibrated_pred_index"]
     scoring = replace(opts, top_k=ranked)
     for frame in predictions(loaded, list_inputs(str(data_dir), split), scoring, on_error="fail", indices=True):
-        sums.add(frame["label"].to_numpy(), frame[index_columns].to_numpy(), frame["confidence"].to_numpy())
+        labels = frame["label"].to_numpy()
+        sums.add(labels, frame[index_columns].to_numpy(), frame["confidence"].to_numpy())
+        nll[0] += frame["nll"].sum()
+        if "uncalibrated_nll" in frame:  # the logits were at hand (not an export's engine)
+            plain.add(labels, frame["uncalibrated_pred_index"].to_numpy(), frame["uncalibrated_confidence"].to_numpy())
+            nll[1] += frame["uncalibrated_nll"].sum()
         # one small row per image (no pixels): what the report shows and the caller may inspect
-        parts.append(frame.drop(columns=[ERROR_KEY, CONVERTED_KEY, ROW_KEY, *index_columns, *unasked],
+        parts.append(frame.drop(columns=[ERROR_KEY, CONVERTED_KEY, ROW_KEY, *index_columns, *unasked, *likelihood],
                                 errors="ignore"))
     import pandas as pd
 
@@ -234,8 +277,48 @@ def evaluate(
         top5_accuracy=sums.top5_accuracy, macro_avg=averages["macro"], weighted_avg=averages["weighted"],
         ece=sums.ece, calibration=sums.calibration(), tta=opts.tta,
         label_issues=_label_issues(loaded, data_dir, manifest, label_issues),
+        nll=float(nll[0] / max(sums.n, 1)),
+        temperature_scaling=_temperature_scaling(loaded, sums, plain, nll),
+        ood_score=score_method(opts.engine, opts.ood_score),
+        ood=_ood_figures(loaded, ood, opts, rows, split) if ood else None,
         predictions=rows, confusion=counts,
     )
+
+
+def _temperature_scaling(loaded: LoadedCheckpoint, sums: EvalSums, plain: EvalSums, nll: np.ndarray) -> dict:
+    """``evaluate --json``'s ``temperature_scaling``: the checkpoint's temperature and the split's
+    ECE and NLL before (T = 1) and after it; before is n/a for an export (T is inside its graph)."""
+    from imgtrain.inference.calibration_record import calibration_of
+
+    calibration = calibration_of(loaded)
+    if calibration is None:
+        return {"temperature": None, "why": "this checkpoint has none (its data set has no val split, or it was "
+                                            "never calibrated: imgtrain calibrate RUN)"}
+    before = plain.n > 0
+    n = max(sums.n, 1)
+    return {"temperature": calibration.temperature, "fitted_on": calibration.fitted_on,
+            "ece": {"before": plain.ece if before else None, "after": sums.ece},
+            "nll": {"before": float(nll[1] / n) if before else None, "after": float(nll[0] / n)}}
+
+
+def _ood_figures(loaded: LoadedCheckpoint, folder: str, opts: InferenceOptions, rows, split: str) -> dict:
+    """AUROC and FPR at 95 % TPR of the out-of-distribution score: the split's images (positive,
+    their scores in ``rows``) against every readable image of ``folder``."""
+    from imgtrain.inference import ood
+    from imgtrain.inference.inputs import list_inputs
+
+    method = score_method(opts.engine, opts.ood_score)
+    inside = rows[ood.column(method)].to_numpy()
+    outside = [frame[ood.column(method)].to_numpy()
+               for frame in predictions(loaded, list_inputs(folder), opts, on_error="skip")
+               if not (frame[ERROR_KEY] != "").any()]
+    outside = np.concatenate(outside) if outside else np.zeros(0)
+    if not len(outside):
+        raise ImgtrainError(f"--ood {folder} holds no readable PNG/JPEG image")
+    return {"method": method, "auroc": ood.auroc(inside, outside), "fpr_at_95_tpr": ood.fpr_at_tpr(inside, outside),
+            "threshold_at_95_tpr": ood.keep_threshold(inside),
+            "in_distribution": {"split": split, "images": int(len(inside))},
+            "out_of_distribution": {"folder": str(Path(folder).resolve()), "images": int(len(outside))}}
 
 
 def _label_issues(loaded: LoadedCheckpoint, data_dir, manifest: dict, top: int) -> dict | None:
@@ -272,6 +355,9 @@ class PredictResult:
     converted: int  # inputs converted to the model's size or colour mode
     image_shape_text: str  # e.g. "28x28x1"
     skipped: list[tuple[str, str]]  # (path, reason) of image files that could not be read
+    rejected: int = 0  # --reject: images answered unknown
+    threshold: float | None = None  # --reject's threshold on the score
+    ood_score: str = "energy"  # the score's method, its column ood_<method>
 
     @property
     def predictions(self):
@@ -285,10 +371,12 @@ def predict(
     run, input: str, out, checkpoint: str = PredictOptions.checkpoint, storage: str = PredictOptions.storage,
     on_error: str = PredictOptions.on_error, split: str = PredictOptions.split,
     image_column: str = PredictOptions.image_column, options: InferenceOptions | None = None,
-    overwrite: bool = PredictOptions.overwrite,
+    overwrite: bool = PredictOptions.overwrite, reject: str | None = PredictOptions.reject,
 ) -> PredictResult:
     """Predict every image of ``input`` (see ``imgtrain.inference.inputs``) and write ``out``
-    (.parquet/.csv) batch by batch: memory stays bounded however many images there are."""
+    (.parquet/.csv) batch by batch: memory stays bounded however many images there are.
+    ``reject``: ``auto`` or a threshold on the out-of-distribution score (``predictor.rejection``);
+    an image under it is answered ``unknown``."""
     from imgtrain.inference.inputs import (
         TableWriter,
         check_output,
@@ -303,15 +391,18 @@ def predict(
     # an ONNX Runtime session takes its threads when it is made: the local backend's, here
     loaded = load_checkpoint(run, checkpoint, storage, engine=opts.engine, threads=opts.threads)
     _check_multi_label_options(loaded, opts)
+    check_score(loaded.path, loaded.meta, score_method(opts.engine, opts.ood_score))  # before any image is run
+    threshold = rejection(loaded.path, loaded.meta, score_method(opts.engine, opts.ood_score), reject)
     inputs = list_inputs(input, split=split, image_column=image_column)
-    writer, skipped, converted = TableWriter(out), [], 0
+    writer, skipped, converted, rejected = TableWriter(out), [], 0, 0
     try:
-        for frame in predictions(loaded, inputs, opts, on_error):
+        for frame in predictions(loaded, inputs, opts, on_error, threshold=threshold):
             if (frame[ERROR_KEY] != "").any():
                 names = frame["path"] if "path" in frame else frame[ROW_KEY].map(lambda r: f"row {r}")
                 skipped += list(zip(names, frame[ERROR_KEY]))
                 continue
             converted += int(frame[CONVERTED_KEY].sum())
+            rejected += int(frame["rejected"].sum()) if "rejected" in frame else 0
             if len(frame):
                 writer.write(frame.drop(columns=[ERROR_KEY, CONVERTED_KEY, ROW_KEY]))
         if writer.rows == 0:
@@ -323,7 +414,8 @@ def predict(
         writer.abort()
         raise
     return PredictResult(out=out, num_predictions=writer.rows, converted=converted,
-                         image_shape_text="x".join(map(str, loaded.preprocess.image_shape)), skipped=skipped)
+                         image_shape_text="x".join(map(str, loaded.preprocess.image_shape)), skipped=skipped,
+                         rejected=rejected, threshold=threshold, ood_score=score_method(opts.engine, opts.ood_score))
 
 
 def _check_multi_label_options(loaded: LoadedCheckpoint, opts: InferenceOptions) -> None:

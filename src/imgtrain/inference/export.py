@@ -44,6 +44,7 @@ from imgtrain.inference import multilabel_answers as ml
 from imgtrain.inference.metrics import TOP_K, EvalSums
 from imgtrain.inference.export_formats import ExportFormat
 from imgtrain.inference.export_record import EXPORT_META, INPUT_NAME, OUTPUT_NAME, is_export
+from imgtrain.inference.calibration_record import EXPORT_OOD, EXPORT_TEMPERATURE, calibration_of
 from imgtrain.inference.options import ExportOptions
 from imgtrain.inference.predictor import load_checkpoint
 from imgtrain.inference.preprocess import LoadedCheckpoint
@@ -56,24 +57,28 @@ VERIFY_BATCH = 256
 
 def exportable(loaded: LoadedCheckpoint):
     """The model with its preprocessing and softmax inside: uint8 [B, C, H, W] -> float [B, K]
-    (a multi-label model's: a sigmoid per class instead of the softmax)."""
+    (a multi-label model's: a sigmoid per class instead of the softmax). The logits are divided
+    by the checkpoint's temperature (calibrate.py; 1 without one) before the softmax."""
     import torch
 
     class Exportable(torch.nn.Module):
-        def __init__(self, model, mean, std, multi_label):
+        def __init__(self, model, mean, std, multi_label, temperature):
             super().__init__()
             self.model, self.multi_label = model, multi_label
             self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
             self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
+            self.register_buffer("temperature", torch.tensor(temperature, dtype=torch.float32))
 
         def forward(self, images):
             x = (images.float() / 255.0 - self.mean) / self.std
             logits = self.model(x).float()
-            return logits.sigmoid() if self.multi_label else logits.softmax(1)
+            return logits.sigmoid() if self.multi_label else (logits / self.temperature).softmax(1)
 
     p = loaded.preprocess
+    multi_label = ml.is_multi_label_model(loaded)
+    calibration = None if multi_label else calibration_of(loaded)
     model = loaded.model.to(memory_format=torch.contiguous_format)  # the runtimes take NCHW
-    return Exportable(model, p.mean, p.std, ml.is_multi_label_model(loaded)).eval()
+    return Exportable(model, p.mean, p.std, multi_label, calibration.temperature if calibration else 1.0).eval()
 
 
 @dataclass
@@ -286,15 +291,19 @@ def _write_sidecars(folder: Path, spec: ExportFormat, loaded: LoadedCheckpoint, 
     h, w, c = p.image_shape
     multi_label = ml.is_multi_label_model(loaded)
     (folder / "labels.json").write_text(json.dumps(list(p.classes), indent=1) + "\n")
+    calibration = None if multi_label else calibration_of(loaded)
+    t = calibration.temperature if calibration else 1.0
     meaning = (f"each class's own probability (a sigmoid), in labels.json's order; the image's labels are the classes "
                f"whose probability is at least their threshold in {THRESHOLDS_FILE}" if multi_label
-               else "class probabilities (softmax), in labels.json's order")
+               else f"class probabilities (softmax of the logits divided by the temperature {t:.6g}), in labels.json's "
+                    "order")
     preprocessing = {
         "input": {"name": INPUT_NAME, "dtype": "uint8", "layout": "NCHW", "shape": ["batch", c, h, w],
                   "channels": "grayscale" if c == 1 else "RGB", "range": [0, 255]},
         "output": {"name": OUTPUT_NAME, "dtype": "float32", "shape": ["batch", len(p.classes)],
                    "meaning": meaning},
-        "inside_the_model": {"scale": "x / 255", "normalize": {"mean": list(p.mean), "std": list(p.std)}},
+        "inside_the_model": {"scale": "x / 255", "normalize": {"mean": list(p.mean), "std": list(p.std)},
+                             **({} if multi_label else {"temperature": t})},
         "before_the_model": _resize_rule(p.preset, h, w),
     }
     (folder / "preprocessing.json").write_text(json.dumps(preprocessing, indent=2) + "\n")
@@ -318,9 +327,13 @@ def _write_sidecars(folder: Path, spec: ExportFormat, loaded: LoadedCheckpoint, 
             {"rule": "a class is one of the image's labels when its probability is at least its threshold",
              "chosen_on": chosen_on, "thresholds": dict(zip(p.classes, thresholds.tolist()))}, indent=1) + "\n")
         meta.update({ml.EXPORT_THRESHOLDS: thresholds.tolist(), ml.EXPORT_CHOSEN_ON: chosen_on})
+    if not multi_label:  # for imgtrain's engines (calibrate.calibration_at): T, and --reject auto's threshold
+        meta[EXPORT_TEMPERATURE] = t
+        meta[EXPORT_OOD] = {"method": "max-softmax", "keep": calibration.ood_keep if calibration else None,
+                            "threshold": (calibration.ood_thresholds if calibration else {}).get("max-softmax")}
     (folder / EXPORT_META).write_text(json.dumps(meta, indent=1) + "\n")
     (folder / "MODEL_CARD.md").write_text(model_card(spec.name, spec.file, spec.runtime, loaded, manifest,
-                                                     verification.line(), test_metrics))
+                                                     verification.line(), test_metrics, calibration))
 
 
 def _resize_rule(preset: str, h: int, w: int) -> str:

@@ -28,7 +28,9 @@ MARKDOWN_INLINE = re.compile(r"[\\`*_\[\]|~$]")
 
 
 def model_card(fmt: str, model_file: str, runtime: str, loaded: LoadedCheckpoint, manifest: dict,
-               verification: str, test: dict) -> str:
+               verification: str, test: dict, calibration=None) -> str:
+    """``calibration``: the checkpoint's (``calibrate.Calibration``), whose temperature the
+    exported softmax divides the logits by; None: not calibrated."""
     meta, config = loaded.meta, loaded.meta.get("config") or {}
     p = loaded.preprocess
     h, w, c = p.image_shape
@@ -82,12 +84,20 @@ def model_card(fmt: str, model_file: str, runtime: str, loaded: LoadedCheckpoint
         "* The test metrics hold for images like the test split's (same source, same preparation); expect "
         "less on images from other cameras, scanners or domains: measure on your own before relying on it.",
         ("* The probabilities are the sigmoids', not calibrated; the thresholds were chosen on the validation split "
-         "(the F1-best per label) and trade precision for recall there." if multi else
-         "* The probabilities are the softmax's, not calibrated beyond what the ECE above says."),
+         "(the F1-best per label) and trade precision for recall there." if multi else _calibration_line(calibration)),
         "* Not for decisions about people without a human review and an evaluation of its errors per group.",
         "",
     ]
     return "\n".join(lines)
+
+
+def _calibration_line(calibration) -> str:
+    if calibration is None:
+        return ("* The probabilities are the softmax's, not calibrated (no temperature: the data set had no validation "
+                "split, or the run was never calibrated) beyond what the ECE above says.")
+    return (f"* The probabilities are calibrated by temperature scaling: the logits are divided by T = "
+            f"{calibration.temperature:.4f}, fitted on {calibration.images:,} {calibration.fitted_on or 'held-out'} "
+            "images, before the softmax (inside the model); the ECE above is measured with it.")
 
 
 def _data_lines(manifest: dict) -> list[str]:

@@ -1,4 +1,4 @@
-"""The options of ``evaluate``, ``predict``, ``export``, ``report`` and ``serve``, each declared
+"""The options of ``evaluate``, ``predict``, ``export``, ``report``, ``serve`` and ``calibrate``, each declared
 once (``settings.option``): the CLI's flags, defaults and help, and the defaults of the Python
 functions (``batch.evaluate(checkpoint=EvaluateOptions.checkpoint, ...)``), come from here.
 ``InferenceOptions`` (how images are run through the model) and ``Limits`` (what one request to
@@ -20,6 +20,8 @@ ON_ERROR = ("skip", "fail")  # an unreadable input file
 TTA = ("none", "flip")
 INGRESS = ("auto", "direct", "proxy")
 BACKENDS = ("ray", "local")
+# Out-of-distribution scores (ood.py says what each is), the first the default.
+OOD_METHODS = ("energy", "max-logit", "max-softmax", "mahalanobis")
 
 
 # ---------------------------------------------------------------- shared by several commands
@@ -41,6 +43,19 @@ def engine_option():
     return option("torch", f"torch: a run or checkpoint; {exports}.", choices=tuple(export_formats.ENGINES))
 
 
+def ood_score_option():
+    return option(OOD_METHODS[0], "The out-of-distribution score of each image (higher: more like the training data): "
+                  "energy (logsumexp of the logits), max-logit, max-softmax (the calibrated confidence), or mahalanobis "
+                  "(the penultimate features' distance to the nearest class, fitted by calibration: best against "
+                  "images unlike any class); an export engine's is max-softmax.", choices=OOD_METHODS)
+
+
+def reject_option():
+    return option(None, "Answer 'unknown' for an image whose out-of-distribution score is below this threshold; "
+                  "auto: the one keeping 95% of the validation split (stored by calibration).",
+                  metavar="auto|THRESHOLD")
+
+
 def address_option():
     return option(None, "Join this Ray cluster; default: start one.")
 
@@ -60,6 +75,7 @@ class InferenceOptions:
     address: str | None = address_option()
     top_k: int = option(DEFAULT_TOP_K, "Classes listed per image, most probable first.")
     tta: str = tta_option()
+    ood_score: str = ood_score_option()
     engine: str = engine_option()  # another than torch: an export folder instead of a checkpoint (export_engine.py)
 
     def validate(self) -> None:
@@ -83,6 +99,8 @@ class InferenceOptions:
             problems.append(f"top-k must be at least 1, got {self.top_k}")
         if self.tta not in TTA:
             problems.append(f"tta must be one of {', '.join(TTA)}, got {self.tta!r}")
+        if self.ood_score not in OOD_METHODS:
+            problems.append(f"--ood-score must be one of {', '.join(OOD_METHODS)}, got {self.ood_score!r}")
         if problems:
             raise ImgtrainError("; ".join(problems))
 
@@ -103,6 +121,8 @@ class EvaluateOptions:
     data: str | None = option(None, "Another prepared data set, a folder or s3://... (default: the run's).")
     label_issues: int = option(0, "Also list the N training images whose label the model most confidently "
                                "disagrees with (confident learning; see the report).")
+    ood: str | None = option(None, "A folder of images of none of the classes: report how well the "
+                             "out-of-distribution score tells them from the split (AUROC, FPR at 95% TPR).")
 
 
 @dataclass(frozen=True)
@@ -113,6 +133,7 @@ class PredictOptions:
     split: str = option("test", "Prepared data set input: the split to predict.")
     image_column: str = option("image", "Parquet input: the image column.")
     overwrite: bool = option(False, "Replace an existing --out file.", flag="--overwrite")
+    reject: str | None = reject_option()
 
 
 @dataclass(frozen=True)
@@ -126,6 +147,13 @@ class ExportOptions:
                            "training images.")
     max_accuracy_drop: float = option(MAX_ACCURACY_DROP, "--quantize int8 is refused when it costs more test "
                                       "accuracy than this fraction.")
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    checkpoint: str = checkpoint_option()
+    storage: str = storage_option()
+    data: str | None = option(None, "The data set whose val split it is fitted on (default: the run's).")
 
 
 @dataclass(frozen=True)
@@ -153,6 +181,8 @@ class ServeOptions:
                           "replicas or a joined cluster. auto: direct where it can.", choices=INGRESS)
     tta: str = tta_option()
     engine: str = engine_option()
+    ood_score: str = ood_score_option()
+    reject: str | None = reject_option()
 
 
 @dataclass(frozen=True)

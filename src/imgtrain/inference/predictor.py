@@ -21,6 +21,7 @@ import numpy as np
 from imgtrain.data.format import short_repr
 from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.inference import multilabel_answers as ml
+from imgtrain.inference import ood
 from imgtrain.inference.options import DEFAULT_TOP_K, TTA
 from imgtrain.inference.preprocess import LoadedCheckpoint, preprocess_of, preset_of
 from imgtrain.ops import process
@@ -121,11 +122,19 @@ class Predictor:
     ``tta="flip"``: the probabilities are the mean of the model's softmax over each image and its
     horizontal mirror image (two forward passes). A multi-label model (issue 48): a sigmoid per
     class, and the output adds ``labels`` and ``prob_<class>`` instead (``multilabel_answers.py``).
+
+    Calibration (issue 49, ``calibrate.py``): the logits are divided by the checkpoint's
+    temperature before the softmax (an export has it inside). The output adds the image's
+    out-of-distribution score, ``ood_<method>`` (``ood.py``: of the plain image, whatever the
+    TTA, so that a threshold means the same), and with a ``threshold`` (``rejection``) a
+    ``rejected`` column: a rejected image's ``pred_class`` is ``unknown`` and its ``pred_index`` -1.
+    With ``indices`` and a ``label`` column (evaluate): ``nll``, and ``uncalibrated_confidence``,
+    ``uncalibrated_pred_index`` and ``uncalibrated_nll`` (T = 1) where the logits are at hand.
     """
 
     def __init__(self, checkpoint, storage: str = "./runs", device: str = "cpu",
                  top_k: int = DEFAULT_TOP_K, threads: int = 0, tta: str = "none", indices: bool = False,
-                 engine: str = "torch"):
+                 engine: str = "torch", ood_score: str = ood.DEFAULT_METHOD, threshold: float | None = None):
         check_tta(tta)  # the warning for digits is the driver's, once (batch.predictions, serve)
         # Set around each call and put back after, not for good: the process may be the
         # caller's own (a notebook), which must find its setting as it left it.
@@ -142,27 +151,66 @@ class Predictor:
         if self.multi_label:
             self.thresholds, _ = ml.thresholds_of(self.loaded)
             self.separator = ml.separator_of(self.loaded)
+        from imgtrain.inference.calibration_record import calibration_of
+
+        self.calibration = None if self.multi_label else calibration_of(self.loaded)
+        self.exported = hasattr(self.loaded.model, "probabilities")  # an export's engine: probabilities, T inside
+        self.temperature = self.calibration.temperature if self.calibration and not self.exported else 1.0
+        # the export's model outputs probabilities, whatever engine was named with a loaded one
+        self.ood_score, self.threshold = score_method("export" if self.exported else "torch", ood_score), threshold
+        self.fitted = None  # mahalanobis's class means: its forward passes keep the penultimate features
+        if self.ood_score in ood.FEATURE_METHODS and not self.multi_label and not self.exported:
+            self.fitted = check_score(self.loaded.path, self.loaded.meta, self.ood_score).mahalanobis
 
     def predict_proba(self, images) -> np.ndarray:
         """uint8 [B, H, W, C] -> float32 probabilities [B, num_classes]."""
+        return self._forward(images)[0]
+
+    def predict_with_scores(self, images) -> tuple[np.ndarray, np.ndarray | None]:
+        """(probabilities [B, K], out-of-distribution scores [B]; None for a multi-label model)."""
+        probs, logits, features = self._forward(images)
+        return probs, self._scores(probs, logits, features)
+
+    def _scores(self, probs, logits, features) -> np.ndarray | None:
+        if self.multi_label:
+            return None
+        if logits is None:  # an export's probabilities: the max-softmax of its calibrated softmax
+            return probs.max(axis=1).astype(np.float64)
+        return ood.scores(logits, self.ood_score, self.temperature, features, self.fitted)
+
+    def _forward(self, images) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """(float32 probabilities [B, K], float32 logits of the plain images [B, K] or None for an
+        export, their penultimate features [B, D] where the score needs them)."""
         import torch
 
         model, preprocess = self.loaded.model, self.loaded.preprocess
-        if hasattr(model, "probabilities"):  # an export's engine (onnx_engine.OnnxModel): its own threads
-            return model.probabilities(preprocess.checked(images), self.tta)
+        if self.exported:  # an export's engine (onnx_engine.OnnxModel): its own threads
+            return model.probabilities(preprocess.checked(images), self.tta), None, None
         with process.torch_threads(self.threads), torch.inference_mode():
             x = preprocess(images, self.device)  # [B, C, H, W]
-            activation = torch.sigmoid if self.multi_label else (lambda logits: logits.softmax(1))
-            probs = activation(model(x).float())
+            t = self.temperature
+            activation = torch.sigmoid if self.multi_label else (lambda logits: (logits / t).softmax(1))
+            logits, features = self._logits(model, x)
+            probs = activation(logits)
             if self.tta == "flip":  # the mirror image: W reversed, as the photos preset's training flip
                 mirrored = x.flip(-1)
                 if preprocess.channels_last:  # the layout the model was put in
                     mirrored = mirrored.contiguous(memory_format=torch.channels_last)
                 probs = (probs + activation(model(mirrored).float())) / 2
-            return probs.cpu().numpy()
+            return probs.cpu().numpy(), logits.cpu().numpy(), features
+
+    def _logits(self, model, x):
+        """(the model's float logits, its penultimate features as numpy where the score needs them)."""
+        if self.fitted is None:
+            return model(x).float(), None
+        found, hook = ood.penultimate(model)  # only around this pass: the model may be shared
+        try:
+            return model(x).float(), found[0]
+        finally:
+            hook.remove()
 
     def __call__(self, batch: dict) -> dict:
-        probs = self.predict_proba(batch["image"])  # [B, K]
+        probs, logits, features = self._forward(batch["image"])  # [B, K]
         if self.multi_label:  # the label set and every class's probability (multilabel_answers.py)
             out = {k: v for k, v in batch.items() if k != "image"}
             out.update(ml.prediction_columns(probs, self.thresholds, self.classes, self.separator))
@@ -177,4 +225,72 @@ class Predictor:
             out[f"top{i + 1}_prob"] = np.take_along_axis(probs, top[:, i : i + 1], 1)[:, 0]
             if self.indices:
                 out[f"top{i + 1}_index"] = top[:, i].astype(np.int64)
+        scores = self._scores(probs, logits, features)
+        out[ood.column(self.ood_score)] = scores
+        if self.threshold is not None:
+            rejected = scores < self.threshold
+            out["rejected"] = rejected
+            out["pred_class"] = np.where(rejected, ood.UNKNOWN, out["pred_class"]).astype(str)
+            out["pred_index"] = np.where(rejected, -1, out["pred_index"]).astype(np.int64)
+        if self.indices and "label" in batch:
+            out.update(self._likelihood_columns(probs, logits, np.asarray(batch["label"], np.int64)))
         return out
+
+    def _likelihood_columns(self, probs, logits, labels) -> dict:
+        """evaluate's: each image's NLL as answered, and (with the logits) its figures at T = 1."""
+        rows = np.arange(len(labels))
+        out = {"nll": -np.log(np.maximum(probs[rows, labels].astype(np.float64), 1e-300))}
+        if logits is not None:
+            from imgtrain.inference.temperature import log_probabilities
+
+            plain = log_probabilities(logits)
+            out["uncalibrated_pred_index"] = plain.argmax(1).astype(np.int64)
+            out["uncalibrated_confidence"] = np.exp(plain.max(1))
+            out["uncalibrated_nll"] = -plain[rows, labels]
+        return out
+
+
+def score_method(engine: str, asked: str) -> str:
+    """The score a model gives: ``asked``, except with an export's engine, whose model outputs the
+    calibrated probabilities only: max-softmax (the logits are not among its outputs)."""
+    ood.check_method(asked)
+    return asked if engine == "torch" else "max-softmax"
+
+
+def check_score(path: Path, meta: dict, method: str):
+    """The calibration of the checkpoint (or export) ``path``, after checking that it has what the
+    score ``method`` needs (mahalanobis: the class means); None where it has none and needs none."""
+    from imgtrain.data.format import is_multi_label
+    from imgtrain.inference.calibration_record import calibration_at
+
+    calibration = calibration_at(path, meta)
+    if (method in ood.FEATURE_METHODS and not is_multi_label(ml.trained_on(meta))
+            and (calibration is None or calibration.mahalanobis is None)):
+        raise ImgtrainError(f"--ood-score {method} needs the class means calibration fits on the val split, and "
+                            f"{path} has none (its data set has no val split, it was never calibrated, or its "
+                            "classifier's input is wider than 4,096 features): run `imgtrain calibrate RUN`, or pick "
+                            "another score")
+    return calibration
+
+
+def rejection(path: Path, meta: dict, method: str, reject) -> float | None:
+    """The threshold ``--reject`` names for the score ``method`` (``score_method``'s) of the
+    checkpoint (or export) ``path`` whose meta.json (or record) is ``meta``: None (off), a number
+    as given, or ``auto``'s, stored with the checkpoint by calibration."""
+    from imgtrain.data.format import is_multi_label
+
+    value = ood.parse_reject(reject)
+    if value is None:
+        return None
+    if is_multi_label(ml.trained_on(meta)):
+        raise ImgtrainError("--reject answers 'unknown' instead of one of a single-label model's classes; this model "
+                            "is multi-label (an image with no label over its threshold has none): drop --reject")
+    if value != ood.REJECT_AUTO:
+        return value
+    calibration = check_score(path, meta, method)
+    stored = (calibration.ood_thresholds if calibration else {}).get(method)
+    if stored is None:
+        raise ImgtrainError(f"--reject auto takes the {method} threshold that calibration stores with the checkpoint, "
+                            f"and {path} has none (its data set has no val split, or it was never calibrated): "
+                            "run `imgtrain calibrate RUN`, or pass a number")
+    return stored

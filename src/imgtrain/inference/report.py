@@ -461,6 +461,7 @@ def _summary(result: runs.RunResult, ev, used: Path, used_meta: dict, num_wrong:
          else f"n/a ({len(ev.classes)} classes: it needs 6 or more)"],
         ["macro F1 / weighted F1", f"{_num(ev.macro_avg['f1'])} / {_num(ev.weighted_avg['f1'])}"],
         ["expected calibration error", f"{_num(ev.ece)} (15 equal-width confidence bins)"],
+        ["temperature scaling", ev.calibration_line()],
         ["misclassified", f"{num_wrong:,}"],
         ["generated", time.strftime("%Y-%m-%d %H:%M:%S %Z")],
     ]

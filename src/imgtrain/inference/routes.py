@@ -4,13 +4,16 @@ methods are its routes. A new route is a method of ``ModelServer`` here, nothing
     POST /predict   body: PNG/JPEG bytes (any Content-Type but JSON), or JSON pixels 0..255:
                     one image as [H][W], [H][W][C] or a flat list of H*W*C values, ``{"pixels": ...}``,
                     or a list of images / ``{"images": [...]}`` for a batch
-                    -> {"label", "index", "confidence", "probabilities": {class: prob}} (a list for a batch);
+                    -> {"label", "index", "confidence", "probabilities": {class: prob},
+                        "ood": {"method", "score"[, "threshold", "rejected"]}} (a list for a batch);
+                    with --reject, a rejected image's "label" is "unknown" and its "index" -1;
                     a multi-label model: {"labels": [{"label", "probability"}, ...] (the classes at or
                     over their thresholds, most probable first), "probabilities"} (multilabel_answers.py)
     GET  /healthz   -> {"status": "ok", "checkpoint" (its name), "classes", "image_shape",
                         "forward_passes", "images_predicted" (this replica's, since it started),
                         "tta" (none, or flip: --tta), "engine" (torch, or onnxruntime: --engine),
-                        "preset" (digits or photos: the try page draws digits, takes photos);
+                        "preset" (digits or photos: the try page draws digits, takes photos),
+                        "temperature" (calibration's T, 1 without), "ood": {"method", "threshold"};
                         a multi-label model's also "multi_label": true and "thresholds": {class: threshold}}
     GET  /          a page to try the model in a browser (try_page.py)
     GET  /openapi.json  only with ``--openapi`` (no /docs or /redoc: they load outside scripts)
@@ -47,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from imgtrain.inference.batcher import Batcher
 from imgtrain.inference.multilabel_answers import answer as multilabel_answer
+from imgtrain.inference.ood import UNKNOWN
 from imgtrain.inference.options import Limits
 from imgtrain.inference.predictor import Predictor
 from imgtrain.inference.requests import RETRY_AFTER, RequestError, decode_request, read_body
@@ -98,10 +102,11 @@ class ModelServer:
     concurrent requests."""
 
     def __init__(self, checkpoint_dir: str, limits: Limits, threads: int, openapi: bool = False, tta: str = "none",
-                 engine: str = "torch"):
+                 engine: str = "torch", ood_score: str = "energy", threshold=None):
         _bind_as_serves_proxy_does()  # before Serve starts this replica's HTTP server (direct ingress)
-        # verifies the sha256s again; every forward pass below is its predict_proba (tta included)
-        self.predictor = Predictor(checkpoint_dir, threads=threads, tta=tta, engine=engine)
+        # verifies the sha256s again; every forward pass below is its predict_with_scores (tta included)
+        self.predictor = Predictor(checkpoint_dir, threads=threads, tta=tta, engine=engine, ood_score=ood_score,
+                                   threshold=threshold)
         self.engine = engine
         self.shape = self.predictor.loaded.preprocess.image_shape  # (H, W, C)
         self.classes = list(self.predictor.loaded.preprocess.classes)
@@ -131,6 +136,9 @@ class ModelServer:
                 "image_shape": list(self.shape), "forward_passes": self.forward_passes,
                 "images_predicted": self.images_predicted, "tta": self.predictor.tta,
                 "engine": self.engine, "preset": self.predictor.loaded.preprocess.preset,
+                "temperature": self._temperature(),
+                **({} if self.multi_label else
+                   {"ood": {"method": self.predictor.ood_score, "threshold": self.predictor.threshold}}),
                 **({"multi_label": True, "thresholds": dict(zip(self.classes, self.predictor.thresholds.tolist()))}
                    if self.multi_label else {})}
 
@@ -173,23 +181,38 @@ class ModelServer:
             self.decoders, decode_request, body, is_json, self.shape, self.max_pixels,
             self.predictor.loaded.preprocess.preset, self.limits.max_batch_images)
         if batch:  # a request's own batch runs as it is, between the gathered ones
-            probs = await self._run_model(images)
+            rows = await self._run_model(images)
         else:
-            probs = (await self.batcher(images[0]))[None]
+            rows = (await self.batcher(images[0]))[None]
+        probs, scores = rows[:, :-1], rows[:, -1]  # _predict_proba's last column: the score
         if self.multi_label:
             answers = [multilabel_answer(p, self.predictor.thresholds, self.classes) for p in probs]
         else:
-            answers = [
-                {"label": self.classes[int(p.argmax())], "index": int(p.argmax()), "confidence": float(p.max()),
-                 "probabilities": {c: float(v) for c, v in zip(self.classes, p)}}
-                for p in probs
-            ]
+            answers = [self._single_label_answer(p, float(s)) for p, s in zip(probs, scores)]
         return answers if batch else answers[0]
+
+    def _single_label_answer(self, p: np.ndarray, score: float) -> dict:
+        index, threshold = int(p.argmax()), self.predictor.threshold
+        answer = {"label": self.classes[index], "index": index, "confidence": float(p.max()),
+                  "probabilities": {c: float(v) for c, v in zip(self.classes, p)},
+                  "ood": {"method": self.predictor.ood_score, "score": score}}
+        if threshold is not None:
+            answer["ood"].update(threshold=threshold, rejected=score < threshold)
+            if score < threshold:
+                answer.update(label=UNKNOWN, index=-1)
+        return answer
+
+    def _temperature(self) -> float:
+        calibration = self.predictor.calibration
+        return calibration.temperature if calibration else 1.0
 
     async def _run_model(self, images: np.ndarray) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, self._predict_proba, images)
 
     def _predict_proba(self, images: np.ndarray) -> np.ndarray:
-        """In the model thread only."""
+        """In the model thread only: float64 [B, K + 1], each image's probabilities, then its
+        out-of-distribution score (0 for a multi-label model, which has none)."""
         self.forward_passes, self.images_predicted = self.forward_passes + 1, self.images_predicted + len(images)
-        return self.predictor.predict_proba(images)
+        probs, scores = self.predictor.predict_with_scores(images)
+        scores = np.zeros(len(probs)) if scores is None else scores
+        return np.concatenate([probs.astype(np.float64), scores[:, None]], axis=1)

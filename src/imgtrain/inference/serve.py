@@ -69,14 +69,18 @@ def run_server(run, checkpoint: str = ServeOptions.checkpoint, storage: str = Se
                host: str = ServeOptions.host, port: int = ServeOptions.port, limits: Limits = Limits(),
                replicas: int = ServeOptions.replicas, address: str | None = ServeOptions.address,
                openapi: bool = ServeOptions.openapi, ingress: str = ServeOptions.ingress, announce=print,
-               tta: str = ServeOptions.tta, engine: str = ServeOptions.engine) -> None:
+               tta: str = ServeOptions.tta, engine: str = ServeOptions.engine, ood_score: str = ServeOptions.ood_score,
+               reject: str | None = ServeOptions.reject) -> None:
     """Serve the checkpoint until SIGINT or SIGTERM; returns after a clean shutdown. ``tta="flip"``:
     each answer's probabilities are averaged over the image and its mirror image (``Predictor``).
-    ``engine="onnxruntime"``: ``run`` is an ONNX export folder, served with ONNX Runtime."""
+    ``engine="onnxruntime"``: ``run`` is an ONNX export folder, served with ONNX Runtime.
+    ``ood_score``: each answer's out-of-distribution score; ``reject``: ``auto`` or a threshold
+    under which an image is answered ``unknown`` (``predictor.rejection``)."""
     import ray
 
     ingress = choose_ingress(ingress, replicas, joins_cluster=address is not None or ray.is_initialized())
     path, logs = _check_request(run, checkpoint, storage, host, port, limits, replicas, tta, engine)
+    threshold = _threshold(path, engine, ood_score, reject)
     private_env = direct_ingress_env(port) if ingress == "direct" else None
     stop = _StopSignals()
     terminal = sys.stdout  # ray_session swaps sys.stdout for a log file; announce needs the real one
@@ -91,7 +95,7 @@ def run_server(run, checkpoint: str = ServeOptions.checkpoint, storage: str = Se
                 try:
                     # Serve starts its proxy with direct ingress too: it gets a port of its own.
                     proxy_port = free_port(host) if ingress == "direct" else port
-                    _deploy(path, host, proxy_port, limits, replicas, openapi, tta, engine)
+                    _deploy(path, host, proxy_port, limits, replicas, openapi, tta, engine, ood_score, threshold)
                     if _wait_ready(host, port, stop, logs):
                         with contextlib.redirect_stdout(terminal):
                             via = "the replica answers directly" if ingress == "direct" else \
@@ -135,8 +139,20 @@ def _check_request(run, checkpoint, storage, host, port, limits, replicas, tta="
     return path, logs
 
 
+def _threshold(path: Path, engine: str, ood_score: str, reject) -> float | None:
+    """``--reject``'s threshold, or None, and the score's own needs checked: before Ray starts, so a
+    bad value fails in one line."""
+    from imgtrain.inference.export_engine import read_record
+    from imgtrain.inference.predictor import check_score, rejection, score_method
+    from imgtrain.storage.checkpoint import read_meta
+
+    method, meta = score_method(engine, ood_score), read_record(path) if engine != "torch" else read_meta(path)
+    check_score(path, meta, method)
+    return rejection(path, meta, method, reject)
+
+
 def _deploy(path: Path, host: str, port: int, limits: Limits, replicas: int, openapi: bool, tta: str,
-            engine: str) -> None:
+            engine: str, ood_score: str = "energy", threshold: float | None = None) -> None:
     from ray.serve.config import BackpressureConfig
 
     serve.start(http_options={"host": host, "port": port,
@@ -153,7 +169,7 @@ def _deploy(path: Path, host: str, port: int, limits: Limits, replicas: int, ope
         max_ongoing_requests=2 * per_replica,
         max_queued_requests=per_replica * replicas,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=RETRY_AFTER_S),
-    ).bind(str(path), limits, cluster_mod.threads_for(replicas), openapi, tta, engine)
+    ).bind(str(path), limits, cluster_mod.threads_for(replicas), openapi, tta, engine, ood_score, threshold)
     serve.run_many([serve.RunTarget(app, name=APP_NAME)], wait_for_applications_running=False)
 
 

@@ -16,6 +16,13 @@ A checkpoint directory holds:
                   {"thresholds": float32 [classes], each label's decision threshold on its
                   sigmoid, "chosen_on": "val" (the F1-best per label there) or None (0.5 each: no
                   val split to choose them on)}; tensors and plain types, ``weights_only=True``
+  calibrated.pt   only once calibrated (inference/calibrate.py: at the end of training, or by
+                  ``imgtrain calibrate``), added to a finished checkpoint with its sha256 put in
+                  meta.json's table: {"temperature": float, T of the temperature scaling,
+                  "fitted_on": "val", "images": int, "nll" and "ece": [before, after] on that
+                  split, "ood_keep": 0.95, "ood_thresholds": {score method: the threshold that
+                  keeps that share of the split}, "mahalanobis": {"whitening": float32 [D, D],
+                  "means": float32 [classes, D]} or None}; plain types and tensors, ``weights_only=True``
   meta.json       config, model args, data set summary, metrics, and the sha256 of every file
                   above. Written last: a directory without a valid meta.json is not a checkpoint.
 """
@@ -35,6 +42,7 @@ from imgtrain.ops.files import atomic_write_text, sha256_file
 MODEL_FILE = "model.pt"
 TRAIN_STATE_FILE = "train_state.pt"
 THRESHOLDS_FILE = "thresholds.pt"
+CALIBRATION_FILE = "calibrated.pt"
 META_FILE = "meta.json"
 SHARDED_DIR = "sharded"
 FORMAT_VERSION = 1
@@ -197,6 +205,59 @@ def load_thresholds(directory: str | os.PathLike, num_classes: int):
         raise CheckpointError(f"{path} does not hold {num_classes} thresholds between 0 and 1; "
                               "use another checkpoint")
     return values, chosen_on if chosen_on in ("val",) else None
+
+
+def add_file(directory: str | os.PathLike, name: str, payload: dict) -> None:
+    """Add ``name`` (``payload`` saved by torch, plain types) to a complete checkpoint, or replace
+    it: the file first, then meta.json with its sha256 in the table, each replaced whole. A reader
+    between the two finds the old table, which does not list the new file (``load_calibration``
+    reads only a listed file), or lists the old one, which then fails its sha256 check."""
+    import torch
+
+    d = Path(directory)
+    meta = read_meta(d)
+    partial = d / f".{name}.tmp"
+    torch.save(payload, partial)
+    os.replace(partial, d / name)
+    meta["sha256"] = {**(meta.get("sha256") or {}), name: sha256_file(d / name)}
+    atomic_write_text(d / META_FILE, json.dumps(meta, indent=2, default=str))
+
+
+def load_calibration(directory: str | os.PathLike) -> dict | None:
+    """A checkpoint's calibration (CALIBRATION_FILE) or None when it has none. Only a file its
+    meta.json's table lists (and so ``verify`` checked) is read; its values are held to what they
+    can be: a finite temperature above 0 and finite thresholds."""
+    import math
+
+    d = Path(directory)
+    path = d / CALIBRATION_FILE
+    if not (d / META_FILE).is_file():  # a model of the caller's own (a LoadedCheckpoint built in a notebook)
+        return None
+    if CALIBRATION_FILE not in (read_meta(d).get("sha256") or {}):
+        return None
+    saved = _load(path)
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    thresholds = saved.get("ood_thresholds") if isinstance(saved, dict) else None
+    if (not isinstance(saved, dict) or not number(saved.get("temperature")) or saved["temperature"] <= 0
+            or not isinstance(thresholds, dict)
+            or not all(isinstance(k, str) and number(v) for k, v in thresholds.items())
+            or not _class_means(saved.get("mahalanobis"))):
+        raise CheckpointError(f"{path} does not hold a temperature above 0 and score thresholds; run "
+                              "`imgtrain calibrate` again or use another checkpoint")
+    return saved
+
+
+def _class_means(fitted) -> bool:
+    """None, or {"whitening": [D, D], "means": [K, D]} finite float tensors."""
+    import torch
+
+    if fitted is None:
+        return True
+    if not isinstance(fitted, dict) or not all(isinstance(fitted.get(k), torch.Tensor) for k in ("whitening", "means")):
+        return False
+    w, m = fitted["whitening"], fitted["means"]
+    return (w.dim() == 2 and m.dim() == 2 and w.shape[0] == w.shape[1] == m.shape[1] and w.is_floating_point()
+            and m.is_floating_point() and bool(torch.isfinite(w).all() and torch.isfinite(m).all()))
 
 
 def unwrap(model):

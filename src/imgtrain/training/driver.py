@@ -396,6 +396,7 @@ def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacemen
     if remote.is_remote(cfg.storage) and cfg.backend == "ray":
         _checkpoint_records(cfg, display)
     result = runs.read_run(run_dir, cfg.storage)
+    _calibrate(cfg, result.best_checkpoint, display, again=not plan.complete)
     stop = result.stopped_early
     if stop and not plan.complete:
         display.note(_stopped_early(stop))
@@ -404,6 +405,26 @@ def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacemen
     records.finish("finished", result.best_checkpoint)
     result.status = "finished"
     return result
+
+
+def _calibrate(cfg: TrainConfig, best: Path | None, display, again: bool) -> None:
+    """Temperature scaling and the --reject auto thresholds of the best checkpoint, fitted on the
+    val split in this process and stored with it (inference/calibrate.py); ``again``: even where
+    it has them (it is a new best, or trained on). Training is over: a failure is a warning."""
+    from imgtrain.inference import calibrate
+
+    if best is None or not again and ckpt.load_calibration(best) is not None:
+        return
+    if not (best / ckpt.MODEL_FILE).is_file():  # Ray's workers uploaded it; only its record is here
+        display.note(f"calibration: not fitted (the checkpoints of a Ray run in {cfg.storage} stay in the store); "
+                     "the temperature stays 1 and --reject auto has no threshold")
+        return
+    try:
+        display.note(f"calibration of {best.name}: {calibrate.calibrate_checkpoint(best, cfg.data).line()}")
+    except calibrate.NotFitted as e:
+        display.note(str(e))
+    except ImgtrainError as e:
+        display.note(f"warning: calibration failed ({e}); run `imgtrain calibrate {cfg.name}` to try again")
 
 
 def _checkpoint_records(cfg: TrainConfig, display) -> None:
