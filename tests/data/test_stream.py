@@ -98,3 +98,20 @@ def test_calibration_rows_are_the_splits_first_rows_each_once_shared_by_every_ra
     ordered = sorted(first, key=lambda r: ([b[:2] for b in blocks].index(r[:2]), r[2]))
     assert rows(shares[0]) | rows(shares[1]) == set(ordered[:1024])  # the first 1,024 rows in file order
     assert not rows(shares[0]) & rows(shares[1]) and all(shares)  # each once, every rank some
+
+
+def test_a_sample_of_a_split_written_class_by_class_holds_every_class(tmp_path, monkeypatch):
+    # A folder source writes its classes one after the other: the first 30 rows would all be "a".
+    monkeypatch.setattr(writer, "ROW_GROUP_ROWS", 16)
+    n = 3 * 48
+    images = np.zeros((n, 4, 4, 1), np.uint8)
+    train = Split(images, np.repeat(np.arange(3), 48), np.arange(n))
+    writer.write_dataset(RawDataset(["a", "b", "c"], train, Split(images[:3], np.arange(3), np.arange(n, n + 3))),
+                         tmp_path / "d", "d", "test")
+    manifest = fmt.load_manifest(tmp_path / "d")
+    sample = list(stream.split_sample(tmp_path / "d", manifest, "train", "digits", 7, 30))
+    ids = np.concatenate([b["id"] for b in sample])
+    labels = np.concatenate([b["label"] for b in sample])
+    assert len(ids) == len(set(ids.tolist())) == 27  # 9 row groups, 3 rows of each: about the 30 asked for
+    assert np.bincount(labels).tolist() == [9, 9, 9]
+    assert sum(len(b["id"]) for b in stream.split_sample(tmp_path / "d", manifest, "train", "digits", 7, 10**6)) == n

@@ -505,6 +505,22 @@ def split_batches(data_dir, manifest: dict, split: str, preset: str, size: int, 
     return cut(local_parts(eval_tasks(blocks(data_dir, manifest, split), 1, 0, limit), reader), size)
 
 
+def spread_tasks(split_blocks: list, limit: int) -> list[dict]:
+    """About ``limit`` rows spread over the whole split: the first rows of every row group, each
+    group's share in proportion to its rows. A split is written in source order (a folder's
+    classes one after the other): its first rows may all be of one class."""
+    total = sum(rows for _, _, rows in split_blocks)
+    share = min(1.0, limit / total) if total else 0.0
+    return [{"file": f, "group": g, "first": 0, "count": take} for f, g, rows in split_blocks
+            if (take := min(rows, max(1, round(rows * share))))]
+
+
+def split_sample(data_dir, manifest: dict, split: str, preset: str, size: int, limit: int) -> Iterator[dict]:
+    """``split_batches`` of about ``limit`` rows spread over the split (``spread_tasks``)."""
+    reader = Reader.for_data(data_dir, manifest, preset=preset, train=False, augment=False)
+    return cut(local_parts(spread_tasks(blocks(data_dir, manifest, split), limit), reader), size)
+
+
 def fetch_images(data_dir, split: str, ids: set, preset: str | None = None) -> dict:
     """{id: uint8 [H, W, C]} of a few rows of a split, as evaluation sees them: the id column
     of each row group is read first, and only the wanted rows are decoded."""
