@@ -80,28 +80,34 @@ def accuracy(data: Path, model: str, lr: float, seed: int, epochs: int, storage:
 
 
 def batch_auto(data: Path, model: str) -> dict:
-    """--batch-size auto on this CPU, in a fresh process: the batch it picks, its estimate of one
-    step's memory at that batch, and the step's measured peak (VmHWM, reset before the step, less
-    the resident memory before it)."""
-    script = f"""
-import gc, json, torch
-from pathlib import Path
+    """--batch-size auto on this CPU, in a fresh process: the batch it picks and its estimate of a
+    step's memory at that batch; then, in another fresh process, one step at that batch measured
+    (VmHWM after it less VmRSS before the model was built)."""
+    head = f"""
+import json, torch
 from imgtrain.config import TrainConfig
 from imgtrain.data.format import verify_dataset
 from imgtrain.training import batch_fit
 m = verify_dataset({str(data)!r})
 cfg = TrainConfig(data={str(data)!r}, name="b", backend="local", workers=1, model={model!r}, batch_size="auto")
+"""
+    chosen = _child(head + """
 fit = batch_fit.fit(cfg, m)
 fixed, per = batch_fit._measured_step(cfg, m)
-gc.collect()
+print(json.dumps({"batch": fit.batch_size, "piece": fit.per_piece, "limit": fit.limit, "detail": fit.detail,
+                  "estimate_mib": round((fixed + fit.per_piece * per * batch_fit.ACTIVATION_FACTOR) / 2**20, 1)}))
+""")
+    measured = _child(head + f"""
+from pathlib import Path
 Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
 before = batch_fit._status_bytes("VmRSS")
-batch_fit._one_step(cfg, m, torch.device("cpu"), fit.per_piece)
-peak = batch_fit._status_bytes("VmHWM") - before
-print(json.dumps({{"batch": fit.batch_size, "limit": fit.limit, "detail": fit.detail,
-                  "estimate_mib": round((fixed + fit.per_piece * per * batch_fit.ACTIVATION_FACTOR) / 2**20, 1),
-                  "measured_step_mib": round(peak / 2**20, 1)}}))
-"""
+batch_fit._one_step(cfg, m, torch.device("cpu"), {chosen["piece"]})
+print(json.dumps({{"measured_step_mib": round((batch_fit._status_bytes("VmHWM") - before) / 2**20, 1)}}))
+""")
+    return {**chosen, **measured}
+
+
+def _child(script: str) -> dict:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -109,6 +115,7 @@ print(json.dumps({{"batch": fit.batch_size, "limit": fit.limit, "detail": fit.de
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2", help="seeds of the range test")
+    parser.add_argument("--sweep", default=",".join(f"{lr:g}" for lr in SWEEP), help="the LRs of the sweep")
     parser.add_argument("--sweep-seeds", default="0", help="seeds of each sweep run")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--model", default="resnet18")
@@ -117,6 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     sweep_seeds = [int(s) for s in args.sweep_seeds.split(",")]
+    sweep = tuple(float(lr) for lr in args.sweep.split(","))
     root = Path(args.root or tempfile.mkdtemp(prefix="lr-find-bench-"))
     results = {}
     for name, data in prepare(root).items():
@@ -125,19 +133,19 @@ def main() -> None:
         found = [suggestion(data, args.model, s, root / f"{name}-{s}") for s in seeds]
         suggested = [lr for lr, _ in found]
         print(f"{name}: suggestions {suggested} ({statistics.mean(t for _, t in found):.0f} s each)", flush=True)
-        lrs = sorted({*SWEEP, round(statistics.median(suggested), 6)})
+        lrs = sorted({*sweep, round(statistics.median(suggested), 6)})
         scores = {lr: [accuracy(data, args.model, lr, s, args.epochs, root / f"runs-{name}") for s in sweep_seeds]
                   for lr in lrs}
         for lr, acc in scores.items():
             print(f"  lr {lr:.2g}: val accuracy {statistics.mean(acc):.4f} {acc}", flush=True)
-        sweep_scores = {lr: statistics.mean(scores[lr]) for lr in SWEEP}
+        sweep_scores = {lr: statistics.mean(scores[lr]) for lr in sweep}
         best = max(sweep_scores, key=sweep_scores.get)
         median = statistics.median(suggested)
         results[name] = {
             "suggestions": suggested, "suggestion_median": median, "range_test_s": [t for _, t in found],
             "sweep": {f"{lr:g}": acc for lr, acc in scores.items()}, "sweep_best_lr": best,
             "ratio_to_best": median / best, "within_3x": 1 / 3 <= median / best <= 3,
-            "default_accuracy": sweep_scores[3e-3], "best_accuracy": sweep_scores[best],
+            "default_accuracy": sweep_scores.get(3e-3), "best_accuracy": sweep_scores[best],
             "suggestion_accuracy": statistics.mean(scores[round(median, 6)]),
             "batch_auto": batch_auto(data, args.model),
         }
@@ -145,7 +153,7 @@ def main() -> None:
               f"batch auto {results[name]['batch_auto']}", flush=True)
     payload = {"epochs": args.epochs, "model": args.model, "seeds": seeds, "sweep_seeds": sweep_seeds,
                "results": results, "environment": environment()}
-    print(f"written: {write_result('lr_find', payload)}")
+    print(f"written: {write_result('lr_find' + (f'-{args.data}' if args.data else ''), payload)}")
 
 
 if __name__ == "__main__":

@@ -141,7 +141,12 @@ class TrainConfig:
                               "epoch) whose training step fits the memory: tried on the GPU, estimated on a CPU "
                               "from one measured step and the free memory; the LR then scales with it unless --lr "
                               "is given (docs/training.md).", range="[0, 1048576]", recipe=4,
-                              metavar="N|auto", parse=parse_batch_size)
+                              metavar="N|auto", parse=parse_batch_size,
+                              help="Global batch size, split across workers. 0 (the default): chosen from the "
+                                   "training split's size (128, less for a small split), the same on every machine; "
+                                   "auto: the largest power of two whose training step fits this machine's memory "
+                                   "(tried on the GPU, estimated on a CPU), the LR scaled with it unless --lr is "
+                                   "given; the run records the batch chosen.")
     batch_source: str = setting("", "How the run's batch size was chosen when --batch-size auto chose it: the "
                                 "figures it was decided from; empty otherwise.", cli=False, recipe=20)
     optimizer: str = setting("adamw", "The optimizer: ``adamw``, ``sgd`` (Nesterov, --momentum), or ``lamb`` or "

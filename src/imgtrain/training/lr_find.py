@@ -92,6 +92,9 @@ def range_test(cfg: TrainConfig, manifest: dict, steps: int = STEPS, start_lr: f
 
     from imgtrain.training.local_backend import process_settings_restored
 
+    if cfg.use_gpu and not torch.cuda.is_available():
+        raise ImgtrainError("the learning-rate range test runs on this machine's GPU with --gpu, and PyTorch sees none "
+                            "here: run `imgtrain lr-find` where the GPU is and pass its suggestion as --lr")
     device = torch.device("cuda" if cfg.use_gpu else "cpu")
     with process_settings_restored(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         from imgtrain.cluster import threads_for
