@@ -72,8 +72,8 @@ def test_lr_auto_records_its_choice_and_a_resume_keeps_it(tiny_data, tmp_path):
     from imgtrain.config import AUTO_LR
     from imgtrain.storage import runs
 
-    cfg = tiny_config(tiny_data, tmp_path, "auto", backend="local", workers=1, model=SMALL, epochs=1, lr="auto", batch_size=16,
-                      limit_train_batches=2, bn_calibration=0)
+    cfg = tiny_config(tiny_data, tmp_path, "auto", backend="local", workers=1, model=SMALL, epochs=1, lr="auto",
+                      batch_size=8, limit_train_batches=2, bn_calibration=0)
     imgtrain.train(cfg, display=quiet_display())
     run_dir = tmp_path / "auto"
     chosen = json.loads((run_dir / "config.json").read_text())
@@ -87,7 +87,7 @@ def test_lr_auto_records_its_choice_and_a_resume_keeps_it(tiny_data, tmp_path):
 
     # resumed with --lr auto again (and one more epoch): what it chose, not found again
     imgtrain.train(tiny_config(tiny_data, tmp_path, "auto", backend="local", workers=1, model=SMALL, epochs=2,
-                               lr=AUTO_LR, batch_size=16, limit_train_batches=2, bn_calibration=0), display=quiet_display())
+                               lr=AUTO_LR, batch_size=8, limit_train_batches=2, bn_calibration=0), display=quiet_display())
     again = json.loads((run_dir / "config.json").read_text())
     assert (again["lr"], again["lr_source"]) == (chosen["lr"], chosen["lr_source"])
     assert (run_dir / "lr_find.csv").read_bytes() == curve_before
