@@ -33,8 +33,10 @@ from imgtrain.errors import ImgtrainError
 CAP = 1024  # the largest global batch auto picks: beyond it the default recipe's LR rules are untested
 CUDA_MARGIN = 0.10  # a step may use at most 90% of the device's memory
 CPU_SHARE = 0.7  # of the free memory: the rest for the data pipeline, the allocator's slack, everything else
-ACTIVATION_FACTOR = 2.0  # the backward's buffers and first-use memory beside the saved activations: ResNet-18
-# at 256 28x28 digits measured 459 MiB, estimated 364 with 1.5, 418 with 2 (bench/lr_find.py)
+# the backward's buffers beside the saved activations. A fresh process's ResNet-18 step peaked 459 MiB at 256
+# digits and 455 at 128 photos, estimated 418 and 333: the rest is torch's first use in a process (about 200 MiB,
+# whatever the batch), left to CPU_SHARE's margin (bench/lr_find.py)
+ACTIVATION_FACTOR = 2.0
 MiB = 1 << 20
 
 
