@@ -26,7 +26,7 @@ import typer
 from rich.table import Table
 
 from imgtrain import kuberay
-from imgtrain.config import TrainConfig, parse_workers, resolve, validate
+from imgtrain.config import LrFindOptions, TrainConfig, parse_workers, read_text, resolve, validate
 from imgtrain.console import SafeConsole, err_console
 from imgtrain.data.options import InspectOptions, PrepareOptions
 from imgtrain.data.sources import registry as source_registry
@@ -286,6 +286,7 @@ def train_cmd(
     overrides = dict(given)
     if "workers" in overrides:
         overrides["min_workers"], overrides["workers"] = parse_workers(overrides["workers"])
+    overrides = read_text(overrides)  # --lr auto, --batch-size auto
     from_file, problems = read_config_file(config) if config else ({}, [])
     requested = {**from_file, **overrides}
     # A resumed run keeps its stored settings; an overwritten one starts from the defaults.
@@ -330,6 +331,44 @@ def _train_interrupted(cfg, signum: int) -> None:
     with contextlib.suppress(OSError):
         err_console.print(line)
     sys.exit(128 + signum)
+
+
+# the settings of a run's place and trackers: lr-find makes no run
+_NOT_A_RUN = frozenset({"name", "storage", "address", "dashboard", "mlflow", "mlflow_experiment", "tensorboard",
+                        "wandb", "wandb_entity", "max_failures", "stall_timeout_s", "num_to_keep",
+                        "checkpoint_every_steps", "ledger"})
+
+
+@app.command("lr-find")
+@_declared
+def lr_find_cmd(
+    config: Optional[Path] = option(None, "TOML (or JSON) file of training settings; flags given here override it.",
+                                    flag="--config"),
+    options: LrFindOptions = _Fields(),
+    json_out: bool = option(False, "Print the curve's summary as JSON.", flag="--json"),
+    given: TrainConfig = _Fields(given=True, skip=_NOT_A_RUN),
+):
+    """The learning-rate range test: train a copy of the model on the training split while the LR grows
+    exponentially, plot the smoothed loss against it (OUT.png) and suggest the LR of its steepest descent
+    before it diverges (`train --lr auto` runs it first)."""
+    from imgtrain.configfile import read_config_file
+    from imgtrain.training import lr_find
+
+    overrides = dict(given)
+    if "workers" in overrides:
+        overrides["min_workers"], overrides["workers"] = parse_workers(overrides["workers"])
+    overrides = read_text(overrides)
+    from_file, problems = read_config_file(config) if config else ({}, [])
+    cfg = resolve({**from_file, **overrides, "name": "lr-find"})
+    if problems:
+        validate(cfg, [f"{config}: {p}" for p in problems])
+    with _json_alone_on_stdout(json_out):
+        curve, tested, plot = lr_find.find(cfg, options)
+    if json_out:
+        print(json.dumps({**curve.to_json(), "batch_size": tested.batch_size, "plot": str(plot)}, indent=2))
+        return
+    console.print(f"suggested --lr {curve.suggestion:.2g} (steepest descent of the smoothed loss; "
+                  f"{len(curve.lrs)} steps, {curve.stopped}; batch {tested.batch_size}, {tested.optimizer}; plot {plot})")
 
 
 @runs_app.command("list")
@@ -457,6 +496,7 @@ def tune_cmd(
     overrides = dict(given)
     if "workers" in overrides:
         overrides["min_workers"], overrides["workers"] = parse_workers(overrides["workers"])
+    overrides = read_text(overrides)  # --lr auto, --batch-size auto
     req = request_from(config, overrides, search or [], sweep)
     terminal = SafeConsole(file=sys.stdout)  # held: Ray's output goes to the logs
     try:

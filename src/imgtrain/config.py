@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from imgtrain.checkpoint_policy import DEFAULT_METRIC, SELECTION_METRICS
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops.files import name_problem
-from imgtrain.settings import RUNS, Setting, setting, settings_of
+from pathlib import Path
+
+from imgtrain.settings import RUNS, Setting, option, setting, settings_of
 
 BACKENDS = ("ray", "local")
 INGESTS = ("ray-data", "torch")
@@ -41,6 +43,31 @@ def parse_workers(text: str) -> tuple[int, int]:
         return (int(low), int(high)) if sep else (0, int(low))
     except ValueError:
         raise ImgtrainError(f"--workers {text!r} is not a number N or a range MIN-MAX such as 1-4") from None
+
+
+AUTO = "auto"
+AUTO_LR = AUTO  # --lr auto: lr-find's suggestion (training/lr_find.py), decided before the run starts
+FIT_BATCH = AUTO  # --batch-size auto: the largest that fits the memory (training/batch_fit.py)
+
+
+def parse_lr(text: str) -> float | str:
+    """'auto' -> AUTO_LR; a number otherwise (its range is checked with the others)."""
+    if str(text).strip().lower() == AUTO:
+        return AUTO_LR
+    try:
+        return float(text)
+    except ValueError:
+        raise ImgtrainError(f"--lr {text!r} is not a number or auto") from None
+
+
+def parse_batch_size(text: str) -> int | str:
+    """'auto' -> FIT_BATCH; a whole number otherwise (0: chosen from the split's size)."""
+    if str(text).strip().lower() == AUTO:
+        return FIT_BATCH
+    try:
+        return int(text)
+    except ValueError:
+        raise ImgtrainError(f"--batch-size {text!r} is not a whole number or auto") from None
 
 
 @dataclass
@@ -116,14 +143,30 @@ class TrainConfig:
                               "The run's config.json keeps the batch chosen; a resumed run trains on with it. When "
                               "it does not divide, the first ``batch_size % workers`` ranks take one extra sample, "
                               "so the global batch is exact. An epoch is ``train rows // batch_size`` steps at "
-                              "every world size.", range="[0, 1048576]", recipe=4)
+                              "every world size. ``auto``: the largest power of two (up to 1,024, and 8 steps an "
+                              "epoch) whose training step fits the memory: tried on the GPU, estimated on a CPU "
+                              "from one measured step and the free memory; the LR then scales with it unless --lr "
+                              "is given (docs/training.md).", range="[0, 1048576]", recipe=4,
+                              metavar="N|auto", parse=parse_batch_size,
+                              help="Global batch size, split across workers. 0 (the default): chosen from the "
+                                   "training split's size (128, less for a small split), the same on every machine; "
+                                   "auto: the largest power of two whose training step fits this machine's memory "
+                                   "(tried on the GPU, estimated on a CPU), the LR scaled with it unless --lr is "
+                                   "given; the run records the batch chosen.")
+    batch_source: str = setting("", "How the run's batch size was chosen when --batch-size auto chose it: the "
+                                "figures it was decided from; empty otherwise.", cli=False, recipe=20)
     optimizer: str = setting("adamw", "The optimizer: ``adamw``, ``sgd`` (Nesterov, --momentum), or ``lamb`` or "
                              "``lars`` for large global batches (timm's: ``pip install 'imgtrain[timm]'``). LAMB and "
                              "LARS leave biases and normalisation weights undecayed, as timm does; LAMB clips the "
                              "gradient norm to 1, timm's default.", choices=OPTIMIZERS, recipe=6)
     momentum: float = setting(0.9, "Momentum of ``sgd`` and ``lars`` (the one-cycle schedule cycles it between "
                               "0.85 and 0.95 itself; AdamW and LAMB use their betas).", range="[0, 1)")
-    lr: float = setting(3e-3, "Peak learning rate of the schedule.", range="(0, 10]", recipe=5)
+    lr: float = setting(3e-3, "Peak learning rate of the schedule. ``auto``: the learning-rate range test's "
+                        "suggestion (``imgtrain lr-find``), run first on the training split; with --batch-size auto "
+                        "and no --lr, the default scaled with the batch (docs/training.md).", range="(0, 10]",
+                        recipe=5, metavar="LR|auto", parse=parse_lr)
+    lr_source: str = setting("", "How the run's LR was chosen when not given: ``lr-find ...`` (--lr auto) or "
+                             "``scaled ...`` (--batch-size auto); empty otherwise.", cli=False, recipe=19)
     weight_decay: float = setting(0.05, "Weight decay: decoupled for AdamW, L2 for SGD (where about 5e-4 is "
                                   "usual).", range="[0, 10]", recipe=8)
     schedule: str = setting("onecycle", "LR schedule, stepped every optimizer step: ``onecycle`` (torch's "
@@ -323,6 +366,18 @@ class TrainConfig:
         return 1 if self.backend == "local" else (self.min_workers or self.workers)
 
 
+@dataclass
+class LrFindOptions:
+    """``imgtrain lr-find``'s own options (the training settings it tests with are TrainConfig's)."""
+
+    steps: int = option(100, "Steps of the exponential LR ramp (fastai and Lightning take 100); it stops sooner "
+                        "when the loss diverges.", range="[13, 100000]")
+    start_lr: float = option(1e-7, "The ramp's first learning rate (fastai's).", range="(0, 10]")
+    end_lr: float = option(10.0, "The ramp's last learning rate (fastai's).", range="(0, 100]")
+    out: Path = option(Path("lr_find"), "Where the curve goes: OUT.csv (step, lr, loss, smoothed loss) and OUT.png "
+                       "(the smoothed loss against the LR, the suggestion marked).")
+
+
 # ---------------------------------------------------------------- the fields, as data
 
 
@@ -370,11 +425,15 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
         value = getattr(cfg, s.name)
         if s.choices and value not in s.choices:
             issues.append(f"{flag(s.name)} {value!r} is not one of {', '.join(s.choices)}")
+        elif isinstance(value, str) and s.type in (int, float):  # only auto is text
+            if not is_auto(s.name, value):
+                issues.append(f"{flag(s.name)} {value!r} is not a number")
         elif s.range and value is not None and (problem := range_problem(s.name, value, s.range)):
             issues.append(problem)
     if cfg.min_workers > cfg.workers:
         issues.append(f"--workers {cfg.min_workers}-{cfg.workers}: the minimum must be between 1 and the maximum")
-    if 1 <= cfg.batch_size < cfg.effective_workers():
+    batch = cfg.batch_size if isinstance(cfg.batch_size, int) else AUTO_BATCH  # auto: checked once chosen
+    if 1 <= batch < cfg.effective_workers():
         issues.append(
             f"--batch-size {cfg.batch_size} is smaller than --workers {cfg.workers}: "
             "every worker needs at least one sample per step; raise the batch size or use fewer workers"
@@ -385,7 +444,7 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
     if cfg.strategy == "fsdp" and cfg.backend == "local":
         issues.append("--strategy fsdp shards the model over Ray Train workers; --backend local is one process: "
                       "use --strategy ddp or --backend ray")
-    if 1 <= cfg.effective_workers() <= cfg.batch_size and cfg.accumulate > cfg.batch_size // cfg.effective_workers():
+    if 1 <= cfg.effective_workers() <= batch and cfg.accumulate > batch // cfg.effective_workers():
         issues.append(f"--accumulate {cfg.accumulate} is more pieces than the {cfg.batch_size // cfg.effective_workers()} "
                       f"samples of a worker's share of --batch-size {cfg.batch_size}: use at most that many")
     if cfg.strategy == "fsdp" and cfg.compile:
@@ -411,12 +470,31 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
     if cfg.min_lr and cfg.schedule != "cosine":
         issues.append(f"--min-lr is the cosine schedule's floor; --schedule {cfg.schedule} has none: drop --min-lr "
                       "or use --schedule cosine")
-    elif cfg.min_lr >= cfg.lr > 0:
+    elif not isinstance(cfg.lr, str) and cfg.min_lr >= cfg.lr > 0:  # auto: checked once chosen
         issues.append(f"--min-lr {cfg.min_lr:g} must be below --lr {cfg.lr:g}, the peak the cosine falls from")
     if not cfg.mlflow_experiment.strip():
         issues.append("--mlflow-experiment must not be empty")
     if issues:
         raise ImgtrainError("invalid configuration: " + "; ".join(issues))
+
+
+def is_auto(name: str, value) -> bool:
+    """Whether ``value`` is ``auto`` for the field ``name`` (--lr auto, --batch-size auto)."""
+    return name in ("lr", "batch_size") and value == AUTO
+
+
+def read_text(values: dict) -> dict:
+    """``values`` (flags or a file's entries) with the text of --lr and --batch-size read
+    (``auto``, or a number)."""
+    parsers = {"lr": parse_lr, "batch_size": parse_batch_size}
+    return {k: parsers[k](v) if k in parsers and isinstance(v, str) else v for k, v in values.items()}
+
+
+def read_autos(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with ``"auto"`` (the Python API's spelling) read as the fields' auto values."""
+    return dataclasses.replace(cfg, **{name: parse(value) for name, parse in (("lr", parse_lr),
+                                                                            ("batch_size", parse_batch_size))
+                                       if isinstance(value := getattr(cfg, name), str)})
 
 
 def wandb_problems(cfg: TrainConfig) -> list[str]:

@@ -62,7 +62,7 @@ def model_card(fmt: str, model_file: str, runtime: str, loaded: LoadedCheckpoint
         "",
         "| setting | value |",
         "|---|---|",
-        *[f"| {k} | {_md(config[k])} |" for k in RECIPE_KEYS if k in config],
+        *[f"| {k} | {_md(config[k])} |" for k in RECIPE_KEYS if config.get(k, "") != ""],
         "",
         f"Versions: torch {_md(meta.get('torch_version', '?'))}, Ray {_md(meta.get('ray_version', '?'))}, "
         f"Python {platform.python_version()}. The whole configuration is in the run's `config.json`.",

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from imgtrain import cluster as cluster_mod
 from imgtrain import configfile
-from imgtrain.config import (AUTO_BATCH, DEFAULT_BATCH, FEW_STEPS, TrainConfig, auto_batch_size, changed_fields,
-                             steps_per_epoch, validate)
+from imgtrain.config import (AUTO_BATCH, AUTO_LR, DEFAULT_BATCH, FEW_STEPS, FIT_BATCH, TrainConfig, auto_batch_size,
+                             changed_fields, read_autos, steps_per_epoch, validate)
 from imgtrain.data import staging
 from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
 from imgtrain.ops import remote
@@ -53,7 +53,7 @@ def train(cfg: TrainConfig, display: TrainingDisplay | None = None, overwrite: b
     ``ray_callbacks``: Ray Train callbacks added to the run (the Ray backend's): a caller that
     needs the run's reports (a sweep's trial, for Ray Tune) passes them, so training knows no caller.
     """
-    cfg, from_environment = configfile.environment_settings(cfg)
+    cfg, from_environment = configfile.environment_settings(read_autos(cfg))
     validate(cfg)
     tracking.require(cfg)  # a tracker asked for but not installed: before anything else
     cluster_mod.warn_if_oversubscribed(cfg)  # before the display's live line, long before Ray starts them all
@@ -147,6 +147,7 @@ class _Plan:
     replace: bool  # --overwrite of an existing run
     resume: Resume
     complete: bool = False  # every epoch is trained already: only its history is put right
+    lr_curve: object = None  # --lr auto: the range test's curve (lr_find.Curve), kept in the run
 
 
 def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: contextlib.ExitStack,
@@ -171,8 +172,13 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
     if stored is not None:
         if not cfg.data:  # `imgtrain train --name X` alone resumes X
             cfg = dataclasses.replace(cfg, data=stored["data"])
-        if cfg.batch_size == AUTO_BATCH:  # the batch chosen when the run began, whatever the rule is now
+        if cfg.batch_size in (AUTO_BATCH, FIT_BATCH):  # the batch chosen when the run began, whatever the rule is now
             cfg = dataclasses.replace(cfg, batch_size=stored.get("batch_size", DEFAULT_BATCH))
+        if cfg.lr == AUTO_LR:  # --lr auto: what the run chose when it began, never found again
+            cfg = dataclasses.replace(cfg, lr=stored.get("lr", TrainConfig.lr))
+        # how they were chosen: records of the run's start, not settings to compare
+        cfg = dataclasses.replace(cfg, lr_source=stored.get("lr_source", ""),
+                                  batch_source=stored.get("batch_source", ""))
         changed = changed_fields(stored, cfg.to_dict())
         if changed:
             diffs = ", ".join(f"{k}: {stored[k]!r} -> {getattr(cfg, k)!r}" for k in changed)
@@ -215,10 +221,64 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
         raise ImgtrainError(problem)
     if cfg.backend == "local" and cfg.use_gpu and not _cuda_available():
         raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
+    lr_curve = None
     if stored is None:
         _check_model(cfg, manifest, display)
+        cfg, lr_curve = _autos(cfg, manifest, display)
     display.note(_selection_note(cfg, manifest))  # every check passed: what the run's figures will mean
-    return _Plan(cfg, manifest, stored, exists and overwrite, resume)
+    return _Plan(cfg, manifest, stored, exists and overwrite, resume, lr_curve=lr_curve)
+
+
+def _autos(cfg: TrainConfig, manifest: dict, display):
+    """A new run's ``--batch-size auto`` (``batch_fit``), then its LR: ``--lr auto`` found by the
+    range test (``lr_find``) at that batch, or the default LR scaled with an auto batch
+    (``scaled_lr``); (the config with both decided, the range test's curve or None)."""
+    curve = None
+    if cfg.batch_size == FIT_BATCH:
+        display.phase("fitting the batch size")
+        from imgtrain.training import batch_fit
+
+        fitted = batch_fit.fit(cfg, manifest)
+        cfg = dataclasses.replace(cfg, batch_size=fitted.batch_size, batch_source=fitted.detail)
+        display.note(fitted.note())
+        if cfg.lr == TrainConfig.lr:  # not given: the recipe's LR, for its batch, scaled to this one
+            lr, rule = scaled_lr(cfg)
+            cfg = dataclasses.replace(cfg, lr=lr, lr_source=rule)
+            display.note(f"lr {lr:.3g}: {rule} (--lr sets it)")
+        cfg = _batch_for(cfg, manifest["splits"]["train"]["num_samples"], display)
+    if cfg.lr == AUTO_LR:
+        display.phase("finding the learning rate")
+        from imgtrain.training import lr_find
+
+        curve = lr_find.range_test(cfg, manifest)
+        if problem := lr_find.refusal(curve):
+            raise ImgtrainError(problem)
+        cfg = dataclasses.replace(cfg, lr=round_lr(curve.suggestion),
+                                  lr_source=f"lr-find: the steepest descent of {len(curve.lrs)} steps from "
+                                            f"{curve.lrs[0]:.2g} (batch {cfg.batch_size})")
+        display.note(f"lr {cfg.lr:.3g}: lr-find's suggestion ({len(curve.lrs)} steps, {curve.stopped}; "
+                     f"the curve: {lr_find.FILE}.png in the run)")
+    validate(cfg)  # --min-lr, --accumulate against what was chosen
+    return cfg, curve
+
+
+REFERENCE_BATCH = DEFAULT_BATCH  # the batch the default --lr was tuned at (docs/training.md "The default recipe")
+
+
+def scaled_lr(cfg: TrainConfig) -> tuple[float, str]:
+    """The default LR scaled from REFERENCE_BATCH to ``cfg.batch_size``, and the rule in words:
+    linear for SGD and LARS (Goyal et al. 2017), the square root for the adaptive AdamW and
+    LAMB (Malladi et al. 2022: linear scaling overshoots with Adam); at most 10 (--lr's range)."""
+    ratio = cfg.batch_size / REFERENCE_BATCH
+    linear = cfg.optimizer in ("sgd", "lars")
+    lr = round_lr(min(10.0, TrainConfig.lr * (ratio if linear else ratio ** 0.5)))
+    how = "linear" if linear else "square-root"
+    return lr, f"scaled: {TrainConfig.lr:g} x {'' if linear else 'sqrt'}({cfg.batch_size}/{REFERENCE_BATCH}), {how} scaling"
+
+
+def round_lr(lr: float) -> float:
+    """Two significant digits: what the run records and a person would type again."""
+    return float(f"{lr:.2g}")
 
 
 def _label_problem(cfg: TrainConfig, manifest: dict) -> str | None:
@@ -250,6 +310,8 @@ def _batch_for(cfg: TrainConfig, n_train: int, display) -> TrainConfig:
     from the training split's size (``config.auto_batch_size``), a batch the user set kept as
     given; checked against the split, and a warning when an epoch is only a few steps."""
     workers = cfg.effective_workers()
+    if cfg.batch_size == FIT_BATCH:  # decided after the model's check (_autos)
+        return cfg
     if cfg.batch_size == AUTO_BATCH:
         if n_train < workers:
             raise ImgtrainError(f"the {n_train} training samples are fewer than the --workers {cfg.workers}: every "
@@ -365,6 +427,12 @@ def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacemen
         _record_status(run_dir, "failed", error=str(e))
         raise
     records = Records(run_dir, display, trackers, on_checkpoint=replaced.commit if replaced else None)
+    if plan.lr_curve is not None:  # --lr auto: the curve it chose from, beside the run's history
+        from imgtrain.training import lr_find
+
+        lr_find.write_curve(plan.lr_curve, run_dir / lr_find.FILE)
+        records.log.append({"kind": "lr_find", "step": 0, "lr": cfg.lr, **plan.lr_curve.to_json(),
+                            "time": time.time()})
     if plan.resume.checkpoint is not None:  # the history up to it, whatever the last driver wrote
         meta = ckpt.read_meta(plan.resume.checkpoint)
         records.recover(meta.get("step", 0), ckpt.history(meta), plan.resume.checkpoint.name)
