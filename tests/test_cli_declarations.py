@@ -44,7 +44,7 @@ def test_every_option_of_every_command_comes_from_a_declaration():
             if param.name not in declared:
                 undeclared.append(f"imgtrain {' '.join(path)} {param.opts[0]}")
     assert not undeclared, f"options made in cli.py instead of declared: {undeclared}"
-    assert len([p for p, c in commands() if getattr(c.callback, "declared_options", None)]) == 18
+    assert len([p for p, c in commands() if getattr(c.callback, "declared_options", None)]) == 19
 
 
 def help_rows(path) -> dict[str, str]:
