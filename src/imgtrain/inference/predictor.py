@@ -121,11 +121,14 @@ class Predictor:
     ``tta="flip"``: the probabilities are the mean of the model's softmax over each image and its
     horizontal mirror image (two forward passes). A multi-label model (issue 48): a sigmoid per
     class, and the output adds ``labels`` and ``prob_<class>`` instead (``multilabel_answers.py``).
+    ``explain=True``: the output also carries each image's Grad-CAM map of its predicted class (a
+    multi-label model's most probable label) at the model's size, ``explain_map``, and the
+    ``image`` itself (``explain.py``; a PyTorch checkpoint only).
     """
 
     def __init__(self, checkpoint, storage: str = "./runs", device: str = "cpu",
                  top_k: int = DEFAULT_TOP_K, threads: int = 0, tta: str = "none", indices: bool = False,
-                 engine: str = "torch"):
+                 engine: str = "torch", explain: bool = False):
         check_tta(tta)  # the warning for digits is the driver's, once (batch.predictions, serve)
         # Set around each call and put back after, not for good: the process may be the
         # caller's own (a notebook), which must find its setting as it left it.
@@ -142,6 +145,11 @@ class Predictor:
         if self.multi_label:
             self.thresholds, _ = ml.thresholds_of(self.loaded)
             self.separator = ml.separator_of(self.loaded)
+        self.explainer = None
+        if explain:
+            from imgtrain.inference.explain import Explainer
+
+            self.explainer = Explainer(self.loaded, tta, device)
 
     def predict_proba(self, images) -> np.ndarray:
         """uint8 [B, H, W, C] -> float32 probabilities [B, num_classes]."""
@@ -163,6 +171,14 @@ class Predictor:
 
     def __call__(self, batch: dict) -> dict:
         probs = self.predict_proba(batch["image"])  # [B, K]
+        out = self._answers(probs, batch)
+        if self.explainer is not None:  # one object per row: a DataFrame column holds no [B, H, W] array
+            with process.torch_threads(self.threads):
+                maps = self.explainer.maps(batch["image"], probs.argmax(1))
+            out["explain_map"], out["image"] = _rows(maps), _rows(batch["image"])
+        return out
+
+    def _answers(self, probs: np.ndarray, batch: dict) -> dict:
         if self.multi_label:  # the label set and every class's probability (multilabel_answers.py)
             out = {k: v for k, v in batch.items() if k != "image"}
             out.update(ml.prediction_columns(probs, self.thresholds, self.classes, self.separator))
@@ -178,3 +194,10 @@ class Predictor:
             if self.indices:
                 out[f"top{i + 1}_index"] = top[:, i].astype(np.int64)
         return out
+
+
+def _rows(arrays: np.ndarray) -> np.ndarray:
+    """[B, ...] -> an object array of B arrays: one cell per row of a DataFrame."""
+    out = np.empty(len(arrays), dtype=object)
+    out[:] = list(arrays)
+    return out

@@ -7,10 +7,14 @@ methods are its routes. A new route is a method of ``ModelServer`` here, nothing
                     -> {"label", "index", "confidence", "probabilities": {class: prob}} (a list for a batch);
                     a multi-label model: {"labels": [{"label", "probability"}, ...] (the classes at or
                     over their thresholds, most probable first), "probabilities"} (multilabel_answers.py)
+    POST /explain   the same bodies -> /predict's answer with "explanation": {"size" [H, W], "overlay_png",
+                    "map_png"} (base64 PNGs at the size of the image as sent): where the model looked
+                    for its predicted class (explain.py); 409 from an export (--engine)
     GET  /healthz   -> {"status": "ok", "checkpoint" (its name), "classes", "image_shape",
                         "forward_passes", "images_predicted" (this replica's, since it started),
                         "tta" (none, or flip: --tta), "engine" (torch, or onnxruntime: --engine),
-                        "preset" (digits or photos: the try page draws digits, takes photos);
+                        "preset" (digits or photos: the try page draws digits, takes photos),
+                        "explain" (whether /explain answers: a checkpoint, not an export);
                         a multi-label model's also "multi_label": true and "thresholds": {class: threshold}}
     GET  /          a page to try the model in a browser (try_page.py)
     GET  /openapi.json  only with ``--openapi`` (no /docs or /redoc: they load outside scripts)
@@ -46,11 +50,13 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from imgtrain.inference.batcher import Batcher
+from imgtrain.inference.explain import NEEDS_CHECKPOINT, Explainer, explanation_view
 from imgtrain.inference.multilabel_answers import answer as multilabel_answer
 from imgtrain.inference.options import Limits
 from imgtrain.inference.predictor import Predictor
-from imgtrain.inference.requests import RETRY_AFTER, RequestError, decode_request, read_body
+from imgtrain.inference.requests import RETRY_AFTER, RequestError, decode_explain_request, decode_request, read_body
 from imgtrain.inference.try_page import CONTENT_SECURITY_POLICY, PAGE
+from imgtrain.ops.process import torch_threads
 
 REPLICA_CPUS = 0.5  # logical: a replica mostly waits for requests; its torch threads: serve._deploy
 
@@ -117,7 +123,8 @@ class ModelServer:
         self.batcher = Batcher(self._run_model, limits.max_batch_size, limits.batch_wait_ms / 1000)
         self.predictor.predict_proba(np.zeros((1, *self.shape), np.uint8))  # warm up before "ready"
         self.forward_passes = self.images_predicted = 0  # their ratio: how well requests are batched
-        self.queued = 0  # /predict requests here with their body in: being decoded, batched or answered
+        self.queued = 0  # /predict and /explain requests here with their body in: being decoded, batched or answered
+        self.explainer = None  # made at the first /explain (_explain)
 
     @http_app.get("/")
     def page(self):
@@ -131,6 +138,7 @@ class ModelServer:
                 "image_shape": list(self.shape), "forward_passes": self.forward_passes,
                 "images_predicted": self.images_predicted, "tta": self.predictor.tta,
                 "engine": self.engine, "preset": self.predictor.loaded.preprocess.preset,
+                "explain": self.engine == "torch",  # /explain needs the checkpoint's gradients
                 **({"multi_label": True, "thresholds": dict(zip(self.classes, self.predictor.thresholds.tolist()))}
                    if self.multi_label else {})}
 
@@ -144,6 +152,17 @@ class ModelServer:
 
     @http_app.post("/predict")
     async def predict(self, request: Request):
+        return await self._queued(request, self._answer)
+
+    @http_app.post("/explain")
+    async def explain(self, request: Request):
+        """/predict's answer with where the model looked (explain.py); the same bodies and limits."""
+        if self.engine != "torch":  # an export: no gradients, so no map; /predict still answers
+            raise RequestError(409, NEEDS_CHECKPOINT)
+        return await self._queued(request, self._explained)
+
+    async def _queued(self, request: Request, answer):
+        """``answer(body, is_json)`` for the request, within the queue's places and the deadlines."""
         self._refuse_if_full()  # at once, before reading a body that could not be queued
         # Queued only once its body is in: 140 clients trickling theirs held every place
         # and the requests behind them got 503. read_body's deadline bounds how long a body may
@@ -155,7 +174,7 @@ class ModelServer:
             is_json = request.headers.get("content-type", "").split(";")[0].strip().endswith("json")
             timeout = self.limits.request_timeout_s
             try:
-                return await asyncio.wait_for(self._answer(body, is_json), timeout)
+                return await asyncio.wait_for(answer(body, is_json), timeout)
             except asyncio.TimeoutError:
                 raise RequestError(504, f"no answer within {timeout:g} s (--request-timeout): the server is "
                                         "overloaded; retry later", RETRY_AFTER) from None
@@ -176,6 +195,36 @@ class ModelServer:
             probs = await self._run_model(images)
         else:
             probs = (await self.batcher(images[0]))[None]
+        answers = self._answers(probs)
+        return answers if batch else answers[0]
+
+    async def _explained(self, body: bytes, is_json: bool):
+        """Each image's answer with ``explanation``: its map of the predicted class (a multi-label
+        model's most probable label) over the image as sent (``explain.explanation_view``). A request's images
+        run as their own batch, not gathered with others: their maps take a backward pass."""
+        loop = asyncio.get_running_loop()
+        images, sent, batch = await loop.run_in_executor(
+            self.decoders, decode_explain_request, body, is_json, self.shape, self.max_pixels,
+            self.predictor.loaded.preprocess.preset, self.limits.max_batch_images)
+        probs, maps = await loop.run_in_executor(self.model_thread, self._explain, images)
+        answers = self._answers(probs)
+        preprocess = self.predictor.loaded.preprocess
+        views = await loop.run_in_executor(self.decoders, lambda: [
+            explanation_view(cam, image, not is_json, preprocess.image_shape, preprocess.preset)
+            for cam, image in zip(maps, sent)])
+        for answer, view in zip(answers, views):
+            answer["explanation"] = view
+        return answers if batch else answers[0]
+
+    def _explain(self, images: np.ndarray):
+        """In the model thread only: the probabilities and the maps of the most probable classes."""
+        if self.explainer is None:  # captum and the layer's search: at the first /explain, not at start
+            self.explainer = Explainer(self.predictor.loaded, self.predictor.tta)
+        probs = self._predict_proba(images)
+        with torch_threads(self.predictor.threads):
+            return probs, self.explainer.maps(images, probs.argmax(1))
+
+    def _answers(self, probs: np.ndarray) -> list[dict]:
         if self.multi_label:
             answers = [multilabel_answer(p, self.predictor.thresholds, self.classes) for p in probs]
         else:
@@ -184,7 +233,7 @@ class ModelServer:
                  "probabilities": {c: float(v) for c, v in zip(self.classes, p)}}
                 for p in probs
             ]
-        return answers if batch else answers[0]
+        return answers
 
     async def _run_model(self, images: np.ndarray) -> np.ndarray:
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, self._predict_proba, images)
