@@ -32,10 +32,10 @@ def loaded_model(architecture: str, shape, **args) -> LoadedCheckpoint:
 
 
 @pytest.mark.parametrize("architecture, shape, args, layout, layer", [
-    ("resnet18", (28, 28, 1), {}, "nchw", "layer3"),  # 28x28 leaves layer4 1x1: the stage before it
-    ("resnet18", (64, 64, 1), {}, "nchw", "layer4"),
-    ("mobilenet_v3_small", (32, 32, 3), {"stem": "small"}, "nchw", "features"),
-    ("timm:test_resnet", (64, 64, 3), {}, "nchw", "layer4"),
+    ("resnet18", (28, 28, 1), {}, "nchw", "layer2"),  # 28x28: layer3 is 2x2, layer4 1x1; layer2 4x4
+    ("resnet18", (64, 64, 1), {}, "nchw", "layer3"),  # layer4 is 2x2
+    ("mobilenet_v3_small", (64, 64, 3), {"stem": "small"}, "nchw", "features"),  # its last map, 4x4
+    ("timm:test_resnet", (128, 128, 3), {}, "nchw", "layer4"),  # 4x4: the last stage, as in Grad-CAM's paper
     ("timm:test_vit", (160, 160, 3), {}, "tokens", "blocks.5"),
 ], ids=["resnet18-28px", "resnet18-64px", "torchvision-mobilenet", "timm-resnet", "timm-vit"])
 def test_maps_of_each_family_have_the_inputs_size_and_lie_in_0_1(architecture, shape, args, layout, layer):
@@ -147,10 +147,10 @@ def test_predict_explain_of_an_export_is_one_line(local_run, tmp_path, capsys):
 # ---------------------------------------------------------------- the maps point at the object
 
 
-# The share of the test images whose map must peak on the digit's ink box (about a tenth of the
-# canvas: a map that ignored the digit would land there about 1 time in 10). Measured over seeds
-# 0-2 by bench/explain.py (BENCHMARKS.md); asserted with a margin below the lowest.
-MIN_POINTING = 0.6
+# The share of the test images whose map must peak on the digit's box (a fifth of the canvas: a map
+# that ignored the digit would land there about 1 time in 5). Measured over seeds 0-2 by
+# bench/explain.py (BENCHMARKS.md); asserted with a margin below the lowest.
+MIN_POINTING = 0.8
 
 
 @pytest.mark.integration
@@ -158,10 +158,11 @@ def test_the_maps_peak_on_the_digit_wherever_it_lies(sample_raw, tmp_path):
     import imgtrain
     from tests.placed_digits import pointing_score, train_config, write_placed
 
-    data, boxes = write_placed(sample_raw, tmp_path / "placed", seed=0)
+    data, boxes, ink = write_placed(sample_raw, tmp_path / "placed", seed=0)
     result = imgtrain.train(train_config(data, tmp_path / "runs", seed=0), display=quiet_display())
     assert result.status == "finished"
-    pointing, accuracy = pointing_score(result.path, data, boxes)
-    print(f"pointing {pointing:.1%} of {len(boxes)} test images, test accuracy {accuracy:.1%}")
-    assert accuracy > 0.5  # a model that learnt the digits, not one that guesses
-    assert pointing >= MIN_POINTING, pointing
+    score = pointing_score(result.path, data, boxes, ink)
+    print(f"pointing {score['pointing']:.1%} of {len(boxes)} test images (ink box {score['pointing_ink']:.1%}), "
+          f"test accuracy {score['accuracy']:.1%}")
+    assert score["accuracy"] > 0.5  # a model that learnt the digits, not one that guesses
+    assert score["pointing"] >= MIN_POINTING, score

@@ -1,10 +1,11 @@
 """Where the model looked: a Grad-CAM map of the predicted class for each image (captum's
 ``LayerGradCam``), and how it is shown (a heat colour map blended over the image).
 
-The map is Grad-CAM's (Selvaraju et al., 2017) on the model's last feature map that is larger than
-one position: for the CNNs (imgtrain's ResNet-18, torchvision's and timm's) the last stage's output;
-where the images are so small that the last stage is 1x1 (28x28 digits through ResNet-18's
-standard stem), the stage before it. A channels-last map (timm's Swin) is read as [N, C, h, w].
+The map is Grad-CAM's (Selvaraju et al., 2017) on the model's last feature map of at least 4x4
+positions: for the CNNs (imgtrain's ResNet-18, torchvision's and timm's) the last stage's output
+(7x7 at 224 px); where the images are so small that the last stage is 2x2 or less, which would
+only name a quadrant, an earlier one (28x28 digits through ResNet-18's standard stem: layer2's
+4x4). A channels-last map (timm's Swin) is read as [N, C, h, w].
 A vision transformer (torchvision's and timm's ViT) has no map: its patch tokens going into the
 last block are laid out on the patch grid and read as one (Grad-CAM on the last block, the class
 and register tokens left out); after the last block only the class token reaches the head, so
@@ -29,9 +30,14 @@ import numpy as np
 from imgtrain.errors import ImgtrainError
 from imgtrain.inference.preprocess import LoadedCheckpoint
 
-# Images per Grad-CAM pass: the backward keeps every activation of the chunk (a ResNet-50 at
-# 224x224: about 100 MB an image), so predict's --batch-size of 500 is explained in chunks.
-EXPLAIN_CHUNK = 16
+# Pixels per Grad-CAM pass: the backward keeps every activation of the chunk (a ResNet-50 at
+# 224x224: about 100 MB an image), so predict's --batch-size of 500 is explained in chunks: 16 images
+# of 224x224, 196 of 64x64 (small chunks of small images cost more per image: 16 at a time took
+# 7 times a forward pass on 64x64 digits).
+EXPLAIN_PIXELS = 16 * 224 * 224
+# A map of fewer positions a side only tells the quadrant: on small images (the last stage of a ResNet
+# on 64x64 inputs is 2x2) Grad-CAM reads the last one of at least this many, a stage earlier.
+MIN_MAP_SIDE = 4
 BLEND = 0.5  # the overlay: half the image, half the colour map (pytorch-grad-cam's default too)
 COLOUR_MAP = "jet"  # red: the most, blue: none; Grad-CAM's usual look
 NEEDS_CHECKPOINT = ("explanations need the PyTorch checkpoint (Grad-CAM takes the model's gradients); an export "
@@ -77,12 +83,14 @@ def find_target(model, image_shape) -> Target:
         for hook in hooks:
             hook.remove()
     pools = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
-    # The last map with more than one position, from a module run once (a shared ReLU is run by
-    # every block: captum reads a layer's one output); containers fire after their children.
-    for module, shape in reversed(fired):
-        positions = shape[1] * shape[2] if nhwc else shape[2] * shape[3]
-        if positions > 1 and calls[module] == 1 and not isinstance(module, pools):
-            return Target(module, "nhwc" if nhwc else "nchw")
+    # From a module run once (a shared ReLU is run by every block: captum reads a layer's one
+    # output); containers fire after their children, so a stage is found before its last layer.
+    maps = [(module, min(shape[1:3] if nhwc else shape[2:])) for module, shape in fired
+            if calls[module] == 1 and not isinstance(module, pools)]
+    for smallest in (MIN_MAP_SIDE, 2):  # the last map of at least 4x4 positions, else of 2x2
+        for module, side in reversed(maps):
+            if side >= smallest:
+                return Target(module, "nhwc" if nhwc else "nchw")
     raise ImgtrainError(f"{type(model).__name__} has no feature map of more than one position on {h}x{w} images: "
                         "nothing to place an explanation on")
 
@@ -148,10 +156,11 @@ class Explainer:
         h, w, _ = preprocess.image_shape
         classes = torch.as_tensor(np.array(classes, dtype=np.int64), device=self.device)  # a copy: writable
         out = np.zeros((len(images), h, w), np.float32)
+        chunk = max(1, EXPLAIN_PIXELS // (h * w))
         with self._grid_hook(), torch.enable_grad():
-            for start in range(0, len(images), EXPLAIN_CHUNK):
-                x = preprocess(images[start:start + EXPLAIN_CHUNK], self.device)
-                target = classes[start:start + EXPLAIN_CHUNK]
+            for start in range(0, len(images), chunk):
+                x = preprocess(images[start:start + chunk], self.device)
+                target = classes[start:start + chunk]
                 cam = self._cam(x, target)
                 if self.tta == "flip":  # as the probabilities: the mean over the image and its mirror image
                     mirrored = x.flip(-1)
