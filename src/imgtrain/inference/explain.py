@@ -234,7 +234,8 @@ def crop_box(source_hw, image_shape, preset: str) -> tuple[float, float, float, 
 
 def source_map(cam: np.ndarray, source_hw, image_shape, preset: str) -> np.ndarray:
     """A map at the model's input size [H, W] -> float32 [H', W'] on the image as given (its size
-    ``source_hw``): resized bilinearly onto the part the model saw, 0 elsewhere."""
+    ``source_hw``): resized bilinearly onto the part the model saw, 0 elsewhere, and divided by its
+    maximum again."""
     from PIL import Image
 
     sh, sw = source_hw
@@ -245,7 +246,8 @@ def source_map(cam: np.ndarray, source_hw, image_shape, preset: str) -> np.ndarr
     out = np.zeros((sh, sw), np.float32)
     left, top = round(x0), round(y0)
     out[top:top + height, left:left + width] = placed[:sh - top, :sw - left]
-    return np.clip(out, 0.0, 1.0)
+    peak = out.max()  # resizing can fall between the map's samples: 1 stays where the evidence is strongest
+    return np.clip(out / peak, 0.0, 1.0) if peak > 0 else out
 
 
 def overlay(image: np.ndarray, cam: np.ndarray) -> np.ndarray:
