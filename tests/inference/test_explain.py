@@ -37,7 +37,8 @@ def loaded_model(architecture: str, shape, **args) -> LoadedCheckpoint:
     ("mobilenet_v3_small", (64, 64, 3), {"stem": "small"}, "nchw", "features"),  # its last map, 4x4
     ("timm:test_resnet", (128, 128, 3), {}, "nchw", "layer4"),  # 4x4: the last stage, as in Grad-CAM's paper
     ("timm:test_vit", (160, 160, 3), {}, "tokens", "blocks.5"),
-], ids=["resnet18-28px", "resnet18-64px", "torchvision-mobilenet", "timm-resnet", "timm-vit"])
+    ("swin_t", (64, 64, 3), {}, "nhwc", "features.5"),  # channels-last; its last stage is 2x2 on 64 px
+], ids=["resnet18-28px", "resnet18-64px", "torchvision-mobilenet", "timm-resnet", "timm-vit", "torchvision-swin"])
 def test_maps_of_each_family_have_the_inputs_size_and_lie_in_0_1(architecture, shape, args, layout, layer):
     loaded = loaded_model(architecture, shape, **args)
     explainer = explain.Explainer(loaded)

@@ -5,7 +5,7 @@ The map is Grad-CAM's (Selvaraju et al., 2017) on the model's last feature map o
 positions: for the CNNs (imgtrain's ResNet-18, torchvision's and timm's) the last stage's output
 (7x7 at 224 px); where the images are so small that the last stage is 2x2 or less, which would
 only name a quadrant, an earlier one (28x28 digits through ResNet-18's standard stem: layer2's
-4x4). A channels-last map (timm's Swin) is read as [N, C, h, w].
+4x4). A channels-last map (a Swin's, timm's or torchvision's) is read as [N, C, h, w].
 A vision transformer (torchvision's and timm's ViT) has no map: its patch tokens going into the
 last block are laid out on the patch grid and read as one (Grad-CAM on the last block, the class
 and register tokens left out); after the last block only the class token reaches the head, so
@@ -66,7 +66,9 @@ def find_target(model, image_shape) -> Target:
     if blocks is not None:  # torchvision's ViT: 1 class token; timm's: class and register tokens
         prefix = int(getattr(model, "num_prefix_tokens", 1))
         return Target(blocks[-1], "tokens", prefix, _patch_grid(model, blocks[-1], (h, w, c), prefix))
-    nhwc = getattr(model, "output_fmt", "NCHW") == "NHWC"  # timm's Swin says so
+    # Swin's maps are channels-last: timm's says so; torchvision's until its last step, a Permute to NCHW,
+    # which is passed over with them (on small images its earlier maps are read, all channels-last)
+    nhwc = getattr(model, "output_fmt", "NCHW") == "NHWC" or type(model).__name__ == "SwinTransformer"
     fired: list[tuple[nn.Module, tuple]] = []
     calls: dict[nn.Module, int] = {}
 
@@ -86,7 +88,8 @@ def find_target(model, image_shape) -> Target:
     # From a module run once (a shared ReLU is run by every block: captum reads a layer's one
     # output); containers fire after their children, so a stage is found before its last layer.
     maps = [(module, min(shape[1:3] if nhwc else shape[2:])) for module, shape in fired
-            if calls[module] == 1 and not isinstance(module, pools)]
+            if calls[module] == 1 and not isinstance(module, pools)
+            and not (nhwc and type(module).__name__ == "Permute")]
     for smallest in (MIN_MAP_SIDE, 2):  # the last map of at least 4x4 positions, else of 2x2
         for module, side in reversed(maps):
             if side >= smallest:
