@@ -671,6 +671,8 @@ def predict_cmd(
     if result.threshold is not None:
         summary += (f"; {result.rejected} answered unknown (their {result.ood_score} score under "
                     f"{result.threshold:.4g})")
+    if options.explain is not None:
+        summary += f"; where the model looked (overlay .png and map .npy per image) in {options.explain}"
     console.print(summary)
 
 
@@ -737,7 +739,7 @@ def report_cmd(run: str = typer.Argument(..., help="Run name (in --storage) or r
 @app.command("serve")
 @_declared
 def serve_cmd(run: str = RUN_ARGUMENT, *, options: ServeOptions, limits: Limits):
-    """Serve the model over HTTP with Ray Serve: POST /predict, GET /healthz. Ctrl-C stops it."""
+    """Serve the model over HTTP with Ray Serve: POST /predict, POST /explain, GET /healthz. Ctrl-C stops it."""
     from imgtrain.inference.serve import run_server
 
     run_server(run, **values(options), limits=limits, announce=lambda line: console.print(line))

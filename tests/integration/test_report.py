@@ -34,6 +34,7 @@ PLOTS = {  # element id -> file in report/
     "predictions-grid": "predictions_grid.png",
     "confusion-matrix": "confusion_matrix.png",
     "confident-errors": "confident_errors.png",
+    "confident-errors-maps": "confident_errors_maps.png",
     "reliability-diagram": "reliability_diagram.png",
     "label-issues": "label_issues.png",
 }

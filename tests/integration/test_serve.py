@@ -149,6 +149,7 @@ def test_healthz(server, trained):
     assert body["checkpoint"] == f"{run_name(trained)}/{trained[1].name}"
     assert body["classes"] == [str(i) for i in range(10)]
     assert body["preset"] == "digits"  # the try page draws digits; a photo model gets photos (test_try_page.py)
+    assert body["explain"] is True  # a checkpoint: /explain answers (an export's server says false)
     assert f"serving {trained[1]} at http://127.0.0.1:{port}" in stdout.read_text()
 
 
@@ -257,6 +258,32 @@ def test_rgb_image_of_another_size_is_converted(server, digit):
     assert_prediction(answer, expected, predictor.loaded.preprocess.classes)
 
 
+def test_explain_answers_the_prediction_with_the_map_on_the_image_as_sent(server, digit):
+    """POST /explain: /predict's answer for the image, and the Grad-CAM map of the predicted class,
+    computed from the converted image as /predict sees it, then put back on the image as sent
+    (40x56 RGB here) as an overlay and as the map itself (PNGs, base64); JSON batches get one each."""
+    from imgtrain.inference.explain import Explainer, source_map
+
+    _, port, _, _ = server
+    pixels, predictor = digit
+    rgb = np.asarray(Image.fromarray(pixels[..., 0]).convert("RGB").resize((40, 56)))  # [56, 40, 3]
+    status, answer = request(port, "/explain", png_bytes(rgb), "image/png")
+    assert status == 200, answer
+    seen = conform(rgb[None], (28, 28, 1))[0]
+    probs = predictor.predict_proba(seen)[0]
+    view = answer.pop("explanation")
+    assert_prediction(answer, probs, predictor.loaded.preprocess.classes)
+    assert view["size"] == [56, 40]
+    overlay = Image.open(io.BytesIO(base64.b64decode(view["overlay_png"])))
+    cam = np.asarray(Image.open(io.BytesIO(base64.b64decode(view["map_png"]))))
+    assert (overlay.mode, overlay.size, cam.shape, cam.max()) == ("RGB", (40, 56), (56, 40), 255)
+    expected = source_map(Explainer(predictor.loaded).maps(seen, [probs.argmax()])[0], (56, 40), (28, 28, 1), "digits")
+    assert np.abs(cam / 255 - expected).max() <= 1 / 255 + 1e-4
+    status, answers = request(port, "/explain", json.dumps({"images": [pixels.tolist()] * 2}).encode(),
+                              "application/json")
+    assert status == 200 and len(answers) == 2 and all(a["explanation"]["size"] == [28, 28] for a in answers)
+
+
 @pytest.mark.parametrize("body, content_type, status, fragment", [
     (b"this is not an image", "image/png", 400, "not a readable PNG/JPEG"),
     (b"\x89PNG\r\n\x1a\n" + b"\0" * 50, "application/octet-stream", 400, "not a readable PNG/JPEG"),
@@ -272,9 +299,10 @@ def test_rgb_image_of_another_size_is_converted(server, digit):
     (json.dumps({"images": [[[0] * 28] * 28] * (MAX_BATCH + 1)}).encode(), "application/json", 413,
      f"over the limit of {MAX_BATCH}"),
 ])
-def test_bad_requests_get_a_clear_4xx(server, body, content_type, status, fragment):
+@pytest.mark.parametrize("route", ["/predict", "/explain"])  # /explain takes the same bodies, within the same limits
+def test_bad_requests_get_a_clear_4xx(server, body, content_type, status, fragment, route):
     _, port, _, _ = server
-    got, answer = request(port, "/predict", body, content_type, method="POST")
+    got, answer = request(port, route, body, content_type, method="POST")
     assert got == status, answer
     assert fragment in answer["error"]
 
@@ -380,10 +408,20 @@ def test_the_page_draws_a_digit_and_shows_the_servers_answer(server, digit, tmp_
         page.choose_file("#file", tmp_path / "digit.png")
         page.wait_for("document.body.dataset.state === 'answered'")
         from_file = page.js("document.getElementById('top').textContent")
+        # ticked, "show where the model looked" asks /explain: the map over the image sent
+        assert page.js("document.getElementById('looked-box').hidden")
+        page.js("document.getElementById('explain').click(); document.body.dataset.state = ''")
+        (tmp_path / "again.png").write_bytes(png_bytes(digit[0]))  # the same file chosen again fires no change
+        page.choose_file("#file", tmp_path / "again.png")
+        page.wait_for("document.body.dataset.state === 'answered' "
+                      "&& document.getElementById('looked').naturalWidth > 0")
+        looked = page.js("[document.getElementById('looked-box').hidden, "
+                         "document.getElementById('looked').naturalWidth, document.getElementById('top').textContent]")
     finally:
         page.close()
     probs = digit[1].predict_proba(digit[0][None])[0]
     assert from_file == digit[1].loaded.preprocess.classes[int(probs.argmax())]
+    assert looked == [False, 28, from_file]  # shown, at the size of the file sent, beside the same answer
     # What the page sent, POSTed again by hand: the page shows the server's answer for it.
     png = base64.b64decode(sent.split(",", 1)[1])
     drawn = np.asarray(Image.open(io.BytesIO(png)).convert("L"))
@@ -591,6 +629,9 @@ def test_an_onnx_export_served_with_tta_flip_answers_as_the_pytorch_model(ray_cl
             health = request(port, "/healthz")[1]
             assert (health["tta"], health["engine"]) == ("flip", "onnxruntime")
             assert "warning: --tta flip" in stderr.read_text()
+            assert health["explain"] is False
+            status, refused = request(port, "/explain", png_bytes(pixels), "image/png")  # no gradients in an export
+            assert status == 409 and "explanations need the PyTorch checkpoint" in refused["error"], refused
             status, answer = request(port, "/predict", png_bytes(pixels), "image/png")
             assert status == 200, answer
             assert_prediction(answer, flipped.predict_proba(pixels[None])[0], flipped.loaded.preprocess.classes)

@@ -31,20 +31,21 @@ DENSE_CONFUSION_MAX_CLASSES = 1_000
 
 
 def predictions(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, on_error: str = "skip",
-                indices: bool = False, threshold: float | None = None):
+                indices: bool = False, threshold: float | None = None, explain: bool = False):
     """Predictions for every row of ``inputs`` (``inputs.list_inputs``), as pandas DataFrames of
     at most a few thousand rows, in input order: the carried columns (path, or id and label),
     pred_* and top-k. Images are read, converted and predicted task by task, never all held:
     here (``backend="local"``) or on Ray Data's tasks and actor pool. Rows that cannot be used
     are left out and reported to ``skipped(name, reason)``; with ``on_error="fail"`` the first
     one raises. ``indices``: top{i}_index columns too (``Predictor``); ``threshold``: the
-    out-of-distribution score under which an image is rejected (``predictor.rejection``)."""
+    out-of-distribution score under which an image is rejected (``predictor.rejection``);
+    ``explain``: each row's map and image (``Predictor``)."""
     opts.validate()
     if opts.backend == "local" and opts.use_gpu:
         raise ImgtrainError("--gpu needs the Ray backend (GPU actors); drop --backend local")
     check_tta(opts.tta, loaded.preprocess.preset)
     batches = _local_batches if opts.backend == "local" else _ray_batches
-    for frame in batches(loaded, inputs, opts, indices, threshold):
+    for frame in batches(loaded, inputs, opts, indices, threshold, explain):
         bad = frame[ERROR_KEY] != ""
         if bad.any():
             first = frame[bad].iloc[0]
@@ -55,11 +56,12 @@ def predictions(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, on_err
         yield frame[~bad]
 
 
-def _local_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, indices: bool, threshold: float | None):
+def _local_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, indices: bool, threshold: float | None,
+                   explain: bool):
     import pandas as pd
 
     predictor = Predictor(loaded, top_k=opts.top_k, tta=opts.tta, indices=indices, ood_score=opts.ood_score,
-                          threshold=threshold)
+                          threshold=threshold, explain=explain)
     shape, preset = loaded.preprocess.image_shape, loaded.preprocess.preset
     with process.torch_threads(opts.threads):  # this process's setting, put back after
         for task in inputs.tasks:
@@ -68,7 +70,8 @@ def _local_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, ind
                 yield pd.DataFrame(predictor({k: v[i:i + opts.batch_size] for k, v in rows.items()}))
 
 
-def _ray_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, indices: bool, threshold: float | None):
+def _ray_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, indices: bool, threshold: float | None,
+                 explain: bool):
     """Reading tasks (CPUs) feeding a pool of Predictor actors, order kept, output streamed."""
     import pandas as pd
 
@@ -89,6 +92,7 @@ def _ray_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, indic
                 checkpoint=str(loaded.path), device="cuda" if opts.use_gpu else "cpu",
                 top_k=opts.top_k, threads=0 if opts.use_gpu else opts.threads_per_actor(),
                 tta=opts.tta, indices=indices, engine=opts.engine, ood_score=opts.ood_score, threshold=threshold,
+                explain=explain,
             ),
             batch_size=opts.batch_size, batch_format="numpy", num_cpus=1, num_gpus=1 if opts.use_gpu else 0,
             compute=ray.data.ActorPoolStrategy(size=opts.concurrency),
@@ -98,7 +102,8 @@ def _ray_batches(loaded: LoadedCheckpoint, inputs, opts: InferenceOptions, indic
         with warnings.catch_warnings():  # a small input has fewer tasks than actors: no news
             warnings.filterwarnings("ignore", message="The minimum number of concurrent actors")
             for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-                yield pd.DataFrame(batch)
+                # --explain's maps and images come back as [B, H, W] arrays: one cell per row
+                yield pd.DataFrame({k: list(v) if v.ndim > 1 else v for k, v in batch.items()})
 
 
 # ---------------------------------------------------------------- evaluation
@@ -372,11 +377,14 @@ def predict(
     on_error: str = PredictOptions.on_error, split: str = PredictOptions.split,
     image_column: str = PredictOptions.image_column, options: InferenceOptions | None = None,
     overwrite: bool = PredictOptions.overwrite, reject: str | None = PredictOptions.reject,
+    explain: str | None = PredictOptions.explain,
 ) -> PredictResult:
     """Predict every image of ``input`` (see ``imgtrain.inference.inputs``) and write ``out``
     (.parquet/.csv) batch by batch: memory stays bounded however many images there are.
     ``reject``: ``auto`` or a threshold on the out-of-distribution score (``predictor.rejection``);
-    an image under it is answered ``unknown``."""
+    an image under it is answered ``unknown``. ``explain``: a folder for each image's map and
+    overlay (``explain.write_explanations``); the table names each image's overlay in its
+    ``explanation`` column."""
     from imgtrain.inference.inputs import (
         TableWriter,
         check_output,
@@ -388,6 +396,12 @@ def predict(
     if on_error not in ON_ERROR:
         raise ImgtrainError(f"--on-error must be skip or fail, got {on_error!r}")
     out = check_output(out, overwrite)  # before any work, not after it
+    if explain is not None:
+        from imgtrain.inference.explain import NEEDS_CHECKPOINT, check_explain_dir, write_explanations
+
+        if opts.engine != "torch":
+            raise ImgtrainError(f"--explain: {NEEDS_CHECKPOINT}")
+        explain_dir = check_explain_dir(explain, overwrite)
     # an ONNX Runtime session takes its threads when it is made: the local backend's, here
     loaded = load_checkpoint(run, checkpoint, storage, engine=opts.engine, threads=opts.threads)
     _check_multi_label_options(loaded, opts)
@@ -396,13 +410,17 @@ def predict(
     inputs = list_inputs(input, split=split, image_column=image_column)
     writer, skipped, converted, rejected = TableWriter(out), [], 0, 0
     try:
-        for frame in predictions(loaded, inputs, opts, on_error, threshold=threshold):
+        for frame in predictions(loaded, inputs, opts, on_error, threshold=threshold, explain=explain is not None):
             if (frame[ERROR_KEY] != "").any():
                 names = frame["path"] if "path" in frame else frame[ROW_KEY].map(lambda r: f"row {r}")
                 skipped += list(zip(names, frame[ERROR_KEY]))
                 continue
             converted += int(frame[CONVERTED_KEY].sum())
             rejected += int(frame["rejected"].sum()) if "rejected" in frame else 0
+            if len(frame) and explain is not None:
+                p = loaded.preprocess
+                names = write_explanations(frame, explain_dir, p.image_shape, p.preset)
+                frame = frame.drop(columns=["explain_map", "image"]).assign(explanation=names)
             if len(frame):
                 writer.write(frame.drop(columns=[ERROR_KEY, CONVERTED_KEY, ROW_KEY]))
         if writer.rows == 0:

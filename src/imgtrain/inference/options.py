@@ -132,8 +132,12 @@ class PredictOptions:
     on_error: str = option("skip", "Unreadable image files: skip (reported) or fail.", choices=ON_ERROR)
     split: str = option("test", "Prepared data set input: the split to predict.")
     image_column: str = option("image", "Parquet input: the image column.")
-    overwrite: bool = option(False, "Replace an existing --out file.", flag="--overwrite")
+    overwrite: bool = option(False, "Replace an existing --out file (and --explain's files).", flag="--overwrite")
     reject: str | None = reject_option()
+    explain: str | None = option(None, "Also write where the model looked, per image, into this folder: its "
+                                 "Grad-CAM map of the predicted class as an overlay PNG and as the map itself (.npy, "
+                                 "float32 in [0, 1], at the image's own size). A checkpoint only, not an export.",
+                                 metavar="DIR")
 
 
 @dataclass(frozen=True)

@@ -130,11 +130,15 @@ class Predictor:
     ``rejected`` column: a rejected image's ``pred_class`` is ``unknown`` and its ``pred_index`` -1.
     With ``indices`` and a ``label`` column (evaluate): ``nll``, and ``uncalibrated_confidence``,
     ``uncalibrated_pred_index`` and ``uncalibrated_nll`` (T = 1) where the logits are at hand.
+    ``explain=True``: the output also carries each image's Grad-CAM map of its predicted class (a
+    multi-label model's most probable label) at the model's size, ``explain_map``, and the
+    ``image`` itself (``explain.py``; a PyTorch checkpoint only).
     """
 
     def __init__(self, checkpoint, storage: str = "./runs", device: str = "cpu",
                  top_k: int = DEFAULT_TOP_K, threads: int = 0, tta: str = "none", indices: bool = False,
-                 engine: str = "torch", ood_score: str = ood.DEFAULT_METHOD, threshold: float | None = None):
+                 engine: str = "torch", ood_score: str = ood.DEFAULT_METHOD, threshold: float | None = None,
+                 explain: bool = False):
         check_tta(tta)  # the warning for digits is the driver's, once (batch.predictions, serve)
         # Set around each call and put back after, not for good: the process may be the
         # caller's own (a notebook), which must find its setting as it left it.
@@ -161,6 +165,11 @@ class Predictor:
         self.fitted = None  # mahalanobis's class means: its forward passes keep the penultimate features
         if self.ood_score in ood.FEATURE_METHODS and not self.multi_label and not self.exported:
             self.fitted = check_score(self.loaded.path, self.loaded.meta, self.ood_score).mahalanobis
+        self.explainer = None
+        if explain:
+            from imgtrain.inference.explain import Explainer
+
+            self.explainer = Explainer(self.loaded, tta, device)
 
     def predict_proba(self, images) -> np.ndarray:
         """uint8 [B, H, W, C] -> float32 probabilities [B, num_classes]."""
@@ -211,6 +220,14 @@ class Predictor:
 
     def __call__(self, batch: dict) -> dict:
         probs, logits, features = self._forward(batch["image"])  # [B, K]
+        out = self._answers(probs, logits, features, batch)
+        if self.explainer is not None:  # one object per row: a DataFrame column holds no [B, H, W] array
+            with process.torch_threads(self.threads):
+                maps = self.explainer.maps(batch["image"], probs.argmax(1))
+            out["explain_map"], out["image"] = _rows(maps), _rows(batch["image"])
+        return out
+
+    def _answers(self, probs: np.ndarray, logits, features, batch: dict) -> dict:
         if self.multi_label:  # the label set and every class's probability (multilabel_answers.py)
             out = {k: v for k, v in batch.items() if k != "image"}
             out.update(ml.prediction_columns(probs, self.thresholds, self.classes, self.separator))
@@ -294,3 +311,9 @@ def rejection(path: Path, meta: dict, method: str, reject) -> float | None:
                             f"and {path} has none (its data set has no val split, or it was never calibrated): "
                             "run `imgtrain calibrate RUN`, or pass a number")
     return stored
+
+def _rows(arrays: np.ndarray) -> np.ndarray:
+    """[B, ...] -> an object array of B arrays: one cell per row of a DataFrame."""
+    out = np.empty(len(arrays), dtype=object)
+    out[:] = list(arrays)
+    return out

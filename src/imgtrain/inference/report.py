@@ -5,6 +5,7 @@
         predictions_grid.png   16 test images with true and predicted class, mistakes in red
         confusion_matrix.png   counts, rows = true class, columns = predicted class
         confident_errors.png   the test images the model got wrong most confidently
+        confident_errors_maps.png  the same, each with where the model looked (Grad-CAM of its predicted class)
         reliability_diagram.png  accuracy against confidence in 15 bins, with the calibration error
         evaluation.json        the re-evaluation of the checkpoint (``imgtrain evaluate --json``)
 
@@ -53,6 +54,9 @@ PLOTS = (
      "Test-set confusion matrix: rows are the true class, columns the predicted class."),
     ("confident-errors", "confident_errors.png",
      "The misclassified test images the model was most confident about."),
+    ("confident-errors-maps", "confident_errors_maps.png",
+     "Where the model looked for each of them: the Grad-CAM map of the class it predicted over the image it saw "
+     "(red: the strongest evidence for that class; docs/inference.md, Explanations)."),
     ("label-issues", "label_issues.png",
      "Training images whose label deserves a second look: the model confidently predicts another class "
      "(label_issues.py says the rule); the title gives the label and the model's answer."),
@@ -96,6 +100,7 @@ def write_report(run, checkpoint: str = ReportOptions.checkpoint, storage: str =
     _image_grid(_stack(pictures, first), first, ev.classes, png["predictions-grid"], with_confidence=False)
     _confusion_plot(ev.confusion, ev.classes, png["confusion-matrix"])
     _image_grid(_stack(pictures, worst), worst, ev.classes, png["confident-errors"], with_confidence=True)
+    _confident_error_maps(ev, _stack(pictures, worst), worst, png["confident-errors-maps"])
     _reliability_diagram(ev.calibration, ev.ece, png["reliability-diagram"])
     _label_issues(ev, png["label-issues"])
     shown = {"checkpoint": _located(used, result.path, where), "data": _data_location(ev, used_meta)}
@@ -118,6 +123,22 @@ def _label_issues(ev, path: Path) -> None:
     pictures = stream.fetch_images(ev.data, "train", set(rows["id"]), preset=preprocess_preset(Path(ev.checkpoint)))
     _image_grid(_stack(pictures, rows), rows, ev.classes, path, with_confidence=True, given="labelled",
                 empty="No training image contradicts its label confidently: nothing to show.")
+
+
+def _confident_error_maps(ev, images: np.ndarray, rows, path: Path) -> None:
+    """The confident errors again, each with the Grad-CAM map of the class the model predicted
+    over it (``explain.py``), in the same grid and order."""
+    from imgtrain.inference.explain import Explainer, overlay
+    from imgtrain.inference.predictor import load_checkpoint
+
+    empty = "No misclassified test images: no map to show."
+    if len(rows):
+        try:
+            maps = Explainer(load_checkpoint(ev.checkpoint)).maps(images, rows["pred_index"].to_numpy())
+            images = np.stack([overlay(image, cam) for image, cam in zip(images, maps)])
+        except ImgtrainError as e:  # a model with no map to place: said in the picture, the page still written
+            images, rows, empty = images[:0], rows.iloc[:0], f"No maps: {e}"
+    _image_grid(images, rows, ev.classes, path, with_confidence=True, empty=empty)
 
 
 def _page_place(result, run_dir: Path, storage, ev) -> tuple[Path, Path, dict, bool, str]:
@@ -328,6 +349,7 @@ th { background: #f3f3f3; } td.text, th.text { text-align: left; }
 tr.used { background: #fff6d6; font-weight: 600; }
 figure { margin: 1rem 0; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { color: #555; font-size: 0.9rem; }
+.beside { display: flex; gap: 1rem; } .beside figure { flex: 1; min-width: 0; }  /* the errors and their maps */
 .muted { color: #777; }
 """
 
@@ -409,7 +431,8 @@ def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, nu
                row_classes=metric_marks),
         f"<h2>Predictions on the {_e(ev.split)} split</h2>", figures["predictions-grid"],
         "<h2>Confusion matrix</h2>", figures["confusion-matrix"],
-        "<h2>Most confident errors</h2>", figures["confident-errors"],
+        "<h2>Most confident errors</h2>",
+        f'<div class="beside">{figures["confident-errors"]}{figures["confident-errors-maps"]}</div>',
         "<h2>Calibration</h2>", figures["reliability-diagram"],
         *_issues_section(ev.label_issues, ev.classes, figures["label-issues"]),
         "<h2>Per-class scores</h2>",
@@ -478,6 +501,8 @@ def _figures(result: runs.RunResult, out: Path, num_wrong: int) -> dict[str, str
             caption = "No test image is misclassified, so there are no confident errors to show."
         elif plot_id == "confident-errors" and num_wrong < GRID_SIDE**2:
             caption = f"All {num_wrong} misclassified test image(s), the most confident first."
+        elif plot_id == "confident-errors-maps" and num_wrong == 0:
+            caption = "No misclassified test image, so no map."
         caption = caption.format(split=result.validation_split)
         data = base64.b64encode((out / file).read_bytes()).decode("ascii")
         figures[plot_id] = (

@@ -124,3 +124,16 @@ def decode_request(body: bytes, is_json: bool, shape, max_pixels: int, preset: s
         raise RequestError(413, f"{len(images)} images in one request, over the limit of "
                                 f"{max_images} (--max-batch-images)")
     return images, batch
+
+
+def decode_explain_request(body: bytes, is_json: bool, shape, max_pixels: int, preset: str,
+                           max_images: int) -> tuple[np.ndarray, list[np.ndarray], bool]:
+    """``decode_request``'s images, each with the image as it was sent, which its explanation is
+    drawn over: an image file's own pixels (RGB, EXIF orientation applied), or the JSON pixels."""
+    images, batch = decode_request(body, is_json, shape, max_pixels, preset, max_images)
+    if is_json:
+        return images, list(images), batch
+    from imgtrain.data.images import open_image, to_mode
+
+    with open_image(body, max_pixels) as im:  # decoded once already: it is a readable image
+        return images, [np.asarray(to_mode(im, 3), dtype=np.uint8)], batch

@@ -9,11 +9,15 @@ methods are its routes. A new route is a method of ``ModelServer`` here, nothing
                     with --reject, a rejected image's "label" is "unknown" and its "index" -1;
                     a multi-label model: {"labels": [{"label", "probability"}, ...] (the classes at or
                     over their thresholds, most probable first), "probabilities"} (multilabel_answers.py)
+    POST /explain   the same bodies -> /predict's answer with "explanation": {"size" [H, W], "overlay_png",
+                    "map_png"} (base64 PNGs at the size of the image as sent): where the model looked
+                    for its predicted class (explain.py); 409 from an export (--engine)
     GET  /healthz   -> {"status": "ok", "checkpoint" (its name), "classes", "image_shape",
                         "forward_passes", "images_predicted" (this replica's, since it started),
                         "tta" (none, or flip: --tta), "engine" (torch, or onnxruntime: --engine),
                         "preset" (digits or photos: the try page draws digits, takes photos),
-                        "temperature" (calibration's T, 1 without), "ood": {"method", "threshold"};
+                        "temperature" (calibration's T, 1 without), "ood": {"method", "threshold"},
+                        "explain" (whether /explain answers: a checkpoint, not an export);
                         a multi-label model's also "multi_label": true and "thresholds": {class: threshold}}
     GET  /          a page to try the model in a browser (try_page.py)
     GET  /openapi.json  only with ``--openapi`` (no /docs or /redoc: they load outside scripts)
@@ -49,12 +53,14 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from imgtrain.inference.batcher import Batcher
+from imgtrain.inference.explain import NEEDS_CHECKPOINT, Explainer, explanation_view
 from imgtrain.inference.multilabel_answers import answer as multilabel_answer
 from imgtrain.inference.ood import UNKNOWN
 from imgtrain.inference.options import Limits
 from imgtrain.inference.predictor import Predictor
-from imgtrain.inference.requests import RETRY_AFTER, RequestError, decode_request, read_body
+from imgtrain.inference.requests import RETRY_AFTER, RequestError, decode_explain_request, decode_request, read_body
 from imgtrain.inference.try_page import CONTENT_SECURITY_POLICY, PAGE
+from imgtrain.ops.process import torch_threads
 
 REPLICA_CPUS = 0.5  # logical: a replica mostly waits for requests; its torch threads: serve._deploy
 
@@ -122,7 +128,8 @@ class ModelServer:
         self.batcher = Batcher(self._run_model, limits.max_batch_size, limits.batch_wait_ms / 1000)
         self.predictor.predict_proba(np.zeros((1, *self.shape), np.uint8))  # warm up before "ready"
         self.forward_passes = self.images_predicted = 0  # their ratio: how well requests are batched
-        self.queued = 0  # /predict requests here with their body in: being decoded, batched or answered
+        self.queued = 0  # /predict and /explain requests here with their body in: being decoded, batched or answered
+        self.explainer = None  # made at the first /explain (_explain)
 
     @http_app.get("/")
     def page(self):
@@ -139,6 +146,7 @@ class ModelServer:
                 "temperature": self._temperature(),
                 **({} if self.multi_label else
                    {"ood": {"method": self.predictor.ood_score, "threshold": self.predictor.threshold}}),
+                "explain": self.engine == "torch",  # /explain needs the checkpoint's gradients
                 **({"multi_label": True, "thresholds": dict(zip(self.classes, self.predictor.thresholds.tolist()))}
                    if self.multi_label else {})}
 
@@ -152,6 +160,17 @@ class ModelServer:
 
     @http_app.post("/predict")
     async def predict(self, request: Request):
+        return await self._queued(request, self._answer)
+
+    @http_app.post("/explain")
+    async def explain(self, request: Request):
+        """/predict's answer with where the model looked (explain.py); the same bodies and limits."""
+        if self.engine != "torch":  # an export: no gradients, so no map; /predict still answers
+            raise RequestError(409, NEEDS_CHECKPOINT)
+        return await self._queued(request, self._explained)
+
+    async def _queued(self, request: Request, answer):
+        """``answer(body, is_json)`` for the request, within the queue's places and the deadlines."""
         self._refuse_if_full()  # at once, before reading a body that could not be queued
         # Queued only once its body is in: 140 clients trickling theirs held every place
         # and the requests behind them got 503. read_body's deadline bounds how long a body may
@@ -163,7 +182,7 @@ class ModelServer:
             is_json = request.headers.get("content-type", "").split(";")[0].strip().endswith("json")
             timeout = self.limits.request_timeout_s
             try:
-                return await asyncio.wait_for(self._answer(body, is_json), timeout)
+                return await asyncio.wait_for(answer(body, is_json), timeout)
             except asyncio.TimeoutError:
                 raise RequestError(504, f"no answer within {timeout:g} s (--request-timeout): the server is "
                                         "overloaded; retry later", RETRY_AFTER) from None
@@ -184,12 +203,41 @@ class ModelServer:
             rows = await self._run_model(images)
         else:
             rows = (await self.batcher(images[0]))[None]
-        probs, scores = rows[:, :-1], rows[:, -1]  # _predict_proba's last column: the score
-        if self.multi_label:
-            answers = [multilabel_answer(p, self.predictor.thresholds, self.classes) for p in probs]
-        else:
-            answers = [self._single_label_answer(p, float(s)) for p, s in zip(probs, scores)]
+        answers = self._answers(rows)
         return answers if batch else answers[0]
+
+    async def _explained(self, body: bytes, is_json: bool):
+        """Each image's answer with ``explanation``: its map of the predicted class (a multi-label
+        model's most probable label) over the image as sent (``explain.explanation_view``). A request's images
+        run as their own batch, not gathered with others: their maps take a backward pass."""
+        loop = asyncio.get_running_loop()
+        images, sent, batch = await loop.run_in_executor(
+            self.decoders, decode_explain_request, body, is_json, self.shape, self.max_pixels,
+            self.predictor.loaded.preprocess.preset, self.limits.max_batch_images)
+        rows, maps = await loop.run_in_executor(self.model_thread, self._explain, images)
+        answers = self._answers(rows)
+        preprocess = self.predictor.loaded.preprocess
+        views = await loop.run_in_executor(self.decoders, lambda: [
+            explanation_view(cam, image, not is_json, preprocess.image_shape, preprocess.preset)
+            for cam, image in zip(maps, sent)])
+        for answer, view in zip(answers, views):
+            answer["explanation"] = view
+        return answers if batch else answers[0]
+
+    def _explain(self, images: np.ndarray):
+        """In the model thread only: ``_predict_proba``'s rows and the maps of the most probable classes."""
+        if self.explainer is None:  # captum and the layer's search: at the first /explain, not at start
+            self.explainer = Explainer(self.predictor.loaded, self.predictor.tta)
+        rows = self._predict_proba(images)
+        with torch_threads(self.predictor.threads):
+            return rows, self.explainer.maps(images, rows[:, :-1].argmax(1))
+
+    def _answers(self, rows: np.ndarray) -> list[dict]:
+        """The answers to ``_predict_proba``'s rows (each image's probabilities, then its score)."""
+        probs, scores = rows[:, :-1], rows[:, -1]
+        if self.multi_label:
+            return [multilabel_answer(p, self.predictor.thresholds, self.classes) for p in probs]
+        return [self._single_label_answer(p, float(s)) for p, s in zip(probs, scores)]
 
     def _single_label_answer(self, p: np.ndarray, score: float) -> dict:
         index, threshold = int(p.argmax()), self.predictor.threshold

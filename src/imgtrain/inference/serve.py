@@ -100,8 +100,9 @@ def run_server(run, checkpoint: str = ServeOptions.checkpoint, storage: str = Se
                         with contextlib.redirect_stdout(terminal):
                             via = "the replica answers directly" if ingress == "direct" else \
                                 "through Ray Serve's proxy"
+                            explain = "POST /explain, " if engine == "torch" else ""  # an export has no maps
                             announce(f"serving {path} at {_url(host, port, connect=False)} (POST /predict, "
-                                     f"GET /healthz; {via}); Ctrl-C stops")
+                                     f"{explain}GET /healthz; {via}); Ctrl-C stops")
                             terminal.flush()  # seen at once through a pipe or a log file too
                         while not stop.wait(1.0):  # a timed wait: signal handlers run promptly
                             pass

@@ -2,6 +2,9 @@
 (a multi-label model's: every label at or over its threshold, with its probability).
 A photo model (the photos preset, from /healthz) gets no drawing pad, whose white strokes on
 black mean nothing to it: a photo is dropped, pasted or chosen instead.
+With "show where the model looked" ticked, the page asks /explain instead of /predict and shows
+the map of the predicted class over the image it sent (a server of an export has no /explain:
+/healthz says so, and the choice is not offered).
 
 Everything is inline (no scripts, styles or fonts from elsewhere: it works offline, and the
 Content-Security-Policy sent with it forbids anything else). A drawing is framed as MNIST frames
@@ -32,9 +35,11 @@ button { font: inherit; padding: 6px 14px; margin: 8px 8px 0 0; border-radius: 4
 .prob { text-align: right; font-variant-numeric: tabular-nums; }
 #top { font-size: 28px; font-weight: 600; min-height: 36px; }
 #seen { width: 84px; height: 84px; image-rendering: pixelated; background: #000; border-radius: 4px; }
+#looked { width: 84px; height: 84px; image-rendering: pixelated; border-radius: 4px; }
 body[data-mode="photos"] #drop { width: 320px; height: 200px; margin-top: 0; }
 body[data-mode="photos"] #seen { width: 160px; height: 160px; object-fit: contain; image-rendering: auto;
                                  background: #f4f4f4; }
+body[data-mode="photos"] #looked { width: 160px; height: 160px; object-fit: contain; image-rendering: auto; }
 #error { color: #b00; min-height: 20px; }
 </style></head><body>
 <h1>Try the model</h1>
@@ -47,9 +52,11 @@ body[data-mode="photos"] #seen { width: 160px; height: 160px; object-fit: contai
     </div>
     <div id="drop">drop an image file here<br>or click to choose one</div>
     <input type="file" id="file" accept="image/png,image/jpeg" hidden>
+    <label id="explain-choice" hidden><input type="checkbox" id="explain"> show where the model looked</label>
   </div>
   <div>
     <div class="muted">the model saw</div><img id="seen" alt="">
+    <div id="looked-box" hidden><div class="muted">where it looked for its answer</div><img id="looked" alt=""></div>
     <div class="muted">prediction</div><div id="top"></div>
     <ul id="result"></ul><div id="error"></div>
   </div>
@@ -69,6 +76,7 @@ fetch("healthz").then(r => r.json()).then(h => {
   const photos = h.preset ? h.preset === "photos" : shape[2] === 3;
   document.body.dataset.mode = photos ? "photos" : "digits";
   document.getElementById("draw").hidden = photos;
+  document.getElementById("explain-choice").hidden = !h.explain;  // an export served: no maps
   document.getElementById("drop").innerHTML = photos
     ? "drop a photo here, paste one (Ctrl+V)<br>or click to choose one"
     : "drop an image file here<br>or click to choose one";
@@ -83,7 +91,9 @@ pad.addEventListener("pointermove", e => {
   ctx.beginPath(); ctx.moveTo(last[0], last[1]); ctx.lineTo(p[0], p[1]); ctx.stroke(); last = p;
 });
 for (const ev of ["pointerup", "pointercancel"]) pad.addEventListener(ev, () => { drawing = false; });
-document.getElementById("clear").onclick = () => { clearPad(); show([], ""); };
+document.getElementById("clear").onclick = () => {
+  clearPad(); show([], ""); document.getElementById("looked-box").hidden = true;
+};
 
 // The strokes' bounding box, scaled to 20/28 of the input and centred, as MNIST frames digits.
 function framed() {
@@ -120,11 +130,17 @@ document.addEventListener("paste", e => {  // a screenshot or a copied image
 function sendFile(f) { send(f, URL.createObjectURL(f)); }
 async function send(blob, preview) {
   document.getElementById("seen").src = preview;
+  document.getElementById("looked-box").hidden = true;  // until this image's map comes
   document.body.dataset.state = "waiting";
   try {
-    const r = await fetch("predict", { method: "POST", body: blob, headers: { "Content-Type": blob.type || "image/png" } });
+    const route = document.getElementById("explain").checked ? "explain" : "predict";
+    const r = await fetch(route, { method: "POST", body: blob, headers: { "Content-Type": blob.type || "image/png" } });
     const answer = await r.json();
     if (!r.ok) { show([], answer.error || ("HTTP " + r.status)); return; }
+    if (answer.explanation) {  // the map of the predicted class over the image as sent
+      document.getElementById("looked").src = "data:image/png;base64," + answer.explanation.overlay_png;
+      document.getElementById("looked-box").hidden = false;
+    }
     if (Array.isArray(answer.labels)) {  // a multi-label model: every label at or over its threshold
       const over = answer.labels.map(l => [l.label, l.probability]);
       show(over, "", over.length ? over.map(l => l[0]).join(", ") : "no label over its threshold");
