@@ -50,24 +50,21 @@ AUTO_LR = AUTO  # --lr auto: lr-find's suggestion (training/lr_find.py), decided
 FIT_BATCH = AUTO  # --batch-size auto: the largest that fits the memory (training/batch_fit.py)
 
 
-def parse_lr(text: str) -> float | str:
-    """'auto' -> AUTO_LR; a number otherwise (its range is checked with the others)."""
-    if str(text).strip().lower() == AUTO:
-        return AUTO_LR
-    try:
-        return float(text)
-    except ValueError:
-        raise ImgtrainError(f"--lr {text!r} is not a number or auto") from None
+def _number_or_auto(cast, flag: str, kind: str):
+    """The parser of a flag that takes ``auto`` or a number (``cast``): 'auto' -> AUTO."""
+    def parse(text: str):
+        if str(text).strip().lower() == AUTO:
+            return AUTO
+        try:
+            return cast(text)
+        except ValueError:
+            raise ImgtrainError(f"{flag} {text!r} is not {kind} or auto") from None
+    return parse
 
 
-def parse_batch_size(text: str) -> int | str:
-    """'auto' -> FIT_BATCH; a whole number otherwise (0: chosen from the split's size)."""
-    if str(text).strip().lower() == AUTO:
-        return FIT_BATCH
-    try:
-        return int(text)
-    except ValueError:
-        raise ImgtrainError(f"--batch-size {text!r} is not a whole number or auto") from None
+parse_lr = _number_or_auto(float, "--lr", "a number")  # its range is checked with the others
+parse_batch_size = _number_or_auto(int, "--batch-size", "a whole number")  # 0: chosen from the split's size
+AUTO_PARSERS = {"lr": parse_lr, "batch_size": parse_batch_size}  # the fields that take auto
 
 
 @dataclass
@@ -480,21 +477,18 @@ def validate(cfg: TrainConfig, problems: list[str] = ()) -> None:
 
 def is_auto(name: str, value) -> bool:
     """Whether ``value`` is ``auto`` for the field ``name`` (--lr auto, --batch-size auto)."""
-    return name in ("lr", "batch_size") and value == AUTO
+    return name in AUTO_PARSERS and value == AUTO
 
 
 def read_text(values: dict) -> dict:
     """``values`` (flags or a file's entries) with the text of --lr and --batch-size read
     (``auto``, or a number)."""
-    parsers = {"lr": parse_lr, "batch_size": parse_batch_size}
-    return {k: parsers[k](v) if k in parsers and isinstance(v, str) else v for k, v in values.items()}
+    return {k: AUTO_PARSERS[k](v) if k in AUTO_PARSERS and isinstance(v, str) else v for k, v in values.items()}
 
 
 def read_autos(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with ``"auto"`` (the Python API's spelling) read as the fields' auto values."""
-    return dataclasses.replace(cfg, **{name: parse(value) for name, parse in (("lr", parse_lr),
-                                                                            ("batch_size", parse_batch_size))
-                                       if isinstance(value := getattr(cfg, name), str)})
+    return dataclasses.replace(cfg, **read_text({name: getattr(cfg, name) for name in AUTO_PARSERS}))
 
 
 def wandb_problems(cfg: TrainConfig) -> list[str]:

@@ -25,7 +25,7 @@ import textwrap
 import tomllib
 from pathlib import Path
 
-from imgtrain.config import Setting, TrainConfig, parse_workers, read_text, settings
+from imgtrain.config import AUTO_PARSERS, Setting, TrainConfig, parse_workers, read_text, settings
 from imgtrain.errors import ImgtrainError
 from imgtrain.storage.runs import VERSION_KEYS
 
@@ -101,7 +101,7 @@ def _value(s: Setting, value) -> dict:
     if s.name == "workers" and isinstance(value, str):  # "MIN-MAX": an elastic run
         low, high = parse_workers(value)
         return {"min_workers": low, "workers": high}
-    if s.name in ("lr", "batch_size") and isinstance(value, str):  # "auto"
+    if s.name in AUTO_PARSERS and isinstance(value, str):  # "auto"
         return read_text({s.name: value})
     if value is None and s.optional:  # JSON null: the field's "not set"
         return {s.name: None}

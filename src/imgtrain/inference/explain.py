@@ -223,16 +223,14 @@ def _unit(cam):
 def crop_box(source_hw, image_shape, preset: str) -> tuple[float, float, float, float]:
     """(x0, y0, width, height) of the part of an image of ``source_hw`` (H, W) that the model's
     input shows: all of it for the digits preset's resize; the photos preset's centre crop
-    (``images.center_crop``) otherwise."""
-    from imgtrain.data.images import EVAL_CROP
+    (``images.center_box``) otherwise."""
+    from imgtrain.data.images import center_box
 
     sh, sw = source_hw
     if preset != "photos":
         return 0.0, 0.0, float(sw), float(sh)
-    th, tw = image_shape[:2]
-    scale = max(th / (sh * EVAL_CROP), tw / (sw * EVAL_CROP))
-    cw, ch = tw / scale, th / scale
-    return (sw - cw) / 2, (sh - ch) / 2, cw, ch
+    x0, y0, x1, y1 = center_box((sw, sh), image_shape[:2])
+    return x0, y0, x1 - x0, y1 - y0
 
 
 def source_map(cam: np.ndarray, source_hw, image_shape, preset: str) -> np.ndarray:
