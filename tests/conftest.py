@@ -18,6 +18,9 @@ os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 # OpenMP threads that spin while waiting for work took the cores from the others (a 2-step epoch
 # in this process took 12-17 s instead of 1-2 s). Before torch is imported; children inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# numpy's OpenBLAS alike: its threads spin too (an eigh of 512x512, the Mahalanobis fit, took 6 s
+# with 2 threads on the loaded machine, 0.09 s with one).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # Ray Train's controller looks at its workers every 2 s: a finished or failed worker group is
 # seen that much later in every run. Tests poll faster (inherited by the clusters they start).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")

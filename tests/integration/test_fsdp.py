@@ -29,6 +29,7 @@ from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from imgtrain.training.progress import TrainingDisplay
 from tests.conftest import assert_one_line_error, cli_here, quiet_display
 from tests.integration.ledger import global_batches
+from tests.integration.test_train import assert_a_two_worker_run
 
 pytestmark = pytest.mark.integration
 
@@ -102,6 +103,12 @@ def bit_equal(a: dict, b: dict) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_ddp_reference_is_a_whole_two_worker_run_fed_by_the_torch_dataloader(ddp):
+    # The suite's 2-worker run with the torch DataLoader's ingest (test_train's ``ray_run`` has Ray Data's)
+    assert ddp.config["ingest"] == "torch" and ddp.config["workers"] == 2
+    assert_a_two_worker_run(ddp, ddp.path)
+
+
 def test_the_checkpoint_holds_a_plain_model_and_every_ranks_verified_shards(resumed):
     result, storage = resumed
     checkpoint = result.latest_checkpoint
@@ -163,19 +170,3 @@ def test_a_failed_fsdp_run_resumes_on_one_worker_from_the_resharded_state(ddp, f
     changed = cli_here(capsys, "train", "--name", "cut", "--storage", str(storage), "--strategy", "ddp",
                        "--epochs", "3")
     assert_one_line_error(changed, "strategy: 'fsdp' -> 'ddp'")
-
-
-def test_another_model_in_bfloat16(ray_cluster, tiny_data, tmp_path):
-    # MobileNet-V3's blocks are the entries of its `features`; bf16 gathers them in bfloat16
-    # and keeps BatchNorm in float32 (its own FSDP unit).
-    result = imgtrain.train(config(tiny_data, tmp_path, "mn", model="mobilenet_v3_small", precision="bf16",
-                                   channels_last=True, epochs=1, limit_train_batches=4, checkpoint_every_steps=0, ledger=False),
-                            display=QUIET)
-    assert result.status == "finished"
-    meta = ckpt.verify(result.latest_checkpoint)
-    assert meta["model_args"]["architecture"] == "mobilenet_v3_small"
-    state = ckpt.load_model_state(result.latest_checkpoint)
-    assert {v.dtype for v in state.values() if v.is_floating_point()} == {torch.float32}
-    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
-    ev = evaluate("mn", storage=str(tmp_path), options=InferenceOptions(backend="local"))
-    assert ev.accuracy == meta["metrics"]["val_accuracy"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -85,16 +86,36 @@ def trainer(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def s3_run(s3_server, ray_cluster, tiny_data, trainer):
+def s3_trained(s3_server, ray_cluster, tiny_data, trainer):
     """The tiny data set uploaded as prepared, and a 2-worker run ``srv`` trained from it into the
-    bucket by the real CLI, on the session's cluster."""
+    bucket by the real CLI off a terminal, on the session's cluster: (the bucket's environment,
+    the finished command)."""
     pafs.copy_files(str(tiny_data), DATA.removeprefix("s3://"), source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=bucket(s3_server))
     env = machine(s3_server, trainer, "trainer")
     done = cli(env, "train", "--data", DATA, "--storage", RUNS, "--name", "srv", *TRAIN, "--address", ray_cluster)
     assert done.returncode == 0, done.stderr
     assert "run directory: s3://imgtrain/runs/srv" in done.stdout
-    return s3_server
+    return s3_server, done
+
+
+@pytest.fixture(scope="module")
+def s3_run(s3_trained):
+    return s3_trained[0]
+
+
+def test_the_cli_off_a_terminal_prints_one_line_per_phase_and_epoch(s3_trained, ray_cluster):
+    # The suite's one Ray run through the CLI off a terminal (a CI log, a pipe): no bar, no Ray noise.
+    out, err = s3_trained[1].stdout, s3_trained[1].stderr
+    assert "epoch   1/2" in out and "epoch   2/2" in out and "test accuracy" not in out
+    assert "note: this data set has no val split" in out and "on the test split that chose it" in out
+    assert "Traceback" not in out + err
+    assert "WARNING" not in out + err  # Ray's own noise goes to logs/
+    # one line per start-up phase with its duration, in order
+    phases = re.findall(r"^(checking the data set|starting Ray|joining the Ray cluster at \S+|checking resources and storage|"
+                        r"starting 2 workers|loading data|building the model|first \d+ steps?): \d+\.\d s$", out, re.M)
+    assert phases == ["checking the data set", f"joining the Ray cluster at {ray_cluster}", "checking resources and storage",
+                      "starting 2 workers", "loading data", "building the model", "first 8 steps"], out
 
 
 def test_the_run_lives_in_the_bucket(s3_run, trainer):

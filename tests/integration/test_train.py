@@ -1,14 +1,14 @@
 """Training for real on a local Ray cluster, through the Python API and the CLI.
 
-Facts of a finished run are read from the session's shared runs (``ray_run``, ``local_run``);
+Facts of a finished run are read from the session's shared runs (``ray_run``, ``local_run``;
+the torch DataLoader's ingest on 2 workers from test_fsdp's DDP run, and the CLI off a terminal
+from test_s3's run: one Ray fit each for several files);
 what does not depend on Ray (resume, overwrite, damaged checkpoints) runs on the local backend,
 each test on a copy of a finished run."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 
 import pytest
 import torch
@@ -75,49 +75,6 @@ def assert_a_two_worker_run(result, run_dir, architecture="resnet18"):
 def test_two_workers_with_ray_data_ingest_train_and_write_the_run_directory(ray_run):
     assert ray_run.config["ingest"] == "ray-data" and ray_run.config["workers"] == 2
     assert_a_two_worker_run(ray_run, ray_run.path)
-
-
-@pytest.fixture(scope="module")
-def cli_run(ray_cluster, tiny_data, tmp_path_factory):
-    """(the finished command, its storage): the one Ray run through the CLI off a terminal, its own
-    process joining the session's cluster. With the other ingest than ``ray_run``'s (the torch
-    DataLoader), so that both ingests are trained on 2 workers."""
-    storage = tmp_path_factory.mktemp("cli-runs")
-    proc = run_cli("train", "--data", str(tiny_data), "--name", "cli", "--epochs", "2", "--batch-size", "32",
-                   "--ingest", "torch", "--storage", str(storage), "--address", ray_cluster, "--model", "timm:test_resnet")
-    assert proc.returncode == 0, proc.stderr
-    return proc, storage
-
-
-def test_two_workers_with_torch_ingest_train_and_write_the_run_directory(cli_run):
-    _, storage = cli_run
-    result = runs.load_run(str(storage), "cli")
-    assert result.config["ingest"] == "torch" and result.config["workers"] == 2
-    assert_a_two_worker_run(result, result.path, architecture="timm:test_resnet")  # small: the ingest is what differs
-
-
-def test_cli_train_prints_progress_and_runs_show_json(cli_run, ray_cluster, capsys):
-    proc, storage = cli_run
-    out = proc.stdout
-    assert "epoch   1/2" in out and "epoch   2/2" in out and "test accuracy" not in out
-    assert "note: this data set has no val split" in out and "on the test split that chose it" in out
-    assert "Traceback" not in out + proc.stderr
-    assert "WARNING" not in out + proc.stderr  # Ray's own noise goes to logs/
-    # off a terminal, one line per start-up phase with its duration, in order
-    phases = re.findall(r"^(checking the data set|starting Ray|joining the Ray cluster at \S+|checking resources and storage|starting 2 workers|"
-                        r"loading data|building the model|first \d+ steps?): \d+\.\d s$", out, re.M)
-    assert phases == ["checking the data set", f"joining the Ray cluster at {ray_cluster}", "checking resources and storage", "starting 2 workers",
-                      "loading data", "building the model", "first 8 steps"], out
-
-    shown = cli_here(capsys, "runs", "show", "cli", "--json", "--storage", str(storage))
-    data = json.loads(shown.stdout)
-    for key in ("name", "status", "epochs_completed", "metrics", "best_checkpoint", "latest_checkpoint"):
-        assert key in data
-    assert data["status"] == "finished" and data["epochs_completed"] == 2
-    assert {"epoch", "train_loss", "val_accuracy"} <= set(data["metrics"][0])
-
-    listed = cli_here(capsys, "runs", "list", "--storage", str(storage))
-    assert listed.returncode == 0 and "cli" in listed.stdout and "finished" in listed.stdout
 
 
 def tutorial_build_model() -> nn.Module:

@@ -73,6 +73,34 @@ def test_bfloat16_runs_blocks_in_bfloat16_and_batchnorm_in_float32(world_of_one)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the sharded weights themselves
 
 
+def test_another_family_in_bfloat16_trains_and_gathers_float32_weights(world_of_one):
+    # MobileNet-V3: its units are the entries of `features`, with BatchNorm inside them (each
+    # its own float32 unit). A few optimizer steps in bfloat16, then the plain state dict that
+    # model.pt holds: float32 and finite. (This was a 2-worker Ray run; what differs from the
+    # ResNet runs of tests/integration/test_fsdp.py is the sharding, which is this process's.)
+    torch.manual_seed(0)
+    model = fsdp.shard(build_from_args({"architecture": "mobilenet_v3_small", "in_channels": 1, "num_classes": 10,
+                                        "image_size": [28, 28]}), CPU, "bf16")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    images, labels = torch.randn(8, 1, 28, 28), torch.arange(8) % 10
+    losses = []
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(images).float(), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    state = fsdp.full_state(model)
+    floats = [v for v in state.values() if v.is_floating_point()]
+    assert floats and {v.dtype for v in floats} == {torch.float32}
+    assert all(torch.isfinite(v).all() for v in floats)
+    plain = build_from_args({"architecture": "mobilenet_v3_small", "in_channels": 1, "num_classes": 10,
+                             "image_size": [28, 28]})
+    plain.load_state_dict(state)  # what every other verb loads from model.pt
+
+
 def test_the_sharded_state_round_trips(world_of_one, tmp_path):
     torch.manual_seed(0)
     model = fsdp.shard(build_resnet18(1, 10), CPU, "fp32")

@@ -29,7 +29,7 @@ from imgtrain.sweep import state as st
 from imgtrain.sweep.request import SWEEP_KEYS, SweepRequest
 from imgtrain.sweep.space import METRICS, SCHEDULERS
 from imgtrain.sweep.trial import EPOCHS_DONE, run_trial
-from imgtrain.training import tracking
+from imgtrain.training import faults, tracking
 
 # A trial's own CPU reservation in Ray: Tune refuses 0, and its workers hold the real CPUs.
 TRIAL_CPU = 0.01
@@ -198,7 +198,10 @@ def _fit(req: SweepRequest, sweep_dir: Path, concurrency: int, say):
         # trial's workers every core, and OpenMP spins against the other trials')
         threads = max(1, (os.cpu_count() or 1) // (concurrency * base.workers))
     sweep = {"base": {**base.to_dict(), "threads_per_worker": threads},
-             "trials_dir": str(sweep_dir / st.TRIALS_DIR), "logs_dir": str(sweep_dir / st.LOGS_DIR)}
+             "trials_dir": str(sweep_dir / st.TRIALS_DIR), "logs_dir": str(sweep_dir / st.LOGS_DIR),
+             # a fault injected into this command (tests) reaches its trials as `imgtrain train`'s
+             # reaches its workers: the processes of a joined cluster have the cluster's environment
+             "fault": os.environ.get(faults.ENV_VAR)}
     trainable = tune.with_resources(tune.with_parameters(run_trial, sweep=sweep), {"cpu": TRIAL_CPU})
     set_output(say)
     Trials.cap = concurrency

@@ -7,8 +7,11 @@ from Ray Train's controller (``EpochsToTune``), one result per epoch, which is w
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+
+from imgtrain.training import faults
 
 # The metric a result carries for the scheduler's clock: epochs trained by the run, which a
 # resumed run continues (Tune's own training_iteration restarts at 1 when a trial restarts
@@ -26,6 +29,8 @@ def run_trial(params: dict, sweep: dict) -> None:
     from imgtrain.training import driver
     from imgtrain.training.progress import TrainingDisplay
 
+    if sweep.get("fault"):
+        os.environ[faults.ENV_VAR] = sweep["fault"]  # this trial's process only (Tune reuses none)
     name = tune.get_context().get_trial_name()
     cfg = TrainConfig(**{**sweep["base"], **params, "name": name, "storage": sweep["trials_dir"]})
     started = time.time()
