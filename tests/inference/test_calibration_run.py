@@ -138,18 +138,29 @@ def test_serve_answers_the_score_and_unknown(calibrated, held_out, photo_crops):
         "method": "mahalanobis", "score": digit["ood"]["score"], "threshold": threshold, "rejected": False}
 
 
-@pytest.mark.integration  # an ONNX export, verified on the test split
-def test_the_onnx_export_divides_the_logits_by_the_temperature(calibrated, held_out, tmp_path):
+@pytest.fixture(scope="module")
+def onnx_export(calibrated, tmp_path_factory):
+    """The calibrated run's ONNX export (verified on the test split)."""
     import imgtrain
+
+    storage, name, _ = calibrated
+    out = tmp_path_factory.mktemp("calibrated-onnx") / "onnx"
+    assert imgtrain.export(str(storage / name), "onnx", out).verification.passed
+    return out
+
+
+@pytest.mark.integration  # an ONNX export, verified on the test split
+def test_the_onnx_export_divides_the_logits_by_the_temperature(calibrated, onnx_export, held_out):
     from imgtrain.data.format import read_split
     from imgtrain.inference.predictor import Predictor
 
     storage, name, found = calibrated
-    out = tmp_path / "onnx"
-    assert imgtrain.export(str(storage / name), "onnx", out).verification.passed
+    out = onnx_export
     record = json.loads((out / "imgtrain.json").read_text())
     assert record["temperature"] == pytest.approx(found["temperature"])
-    assert record["ood"] == {"method": "max-softmax", "keep": 0.95, "threshold": found["ood_thresholds"]["max-softmax"]}
+    logit_scores = {m: found["ood_thresholds"][m] for m in ("energy", "max-logit", "max-softmax")}
+    assert record["ood"] == {"method": "max-softmax", "keep": 0.95, "threshold": found["ood_thresholds"]["max-softmax"],
+                             "thresholds": logit_scores}
     assert f"T = {found['temperature']:.4f}" in (out / "MODEL_CARD.md").read_text()
     _, images, _ = read_split(held_out, "test")
     calibrated_model, onnx = Predictor(found["checkpoint"]), Predictor(out, engine="onnxruntime")
@@ -157,9 +168,69 @@ def test_the_onnx_export_divides_the_logits_by_the_temperature(calibrated, held_
     assert np.abs(onnx.predict_proba(images[:50]) - probs).max() < 1e-4
     plain = np.exp(logits - logits.max(1, keepdims=True))
     assert np.abs(plain / plain.sum(1, keepdims=True) - probs).max() > 0.01  # T did change them
-    # the export's engine scores by its calibrated softmax, whatever was asked; --reject auto takes its copy
-    assert Predictor(out, engine="onnxruntime", ood_score="energy").ood_score == "max-softmax"
-    assert np.allclose(onnx.predict_with_scores(images[:50])[1], probs.max(1), atol=1e-4)
+    # mahalanobis needs the features, which no export outputs: its engine scores by the calibrated softmax
+    assert Predictor(out, engine="onnxruntime", ood_score="mahalanobis").ood_score == "max-softmax"
+
+
+@pytest.mark.integration
+def test_the_onnx_export_scores_as_the_checkpoint_does(calibrated, onnx_export, held_out, photo_crops, tmp_path):
+    """The export's second output, the logits: its engine's energy and max-logit are the
+    checkpoint's (float32 kernels differ between ONNX Runtime and PyTorch, and between CPUs: close,
+    not bit-equal), and --reject auto takes the threshold calibration stored for that score.
+    An export made before that output keeps working, scored by its calibrated softmax."""
+    import imgtrain
+    from imgtrain.data.format import read_split
+    from imgtrain.inference.predictor import Predictor, rejection
+
+    from imgtrain.inference import ood
+
+    _, _, found = calibrated
+    _, images, _ = read_split(held_out, "test")
+    record = json.loads((onnx_export / "imgtrain.json").read_text())
+    _, logits, _ = Predictor(found["checkpoint"])._forward(images[:50])  # the checkpoint's own
+    exported = Predictor(onnx_export, engine="onnxruntime")
+    for method in ("energy", "max-logit", "max-softmax"):
+        onnx = Predictor(exported.loaded, ood_score=method)
+        assert onnx.ood_score == method
+        np.testing.assert_allclose(onnx.predict_with_scores(images[:50])[1],
+                                   ood.scores(logits, method, found["temperature"]), rtol=1e-4, atol=1e-4,
+                                   err_msg=method)
+        assert rejection(onnx_export, record, method, "auto") == found["ood_thresholds"][method]
+    options = InferenceOptions(backend="local", engine="onnxruntime")  # the default score: energy
+    crops = imgtrain.predict(str(onnx_export), str(photo_crops), tmp_path / "crops.csv", reject="auto",
+                             options=options)
+    assert crops.ood_score == "energy" and "ood_energy" in crops.predictions.columns
+    assert crops.threshold == found["ood_thresholds"]["energy"]
+
+    old = _without_logits(onnx_export, tmp_path / "old")
+    before = Predictor(old, engine="onnxruntime", ood_score="energy")
+    assert before.ood_score == "max-softmax"
+    probs, scores = before.predict_with_scores(images[:50])
+    assert np.allclose(scores, probs.max(1)) and np.allclose(probs, exported.predict_proba(images[:50]))
+    assert rejection(old, json.loads((old / "imgtrain.json").read_text()), "max-softmax", "auto") == \
+        found["ood_thresholds"]["max-softmax"]
+
+
+def _without_logits(export, folder):
+    """A copy of ``export`` as imgtrain wrote exports before the logits output: the probabilities
+    alone, and a record without "outputs" and with max-softmax's threshold only."""
+    import shutil
+
+    import onnx
+
+    from imgtrain.ops.files import sha256_file
+
+    shutil.copytree(export, folder)
+    model = onnx.load(str(folder / "model.onnx"))
+    kept = [o for o in model.graph.output if o.name == "probabilities"]
+    del model.graph.output[:]
+    model.graph.output.extend(kept)
+    onnx.save(model, str(folder / "model.onnx"))
+    record = json.loads((folder / "imgtrain.json").read_text())
+    del record["outputs"], record["ood"]["thresholds"]
+    record["sha256"]["model.onnx"] = sha256_file(folder / "model.onnx")
+    (folder / "imgtrain.json").write_text(json.dumps(record))
+    return folder
 
 
 def test_without_a_val_split_nothing_is_fitted_and_the_refusals_are_one_line(local_run, tmp_path, capsys):
@@ -180,3 +251,55 @@ def test_without_a_val_split_nothing_is_fitted_and_the_refusals_are_one_line(loc
     assert_one_line_error(serve, "--reject auto", "imgtrain calibrate")  # before Ray starts
     shown = cli_here(capsys, "evaluate", local_run.name, "--storage", str(storage), "--backend", "local")
     assert shown.returncode == 0 and "no temperature scaling: this checkpoint has none" in shown.stdout
+
+
+def test_calibrate_stores_the_calibration_in_a_run_in_a_bucket(local_run, held_out, s3_server, tmp_path, capsys):
+    """``imgtrain calibrate`` of a run in an object store (a copy of local_run put in the real S3
+    server): refused while a driver elsewhere trains it, then fitted on one machine and found,
+    with its sha256 in the checkpoint's meta.json, by another."""
+    import io
+    import time
+
+    import pyarrow.fs as pafs
+    import torch
+
+    from tests.integration.test_s3 import BUCKET, bucket, machine, objects, on_machine, read_object, write_object
+
+    name, best, prefix = local_run.name, local_run.best_checkpoint.name, "calibrated-runs"
+    runs_uri = f"s3://{BUCKET}/{prefix}"
+    run_dir = copy_run(local_run, tmp_path) / name
+    _drop_train_state(run_dir / best)
+    pafs.copy_files(str(run_dir), f"{BUCKET}/{prefix}/{name}",
+                    source_filesystem=pafs.LocalFileSystem(), destination_filesystem=bucket(s3_server))
+    status = read_object(s3_server, f"{prefix}/{name}/status.json")
+    calibrate = ("calibrate", name, "--storage", runs_uri, "--data", str(held_out), "--json")
+    with on_machine(machine(s3_server, tmp_path, "calibrator")):
+        driver = {"host": "another-machine", "pid": 4242}
+        write_object(s3_server, f"{prefix}/{name}/status.json", {**status, **driver, "status": "running"})
+        write_object(s3_server, f"{prefix}/{name}/heartbeat.json", {**driver, "time": time.time()})
+        assert_one_line_error(cli_here(capsys, *calibrate), "is being trained right now by process 4242")
+        assert f"{best}/calibrated.pt" not in objects(s3_server, f"{prefix}/{name}")
+        write_object(s3_server, f"{prefix}/{name}/status.json", status)  # that driver is done
+        write_object(s3_server, f"{prefix}/{name}/heartbeat.json", {**driver, "time": time.time(), "released": True})
+        done = cli_here(capsys, *calibrate)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["checkpoint"] == f"{runs_uri}/{name}/{best}" and found["fitted_on"] == "val"
+    meta = read_object(s3_server, f"{prefix}/{name}/{best}/meta.json")
+    assert ckpt.CALIBRATION_FILE in meta["sha256"] and f"{best}/calibrated.pt" in objects(s3_server, f"{prefix}/{name}")
+    with bucket(s3_server).open_input_stream(f"{BUCKET}/{prefix}/{name}/{best}/{ckpt.CALIBRATION_FILE}") as f:
+        stored = torch.load(io.BytesIO(f.read()), weights_only=True)
+    assert stored["temperature"] == pytest.approx(found["temperature"])
+
+
+def _drop_train_state(checkpoint) -> None:
+    """An empty train_state.pt, its sha256 recorded: the optimizer state (129 MB of local_run's
+    171 MB checkpoint) is not what calibration reads, and the test S3 server moves it slowly."""
+    import torch
+
+    from imgtrain.ops.files import sha256_file
+
+    torch.save({}, checkpoint / ckpt.TRAIN_STATE_FILE)
+    meta = ckpt.read_meta(checkpoint)
+    meta["sha256"][ckpt.TRAIN_STATE_FILE] = sha256_file(checkpoint / ckpt.TRAIN_STATE_FILE)
+    (checkpoint / ckpt.META_FILE).write_text(json.dumps(meta))

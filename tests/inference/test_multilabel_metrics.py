@@ -81,3 +81,16 @@ def test_the_thresholded_scores_are_scikit_learns():
     assert got["f1_macro"] == pytest.approx(f1_score(targets, predicted, average="macro", labels=seen))
     assert got["exact_match"] == pytest.approx(accuracy_score(targets, predicted))
     assert got["hamming_loss"] == pytest.approx(hamming_loss(targets, predicted))
+
+
+def test_the_surest_wrong_labels_are_extra_ones_by_probability_and_missed_ones_by_its_complement():
+    from imgtrain.inference.multilabel_eval import confident_wrong_labels
+
+    scores = np.array([[0.95, 0.10, 0.60],   # label 0 extra (0.95); label 2 right
+                       [0.40, 0.02, 0.70],   # label 1 missed (1 - 0.02 = 0.98); label 0 right at 0.4 < 0.5
+                       [0.55, 0.80, 0.30]])  # label 0 extra (0.55), label 2 missed (0.70)
+    targets = np.array([[0, 0, 1], [0, 1, 1], [0, 1, 1]], np.uint8)
+    rows, labels, sure = confident_wrong_labels(scores, targets, np.array([0.5, 0.5, 0.5]), 3)
+    assert rows.tolist() == [1, 0, 2] and labels.tolist() == [1, 0, 2]
+    np.testing.assert_allclose(sure, [0.98, 0.95, 0.70])
+    assert [len(a) for a in confident_wrong_labels(scores, scores >= 0.5, np.full(3, 0.5), 16)] == [0, 0, 0]

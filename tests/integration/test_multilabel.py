@@ -127,6 +127,17 @@ def test_the_report_shows_ap_per_label_thresholds_and_the_most_wrong_images(ml_r
     assert json.loads((page_dir := ml_run.path / "report" / "evaluation.json").read_text())["multi_label"] is True, page_dir
 
 
+def test_the_report_maps_where_the_model_saw_its_surest_wrong_labels(ml_run):
+    from PIL import Image
+
+    from imgtrain.inference.report import write_report
+
+    page = write_report(str(ml_run.path)).read_text()
+    assert 'id="wrong-label-maps"' in page and "No maps:" not in page
+    maps = Image.open(ml_run.path / "report" / "wrong_label_maps.png")
+    assert maps.width > 200 and maps.height > 200  # a grid of maps, not the line saying there are none
+
+
 # ---------------------------------------------------------------- a killed Ray Train worker
 
 

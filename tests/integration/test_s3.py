@@ -132,6 +132,39 @@ def test_the_run_lives_in_the_bucket(s3_run, trainer):
     assert (last / "meta.json").is_file() and not (last / "model.pt").exists()
 
 
+def test_the_ray_driver_calibrates_its_best_checkpoint_in_the_bucket(s3_run, trainer, sample_raw, tmp_path):
+    """The end of a Ray run in an object store (``driver._calibrate``, on the trainer's working
+    copy, the run's lock held as its driver holds it): the best checkpoint that Ray's workers
+    uploaded is calibrated and its calibration uploaded into it; the weights brought down for
+    the pass go again. The tiny set has no val split, so srv's own end fitted nothing: a val
+    split of 100 other training digits stands in for it (``--data``)."""
+    import numpy as np
+
+    from imgtrain.config import TrainConfig
+    from imgtrain.data.raw import RawDataset, gather
+    from imgtrain.data.writer import write_dataset
+    from imgtrain.storage import checkpoint as ckpt
+    from imgtrain.storage import ownership, runs
+    from imgtrain.training.driver import _calibrate
+
+    rows = lambda s, a, b: gather(s.images, s.labels, s.ids, np.arange(a, b))  # noqa: E731
+    val_data = tmp_path / "with-val"
+    write_dataset(RawDataset(sample_raw.classes, rows(sample_raw.train, 0, 64), rows(sample_raw.test, 0, 20),
+                             val=rows(sample_raw.train, 256, 356)), val_data, name="with-val", source="mnist-sample")
+    notes = []
+    with on_machine(machine(s3_run, trainer, "trainer")):
+        run_dir = trainer / "cache-trainer" / "stores" / "s3" / BUCKET / "runs" / "srv"
+        best = runs.read_run(run_dir).best_checkpoint
+        assert not (best / ckpt.MODEL_FILE).exists()  # the driver's copy: the records only
+        with ownership.locked(run_dir, "trained"):
+            _calibrate(TrainConfig(name="srv", storage=RUNS, data=str(val_data)), best, type("Display", (), {
+                "note": staticmethod(notes.append)})(), again=True)
+    assert notes and notes[0].startswith(f"calibration of {best.name}: temperature T = "), notes
+    assert f"{best.name}/calibrated.pt" in objects(s3_run, "runs/srv")
+    assert ckpt.CALIBRATION_FILE in read_object(s3_run, f"runs/srv/{best.name}/meta.json")["sha256"]
+    assert sorted(p.name for p in best.iterdir()) == [ckpt.CALIBRATION_FILE, ckpt.META_FILE]  # weights gone again
+
+
 def test_runs_list_show_evaluate_predict_and_report_on_another_machine(s3_run, tmp_path, capsys):
     with on_machine(machine(s3_run, tmp_path, "reader")):
         listed = cli_here(capsys, "runs", "list", "--storage", RUNS, "--json")

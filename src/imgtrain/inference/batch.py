@@ -246,7 +246,8 @@ def evaluate(
         raise ImgtrainError(f"--ood {ood} is not a folder of images")
     if multilabel_eval.is_multi_label(manifest):  # one sigmoid per label: figures of its own
         return multilabel_eval.evaluate_multi_label(loaded, data_dir, manifest, split, opts, label_issues, not data)
-    check_score(loaded.path, loaded.meta, score_method(opts.engine, opts.ood_score))  # before any image is run
+    method = score_method(opts.engine, opts.ood_score, loaded.meta)
+    check_score(loaded.path, loaded.meta, method)  # before any image is run
     classes = list(loaded.preprocess.classes)
     # The predictor ranks TOP_K classes for top-5 accuracy, by index; the rows kept show opts.top_k.
     ranked = min(max(opts.top_k, TOP_K), len(classes))
@@ -284,7 +285,7 @@ def evaluate(
         label_issues=_label_issues(loaded, data_dir, manifest, label_issues),
         nll=float(nll[0] / max(sums.n, 1)),
         temperature_scaling=_temperature_scaling(loaded, sums, plain, nll),
-        ood_score=score_method(opts.engine, opts.ood_score),
+        ood_score=method,
         ood=_ood_figures(loaded, ood, opts, rows, split) if ood else None,
         predictions=rows, confusion=counts,
     )
@@ -292,7 +293,8 @@ def evaluate(
 
 def _temperature_scaling(loaded: LoadedCheckpoint, sums: EvalSums, plain: EvalSums, nll: np.ndarray) -> dict:
     """``evaluate --json``'s ``temperature_scaling``: the checkpoint's temperature and the split's
-    ECE and NLL before (T = 1) and after it; before is n/a for an export (T is inside its graph)."""
+    ECE and NLL before (T = 1) and after it; before is n/a for an export without its logits output
+    (T is inside its graph)."""
     from imgtrain.inference.calibration_record import calibration_of
 
     calibration = calibration_of(loaded)
@@ -312,7 +314,7 @@ def _ood_figures(loaded: LoadedCheckpoint, folder: str, opts: InferenceOptions, 
     from imgtrain.inference import ood
     from imgtrain.inference.inputs import list_inputs
 
-    method = score_method(opts.engine, opts.ood_score)
+    method = score_method(opts.engine, opts.ood_score, loaded.meta)
     inside = rows[ood.column(method)].to_numpy()
     outside = [frame[ood.column(method)].to_numpy()
                for frame in predictions(loaded, list_inputs(folder), opts, on_error="skip")
@@ -405,8 +407,9 @@ def predict(
     # an ONNX Runtime session takes its threads when it is made: the local backend's, here
     loaded = load_checkpoint(run, checkpoint, storage, engine=opts.engine, threads=opts.threads)
     _check_multi_label_options(loaded, opts)
-    check_score(loaded.path, loaded.meta, score_method(opts.engine, opts.ood_score))  # before any image is run
-    threshold = rejection(loaded.path, loaded.meta, score_method(opts.engine, opts.ood_score), reject)
+    method = score_method(opts.engine, opts.ood_score, loaded.meta)
+    check_score(loaded.path, loaded.meta, method)  # before any image is run
+    threshold = rejection(loaded.path, loaded.meta, method, reject)
     inputs = list_inputs(input, split=split, image_column=image_column)
     writer, skipped, converted, rejected = TableWriter(out), [], 0, 0
     try:
@@ -433,7 +436,7 @@ def predict(
         raise
     return PredictResult(out=out, num_predictions=writer.rows, converted=converted,
                          image_shape_text="x".join(map(str, loaded.preprocess.image_shape)), skipped=skipped,
-                         rejected=rejected, threshold=threshold, ood_score=score_method(opts.engine, opts.ood_score))
+                         rejected=rejected, threshold=threshold, ood_score=method)
 
 
 def _check_multi_label_options(loaded: LoadedCheckpoint, opts: InferenceOptions) -> None:

@@ -15,6 +15,11 @@ its own threshold, chosen on the val split: there is no softmax to scale).
 
 Predict, serve, evaluate and export divide the logits by the temperature before the softmax
 (``calibration_record.calibration_of``); a checkpoint without one keeps T = 1.
+
+A run in an object store is calibrated in this machine's working copy of it and the calibration
+uploaded into the checkpoint there (``calibrate_stored``), the run's lock held: by ``imgtrain
+calibrate RUN --storage s3://...``, and at the end of a Ray run, whose driver brings the best
+checkpoint's weights down for the pass (its workers uploaded them) and deletes them after.
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ def fit(logits: np.ndarray, labels: np.ndarray, features: np.ndarray | None = No
         mahalanobis=fitted)
 
 
-def check_fittable(loaded: LoadedCheckpoint, manifest: dict, data_dir) -> None:
+def check_fittable(loaded: LoadedCheckpoint | None, manifest: dict, data_dir) -> None:
     """Raise ``NotFitted`` (one line) where nothing can be fitted."""
     from imgtrain.data.format import is_multi_label
 
@@ -130,6 +135,31 @@ def calibrate_checkpoint(path: Path, data: str | None = None) -> Calibration:
     return calibration
 
 
+def calibrate_stored(st, name: str, path: Path, data: str | None = None, keep_weights: bool = True) -> Calibration:
+    """``calibrate_checkpoint`` for the checkpoint ``path`` of the working copy of the run ``name``
+    in the object store ``st``, and its calibration stored there: its files brought down where
+    they are not here (a Ray run's driver has the records only), calibrated.pt and meta.json
+    (last) uploaded. The caller holds the run's lock. ``keep_weights`` False: the files brought
+    down are deleted after (a driver's working copy keeps the records only)."""
+    from imgtrain.data.format import load_manifest
+    from imgtrain.data.staging import local_data
+    from imgtrain.storage import mirror
+
+    named = data or (ckpt.read_meta(path).get("config") or {}).get("data")
+    if named:  # nothing to fit: said before any weights come down
+        data_dir = local_data(named)
+        check_fittable(None, load_manifest(data_dir), data_dir)
+    fetched = mirror.pull_checkpoint(st, name, path.name)
+    try:
+        calibration = calibrate_checkpoint(path, data)
+        mirror.push_checkpoint(st, name, path.name)
+    finally:
+        for rel in fetched if not keep_weights else ():
+            if rel.rsplit("/", 1)[-1] not in (ckpt.META_FILE, ckpt.CALIBRATION_FILE):
+                (st.local / name / rel).unlink(missing_ok=True)
+    return calibration
+
+
 @dataclass
 class CalibrateResult:
     checkpoint: str
@@ -146,14 +176,17 @@ class CalibrateResult:
 def calibrate(run, checkpoint: str = CalibrateOptions.checkpoint, storage: str = CalibrateOptions.storage,
               data: str | None = CalibrateOptions.data) -> CalibrateResult:
     """``imgtrain calibrate``: fit and store the calibration of ``run``'s checkpoint (the run's lock
-    held: never while it trains). A run in an object store is refused: its checkpoints are the
-    store's, and this writes into one."""
+    held: never while it trains). A run in an object store: in this machine's working copy, and
+    uploaded into the checkpoint in the store (``calibrate_stored``)."""
     from imgtrain.ops.remote import is_remote
-    from imgtrain.storage import ownership, runs
+    from imgtrain.storage import location, ownership, runs
 
-    if is_remote(storage):
-        raise ImgtrainError(f"imgtrain calibrate works on runs in a folder; {storage} is an object store (copy the run "
-                            "to a folder, or train it again: training calibrates at its end)")
+    if is_remote(storage) and not Path(str(run)).expanduser().exists() and checkpoint in ckpt.CHOICES:
+        hint = "calibrate it once it is done (training calibrates at its end)"
+        with runs.written_in_store(storage, str(run), "calibrated", hint) as run_dir:
+            path = ckpt.choose(run_dir, checkpoint, run_dir.name)
+            fitted = calibrate_stored(location.store(storage), run_dir.name, path, data)
+        return CalibrateResult(f"{location.location(storage, run_dir.name)}/{path.name}", fitted)
     path = runs.resolve_checkpoint(run, checkpoint, storage)
     run_dir = path.parent
     if ownership.is_run(run_dir):

@@ -1,6 +1,7 @@
 """What a checkpoint's calibration holds (``Calibration``: the temperature of temperature scaling
 and the ``--reject auto`` thresholds), read back from its ``calibrated.pt`` (storage/checkpoint.py)
-or from an export's record, which copies the temperature and the max-softmax threshold. Fitted by
+or from an export's record, which copies the temperature and the thresholds of the scores the
+export gives (max-softmax; energy and max-logit too with its logits output). Fitted by
 ``calibrate.py``; read by predict, serve, evaluate and export."""
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from imgtrain.storage import checkpoint as ckpt
 
 SPLIT = "val"  # the only split a calibration is fitted on
 EXPORT_TEMPERATURE = "temperature"  # an export record's copy (export.py), read back by calibration_at
-EXPORT_OOD = "ood"  # {"method": "max-softmax", "threshold": float | None, "keep": 0.95}
+# {"method": "max-softmax", "threshold": its float | None, "keep": 0.95, "thresholds": {score: float}}
+# ("thresholds": exports with the logits output, export_record.LOGITS_NAME: every score they give)
+EXPORT_OOD = "ood"
 
 
 @dataclass
@@ -80,15 +83,18 @@ def calibration_at(path: Path, meta: dict) -> Calibration | None:
 
 
 def _export_calibration(record: dict, folder) -> Calibration | None:
-    """An export record's temperature and max-softmax threshold, held to what they can be."""
+    """An export record's temperature and score thresholds, held to what they can be."""
     t = record.get(EXPORT_TEMPERATURE)
     if t is None:
         return None
     scores = record.get(EXPORT_OOD) if isinstance(record.get(EXPORT_OOD), dict) else {}
-    threshold = scores.get("threshold")
+    thresholds = scores.get("thresholds") if isinstance(scores.get("thresholds"), dict) else {}
+    thresholds = {m: v for m, v in thresholds.items() if m in ood.LOGIT_SCORES}
+    if scores.get("threshold") is not None:  # an export made before "thresholds": max-softmax's alone
+        thresholds.setdefault("max-softmax", scores["threshold"])
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
-    if not number(t) or not temperature.MIN_TEMPERATURE <= t <= temperature.MAX_TEMPERATURE or (
-            threshold is not None and not number(threshold)):
-        raise ImgtrainError(f"export {folder}: imgtrain.json's temperature {t!r} or score threshold {threshold!r} is "
-                            "not a number it can be; export the model again")
-    return Calibration(temperature=float(t), ood_thresholds={} if threshold is None else {"max-softmax": threshold})
+    wrong = [v for v in thresholds.values() if not number(v)]
+    if not number(t) or not temperature.MIN_TEMPERATURE <= t <= temperature.MAX_TEMPERATURE or wrong:
+        raise ImgtrainError(f"export {folder}: imgtrain.json's temperature {t!r} or score threshold "
+                            f"{(wrong or [None])[0]!r} is not a number it can be; export the model again")
+    return Calibration(temperature=float(t), ood_thresholds={m: float(v) for m, v in thresholds.items()})

@@ -6,7 +6,9 @@ is its own module's (``export_formats``).
 What is exported (``Exportable``) takes uint8 images [B, C, H, W] at the training size and
 returns class probabilities [B, K]: the scaling to [0, 1], the normalisation and the softmax are
 inside it, so a deployment only has to resize and lay out its images (``preprocessing.json``
-says how). The batch dimension is dynamic.
+says how). The batch dimension is dynamic. A format that an engine of imgtrain runs (ONNX) also
+outputs the logits before the temperature, second (``logits``): its engine scores images out of
+distribution by them as the checkpoint does (energy, max-logit).
 
 The folder written: the model file, ``labels.json`` (class names by output index),
 ``preprocessing.json``, ``verification.json``, ``MODEL_CARD.md`` (``model_card.py``) and
@@ -42,8 +44,9 @@ from imgtrain.errors import ImgtrainError, one_line
 from imgtrain.inference import export_formats
 from imgtrain.inference import multilabel_answers as ml
 from imgtrain.inference.metrics import TOP_K, EvalSums
+from imgtrain.inference.ood import LOGIT_SCORES
 from imgtrain.inference.export_formats import ExportFormat
-from imgtrain.inference.export_record import EXPORT_META, INPUT_NAME, OUTPUT_NAME, is_export
+from imgtrain.inference.export_record import EXPORT_META, INPUT_NAME, LOGITS_NAME, OUTPUT_NAME, OUTPUTS_KEY, is_export
 from imgtrain.inference.calibration_record import EXPORT_OOD, EXPORT_TEMPERATURE, calibration_of
 from imgtrain.inference.options import ExportOptions
 from imgtrain.inference.predictor import load_checkpoint
@@ -55,16 +58,19 @@ THRESHOLDS_FILE = "thresholds.json"  # a multi-label export's decision threshold
 VERIFY_BATCH = 256
 
 
-def exportable(loaded: LoadedCheckpoint):
+def exportable(loaded: LoadedCheckpoint, logits: bool = False):
     """The model with its preprocessing and softmax inside: uint8 [B, C, H, W] -> float [B, K]
     (a multi-label model's: a sigmoid per class instead of the softmax). The logits are divided
-    by the checkpoint's temperature (calibrate.py; 1 without one) before the softmax."""
+    by the checkpoint's temperature (calibrate.py; 1 without one) before the softmax. ``logits``
+    (a single-label model's): it returns (the probabilities, the logits before the temperature);
+    ``outputs`` names what it returns."""
     import torch
 
     class Exportable(torch.nn.Module):
-        def __init__(self, model, mean, std, multi_label, temperature):
+        def __init__(self, model, mean, std, multi_label, temperature, with_logits):
             super().__init__()
-            self.model, self.multi_label = model, multi_label
+            self.model, self.multi_label, self.with_logits = model, multi_label, with_logits
+            self.outputs = (OUTPUT_NAME, LOGITS_NAME) if with_logits else (OUTPUT_NAME,)
             self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
             self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1))
             self.register_buffer("temperature", torch.tensor(temperature, dtype=torch.float32))
@@ -72,13 +78,17 @@ def exportable(loaded: LoadedCheckpoint):
         def forward(self, images):
             x = (images.float() / 255.0 - self.mean) / self.std
             logits = self.model(x).float()
-            return logits.sigmoid() if self.multi_label else (logits / self.temperature).softmax(1)
+            if self.multi_label:
+                return logits.sigmoid()
+            probs = (logits / self.temperature).softmax(1)
+            return (probs, logits) if self.with_logits else probs
 
     p = loaded.preprocess
     multi_label = ml.is_multi_label_model(loaded)
     calibration = None if multi_label else calibration_of(loaded)
     model = loaded.model.to(memory_format=torch.contiguous_format)  # the runtimes take NCHW
-    return Exportable(model, p.mean, p.std, multi_label, calibration.temperature if calibration else 1.0).eval()
+    return Exportable(model, p.mean, p.std, multi_label, calibration.temperature if calibration else 1.0,
+                      logits and not multi_label).eval()
 
 
 @dataclass
@@ -157,7 +167,7 @@ def export(run, fmt: str, out, checkpoint: str = ExportOptions.checkpoint, stora
         raise ImgtrainError("--quantize int8 is kept or refused by the test accuracy it costs, which a multi-label "
                             "model does not have; export it without --quantize")
     data_dir, manifest = _test_data(loaded, data, split)
-    model = exportable(loaded)
+    model = exportable(loaded, logits=spec.logits)
     out.parent.mkdir(parents=True, exist_ok=True)
     # a folder of its own: two exports to one --out at once never write into each other's
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -172,7 +182,7 @@ def export(run, fmt: str, out, checkpoint: str = ExportOptions.checkpoint, stora
         if quantize == "int8":
             test_metrics["int8"] = spec.quantize(model_file, data_dir, manifest, split, loaded, test_metrics,
                                                  max_accuracy_drop, out)
-        _write_sidecars(staging, spec, loaded, manifest, verification, test_metrics)
+        _write_sidecars(staging, spec, loaded, manifest, verification, test_metrics, model.outputs)
         try:
             swap_in_folder(staging, out)  # readers (serve) find the old export or the new one, whole
         except FileExistsError:
@@ -271,8 +281,8 @@ def _both_outputs(model, exported, data_dir: Path, manifest: dict, split: str, l
     for batch in stream.split_batches(data_dir, manifest, split, loaded.preprocess.preset, VERIFY_BATCH):
         x = np.ascontiguousarray(batch["image"].transpose(0, 3, 1, 2))  # NHWC -> NCHW
         with torch.no_grad():
-            ours = model(torch.from_numpy(x)).numpy()
-        yield batch, ours, np.asarray(exported(x))
+            ours = model(torch.from_numpy(x))
+        yield batch, (ours[0] if isinstance(ours, tuple) else ours).numpy(), np.asarray(exported(x))
 
 
 def _metrics(sums: EvalSums, classes) -> dict:
@@ -284,7 +294,7 @@ def _metrics(sums: EvalSums, classes) -> dict:
 
 
 def _write_sidecars(folder: Path, spec: ExportFormat, loaded: LoadedCheckpoint, manifest: dict,
-                    verification: Verification, test_metrics: dict) -> None:
+                    verification: Verification, test_metrics: dict, outputs=(OUTPUT_NAME,)) -> None:
     from imgtrain.inference.model_card import model_card
 
     p = loaded.preprocess
@@ -302,6 +312,10 @@ def _write_sidecars(folder: Path, spec: ExportFormat, loaded: LoadedCheckpoint, 
                   "channels": "grayscale" if c == 1 else "RGB", "range": [0, 255]},
         "output": {"name": OUTPUT_NAME, "dtype": "float32", "shape": ["batch", len(p.classes)],
                    "meaning": meaning},
+        **({"logits": {"name": LOGITS_NAME, "dtype": "float32", "shape": ["batch", len(p.classes)],
+                       "meaning": "the model's logits before the temperature, the second output: the energy "
+                                  "(logsumexp) and max-logit out-of-distribution scores come from them"}}
+           if LOGITS_NAME in outputs else {}),
         "inside_the_model": {"scale": "x / 255", "normalize": {"mean": list(p.mean), "std": list(p.std)},
                              **({} if multi_label else {"temperature": t})},
         "before_the_model": _resize_rule(p.preset, h, w),
@@ -320,17 +334,20 @@ def _write_sidecars(folder: Path, spec: ExportFormat, loaded: LoadedCheckpoint, 
     beside = spec.side_files(model_file) if spec.side_files else {}
     hashes = {name: sha256_file(folder / name) for name in (spec.file, *beside)}
     meta.update(format=spec.name, checkpoint=str(loaded.path), quantized=test_metrics.get("int8") is not None,
-                sha256=hashes)
+                sha256=hashes, **{OUTPUTS_KEY: list(outputs)})
     if multi_label:  # the decision rule beside the model: for a deployment, and for imgtrain's engines (the record)
         thresholds, chosen_on = ml.thresholds_of(loaded)
         (folder / THRESHOLDS_FILE).write_text(json.dumps(
             {"rule": "a class is one of the image's labels when its probability is at least its threshold",
              "chosen_on": chosen_on, "thresholds": dict(zip(p.classes, thresholds.tolist()))}, indent=1) + "\n")
         meta.update({ml.EXPORT_THRESHOLDS: thresholds.tolist(), ml.EXPORT_CHOSEN_ON: chosen_on})
-    if not multi_label:  # for imgtrain's engines (calibrate.calibration_at): T, and --reject auto's threshold
+    if not multi_label:  # for imgtrain's engines (calibrate.calibration_at): T, and --reject auto's thresholds
         meta[EXPORT_TEMPERATURE] = t
+        stored = calibration.ood_thresholds if calibration else {}
+        scored = [m for m in stored if m == "max-softmax" or LOGITS_NAME in outputs and m in LOGIT_SCORES]
         meta[EXPORT_OOD] = {"method": "max-softmax", "keep": calibration.ood_keep if calibration else None,
-                            "threshold": (calibration.ood_thresholds if calibration else {}).get("max-softmax")}
+                            "threshold": stored.get("max-softmax"),  # what exports before the logits output read
+                            "thresholds": {m: stored[m] for m in scored}}
     (folder / EXPORT_META).write_text(json.dumps(meta, indent=1) + "\n")
     (folder / "MODEL_CARD.md").write_text(model_card(spec.name, spec.file, spec.runtime, loaded, manifest,
                                                      verification.line(), test_metrics, calibration))

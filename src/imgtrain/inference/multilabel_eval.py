@@ -57,6 +57,22 @@ class MultiLabelEvalResult:
         """int [n]: each image's wrongly decided labels (missed and extra)."""
         return ((self.scores >= self.thresholds) != self.targets.astype(bool)).sum(1)
 
+    def confident_wrong_labels(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ``n`` most confident wrong label decisions, the surest first: (image rows, label
+        indices, how sure: an extra label's probability, a missed label's 1 - probability)."""
+        return confident_wrong_labels(self.scores, self.targets, self.thresholds, n)
+
+
+def confident_wrong_labels(scores, targets, thresholds, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``MultiLabelEvalResult.confident_wrong_labels`` of probabilities ``scores`` [images, classes],
+    0/1 ``targets`` and the per-label ``thresholds``; ties in image, then label order."""
+    scores = np.asarray(scores, np.float64)
+    said, true = scores >= np.asarray(thresholds), np.asarray(targets).astype(bool)
+    rows, labels = np.nonzero(said != true)
+    sure = np.where(said[rows, labels], scores[rows, labels], 1.0 - scores[rows, labels])
+    order = np.argsort(-sure, kind="stable")[:n]
+    return rows[order], labels[order], sure[order]
+
 
 def check_kind(loaded: LoadedCheckpoint, manifest: dict, data_dir) -> None:
     """A single-label model is not evaluated on a multi-label set, nor the other way round."""

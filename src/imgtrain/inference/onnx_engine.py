@@ -1,7 +1,8 @@
 """``--engine onnxruntime``: the ONNX Runtime session ``predict``, ``evaluate`` and ``serve`` run an
 ONNX export in (``export_formats/onnx.py`` declares it; ``export_engine.py`` checks the folder
 first). The images come as uint8 NHWC, converted exactly as for the PyTorch engine; the model
-takes them as NCHW, so only the layout changes here."""
+takes them as NCHW, so only the layout changes here. An export with a second output (the logits,
+``export_record.LOGITS_NAME``) gives them too, for the out-of-distribution scores."""
 
 from __future__ import annotations
 
@@ -27,8 +28,14 @@ class OnnxModel:
         self.input = self.session.get_inputs()[0].name
 
     def probabilities(self, images, tta: str = "none") -> np.ndarray:
+        return self.outputs(images, tta)[0]
+
+    def outputs(self, images, tta: str = "none") -> tuple[np.ndarray, np.ndarray | None]:
+        """(float32 probabilities [B, K], float32 logits of the plain images [B, K], or None for an
+        export without that output)."""
         x = np.ascontiguousarray(np.asarray(images).transpose(0, 3, 1, 2))  # NHWC -> NCHW
-        probs = self.session.run(None, {self.input: x})[0]
+        found = self.session.run(None, {self.input: x})
+        probs, logits = found[0], found[1] if len(found) > 1 else None
         if tta == "flip":  # the mirror image, W reversed, as the PyTorch engine does
             probs = (probs + self.session.run(None, {self.input: np.ascontiguousarray(x[..., ::-1])})[0]) / 2
-        return probs.astype(np.float32, copy=False)
+        return probs.astype(np.float32, copy=False), None if logits is None else logits.astype(np.float32, copy=False)

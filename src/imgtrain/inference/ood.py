@@ -32,6 +32,7 @@ from imgtrain.inference.options import OOD_METHODS as METHODS
 
 DEFAULT_METHOD = METHODS[0]
 FEATURE_METHODS = ("mahalanobis",)  # need the penultimate features and what calibration fitted
+LOGIT_SCORES = tuple(m for m in METHODS if m not in FEATURE_METHODS)  # an export's logits output gives these
 SHRINK = 0.1  # the shared covariance + SHRINK x its mean variance on the diagonal
 MAX_FEATURES = 4096  # wider features: not fitted (the whitening matrix is features^2 floats)
 KEEP = 0.95  # the share of the validation split --reject auto keeps (and FPR95's true-positive rate)

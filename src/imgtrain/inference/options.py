@@ -47,7 +47,8 @@ def ood_score_option():
     return option(OOD_METHODS[0], "The out-of-distribution score of each image (higher: more like the training data): "
                   "energy (logsumexp of the logits), max-logit, max-softmax (the calibrated confidence), or mahalanobis "
                   "(the penultimate features' distance to the nearest class, fitted by calibration: best against "
-                  "images unlike any class); an export engine's is max-softmax.", choices=OOD_METHODS)
+                  "images unlike any class); an export engine gives the first three (mahalanobis, and every score of "
+                  "an export made before exports output their logits: max-softmax).", choices=OOD_METHODS)
 
 
 def reject_option():

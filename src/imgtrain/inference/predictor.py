@@ -160,8 +160,9 @@ class Predictor:
         self.calibration = None if self.multi_label else calibration_of(self.loaded)
         self.exported = hasattr(self.loaded.model, "probabilities")  # an export's engine: probabilities, T inside
         self.temperature = self.calibration.temperature if self.calibration and not self.exported else 1.0
-        # the export's model outputs probabilities, whatever engine was named with a loaded one
-        self.ood_score, self.threshold = score_method("export" if self.exported else "torch", ood_score), threshold
+        # the export's model gives what its outputs give, whatever engine was named with a loaded one
+        self.ood_score = score_method("export" if self.exported else "torch", ood_score, self.loaded.meta)
+        self.threshold = threshold
         self.fitted = None  # mahalanobis's class means: its forward passes keep the penultimate features
         if self.ood_score in ood.FEATURE_METHODS and not self.multi_label and not self.exported:
             self.fitted = check_score(self.loaded.path, self.loaded.meta, self.ood_score).mahalanobis
@@ -183,17 +184,20 @@ class Predictor:
     def _scores(self, probs, logits, features) -> np.ndarray | None:
         if self.multi_label:
             return None
-        if logits is None:  # an export's probabilities: the max-softmax of its calibrated softmax
+        if logits is None:  # an export made before its logits output: the max of its calibrated softmax
             return probs.max(axis=1).astype(np.float64)
-        return ood.scores(logits, self.ood_score, self.temperature, features, self.fitted)
+        t = self.calibration.temperature if self.calibration else 1.0  # max-softmax's (an export's T is inside it)
+        return ood.scores(logits, self.ood_score, t, features, self.fitted)
 
     def _forward(self, images) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """(float32 probabilities [B, K], float32 logits of the plain images [B, K] or None for an
-        export, their penultimate features [B, D] where the score needs them)."""
+        export without them, their penultimate features [B, D] where the score needs them)."""
         import torch
 
         model, preprocess = self.loaded.model, self.loaded.preprocess
         if self.exported:  # an export's engine (onnx_engine.OnnxModel): its own threads
+            if hasattr(model, "outputs"):
+                return (*model.outputs(preprocess.checked(images), self.tta), None)
             return model.probabilities(preprocess.checked(images), self.tta), None, None
         with process.torch_threads(self.threads), torch.inference_mode():
             x = preprocess(images, self.device)  # [B, C, H, W]
@@ -267,11 +271,17 @@ class Predictor:
         return out
 
 
-def score_method(engine: str, asked: str) -> str:
-    """The score a model gives: ``asked``, except with an export's engine, whose model outputs the
-    calibrated probabilities only: max-softmax (the logits are not among its outputs)."""
+def score_method(engine: str, asked: str, record: dict | None = None) -> str:
+    """The score a model gives: ``asked``, except with an export's engine (``record``: the export's
+    imgtrain.json), which gives those of its logits output (``ood.LOGIT_SCORES``) and otherwise
+    max-softmax: mahalanobis (no features among its outputs), and every score of an export made
+    before the logits output (the calibrated probabilities only)."""
+    from imgtrain.inference.export_record import has_logits
+
     ood.check_method(asked)
-    return asked if engine == "torch" else "max-softmax"
+    if engine == "torch" or asked in ood.LOGIT_SCORES and has_logits(record):
+        return asked
+    return "max-softmax"
 
 
 def check_score(path: Path, meta: dict, method: str):

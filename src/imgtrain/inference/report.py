@@ -525,7 +525,8 @@ def _multi_label_run(result: runs.RunResult, checkpoint: str) -> bool:
 
 def _write_multi_label_report(result: runs.RunResult, run_dir: Path, checkpoint: str, storage: str) -> Path:
     """A multi-label run's page: the figures, learning curves, per-label AP bars, the thresholds
-    table, and the test images with the most wrongly decided labels."""
+    table, the test images with the most wrongly decided labels, and the most confidently wrong
+    labels, each with where the model looked for it."""
     from imgtrain.data import stream
     from imgtrain.inference.batch import InferenceOptions, evaluate
     from imgtrain.inference.predictor import preprocess_preset
@@ -535,11 +536,15 @@ def _write_multi_label_report(result: runs.RunResult, run_dir: Path, checkpoint:
     wrong = ev.wrong_labels()
     worst = np.argsort(-wrong, kind="stable")[:GRID_SIDE**2]
     worst = worst[wrong[worst] > 0]
-    pictures = stream.fetch_images(ev.data, ev.split, set(ev.ids[worst].tolist()), preset=preprocess_preset(used))
-    files = {"learning-curves": "learning_curves.png", "label-ap": "label_ap.png", "most-wrong": "most_wrong.png"}
+    sure = ev.confident_wrong_labels(GRID_SIDE**2)
+    pictures = stream.fetch_images(ev.data, ev.split, set(ev.ids[np.concatenate([worst, sure[0]])].tolist()),
+                                   preset=preprocess_preset(used))
+    files = {"learning-curves": "learning_curves.png", "label-ap": "label_ap.png", "most-wrong": "most_wrong.png",
+             "wrong-label-maps": "wrong_label_maps.png"}
     _learning_curves(result.history, used_meta.get("epoch"), out / files["learning-curves"])
     _ap_bars(ev, out / files["label-ap"])
     _most_wrong_grid(ev, worst, pictures, out / files["most-wrong"])
+    _wrong_label_maps(ev, sure, pictures, out / files["wrong-label-maps"])
     shown = {"checkpoint": _located(used, result.path, where), "data": _data_location(ev, used_meta)}
     atomic_write_text(out / EVAL_FILE, json.dumps({**ev.to_json(), **shown}, indent=2))
 
@@ -575,6 +580,11 @@ def _write_multi_label_report(result: runs.RunResult, run_dir: Path, checkpoint:
         "<h2>Images with the most wrong labels</h2>",
         figure("most-wrong", "The test images with the most labels decided wrong at the thresholds "
                              "(missed and extra), the worst first."),
+        "<h2>Where the model looked for its surest wrong labels</h2>",
+        figure("wrong-label-maps", "The label decisions the model got wrong most confidently (an extra label by its "
+                                   "probability, a missed one by 1 - its probability), each image with the Grad-CAM "
+                                   "map of that label over it: where it saw the extra label, or looked for the missed "
+                                   "one (docs/inference.md, Explanations)."),
     ]
     page = out / PAGE_FILE
     atomic_write_text(page, '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
@@ -594,6 +604,38 @@ def _ap_bars(ev, path: Path) -> None:
     ax.set_xticks(range(len(ap)), [_literal(c) for c in ev.classes], rotation=90 if len(ap) > 12 else 0)
     ax.set_ylim(0, 1)
     ax.set_ylabel("average precision")
+    fig.savefig(path)
+
+
+def _wrong_label_maps(ev, sure: tuple, pictures: dict, path: Path) -> None:
+    """``confident_wrong_labels``' decisions, each image with the Grad-CAM map of its label (``explain.py``)."""
+    from imgtrain.inference.explain import Explainer, overlay
+    from imgtrain.inference.predictor import load_checkpoint
+
+    rows, labels, _ = sure
+    message = "Every label of every test image decided right: no map to show."
+    if len(rows):
+        images = np.stack([pictures[int(ev.ids[i])] for i in rows])
+        try:
+            maps = Explainer(load_checkpoint(ev.checkpoint)).maps(images, labels)
+        except ImgtrainError as e:  # a model with no map to place: said in the picture, the page still written
+            rows, message = rows[:0], f"No maps: {e}"
+    if not len(rows):
+        fig = _figure(6, 1.5)
+        fig.text(0.5, 0.5, message, ha="center", va="center", fontsize=14, color=RIGHT)
+        fig.savefig(path)
+        return
+    columns, used_rows = min(GRID_SIDE, len(rows)), -(-len(rows) // GRID_SIDE)
+    fig = _figure(2.4 * columns, 2.4 * used_rows)
+    axes = np.atleast_1d(fig.subplots(used_rows, columns)).ravel()
+    for ax in axes:
+        ax.axis("off")
+    for ax, image, cam, i, k in zip(axes, images, maps, rows, labels):
+        ax.axis("on")
+        _show_image(ax, overlay(image, cam))
+        kind = "missed" if ev.targets[i, k] else "extra"
+        ax.set_title(_literal(f"{kind} {ev.classes[k]}\np {ev.scores[i, k]:.0%}, threshold {ev.thresholds[k]:.2f}"),
+                     color=WRONG, fontsize=9)
     fig.savefig(path)
 
 

@@ -147,7 +147,8 @@ def _threshold(path: Path, engine: str, ood_score: str, reject) -> float | None:
     from imgtrain.inference.predictor import check_score, rejection, score_method
     from imgtrain.storage.checkpoint import read_meta
 
-    method, meta = score_method(engine, ood_score), read_record(path) if engine != "torch" else read_meta(path)
+    meta = read_record(path) if engine != "torch" else read_meta(path)
+    method = score_method(engine, ood_score, meta)
     check_score(path, meta, method)
     return rejection(path, meta, method, reject)
 

@@ -179,6 +179,29 @@ def _pull(st: Store, name: str, local: Path, checkpoints: bool, only_checkpoints
     return bool(_never_sent_files(local) or ledger.never_sent(local, whole_there, ledger.synced(local) or set()))
 
 
+def pull_checkpoint(st: Store, name: str, folder: str) -> list[str]:
+    """Bring every file of the run's checkpoint ``folder`` into the working copy, where a Ray
+    run's driver has only its meta.json (the workers uploaded the rest); returns the paths
+    fetched. For a process holding the run's lock."""
+    local = st.local / ownership.check_name(name)
+    fetched = []
+    for rel, (size, mtime) in remote_files(st, name).items():
+        if rel.split("/", 1)[0] != folder or "/" not in rel:
+            continue
+        target = local_file(local, rel)
+        if not _same(target, size, mtime) and not _changed_here(target, mtime) \
+                and _fetch(st, name, rel, target, size, mtime):
+            fetched.append(rel)
+    return fetched
+
+
+def push_checkpoint(st: Store, name: str, folder: str) -> None:
+    """Upload the files of the checkpoint ``folder`` that the working copy holds and the store
+    lacks (one added to a finished checkpoint, calibrated.pt, and its meta.json, last): never the
+    weights the store has already. For a process holding the run's lock."""
+    push(st, name, in_store(st, name), everything=True, under=folder, prune=False)
+
+
 def _fetch(st: Store, name: str, rel: str, target: Path, size: int, mtime: float) -> bool:
     """One file of the run from the store, with the object's time; False: deleted there since
     the listing. A driver elsewhere replaces its records every few seconds: one replaced since

@@ -16,6 +16,7 @@ object store, and these functions work on a local working copy of them, brought 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -29,7 +30,7 @@ from imgtrain.ops import process, remote
 from imgtrain.ops.files import atomic_write_text
 from imgtrain.storage import checkpoint as ckpt
 from imgtrain.storage import lease, mirror, ownership
-from imgtrain.storage.location import fetch, location, storage_root, store
+from imgtrain.storage.location import fetch, location, run_path, storage_root, store
 
 CONFIG_FILE = ownership.CONFIG_FILE
 METRICS_FILE = "metrics.jsonl"
@@ -134,6 +135,32 @@ def refuse_if_trained(run_dir: Path, hint: str, this_host: bool = True, other_ho
         beat = f" (its heartbeat {age:.0f} s ago)" if age is not None else ""
         raise ImgtrainError(f"run {run_dir.name!r} is being trained right now by process {status.get('pid')} "
                             f"on {status.get('host')}{beat}; {hint}")
+
+
+@contextlib.contextmanager
+def written_in_store(storage: str, name: str, doing: str, hint: str):
+    """For a command that writes into the run ``name`` of the object store ``storage`` (``doing``:
+    "calibrated"): its working copy, brought up to date (weights too), with the run's lock held
+    for the block, taken in the run's turn as a driver takes it (``mirror.turn``). Refused, in
+    one line, while a process on this machine holds the lock or a driver elsewhere trains the run."""
+    st = store(storage)
+    run_dir = run_path(storage, name)
+    holder = lease.lease_holder(lease.read_beat(st, name))  # before its weights come down
+    if holder:
+        raise ImgtrainError(f"run {name!r} is being trained right now by {holder}; {hint}")
+    with contextlib.ExitStack() as held:
+        with mirror.turn(st, name):
+            known = ownership.is_run(run_dir)
+            if known:  # a run trained here right now: refused before its files are touched
+                held.enter_context(ownership.locked(run_dir, doing))
+            mirror.pull(st, name, owner=True)
+            if not ownership.is_run(run_dir):
+                found = ", ".join(mirror.run_names(st)) or "none"
+                raise ImgtrainError(f"no run named {name!r} in {st.uri} (runs there: {found})")
+            if not known:  # first brought to this machine just now
+                held.enter_context(ownership.locked(run_dir, doing))
+        refuse_if_trained(run_dir, hint, this_host=False)  # another host's driver, by its heartbeat
+        yield run_dir
 
 
 # ---------------------------------------------------------------- metrics history

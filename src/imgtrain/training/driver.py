@@ -478,21 +478,25 @@ def _execute(plan: _Plan, run_dir: Path, display, replaced: ownership.Replacemen
 def _calibrate(cfg: TrainConfig, best: Path | None, display, again: bool) -> None:
     """Temperature scaling and the --reject auto thresholds of the best checkpoint, fitted on the
     val split in this process and stored with it (inference/calibrate.py); ``again``: even where
-    it has them (it is a new best, or trained on). Training is over: a failure is a warning."""
+    it has them (it is a new best, or trained on). The checkpoint of a Ray run in an object store
+    is there, its workers uploaded it: its weights come down for the pass and go after, and the
+    calibration goes up into it. Training is over: a failure is a warning."""
     from imgtrain.inference import calibrate
 
-    if best is None or not again and ckpt.load_calibration(best) is not None:
-        return
-    if not (best / ckpt.MODEL_FILE).is_file():  # Ray's workers uploaded it; only its record is here
-        display.note(f"calibration: not fitted (the checkpoints of a Ray run in {cfg.storage} stay in the store); "
-                     "the temperature stays 1 and --reject auto has no threshold")
+    if best is None or not again and ckpt.CALIBRATION_FILE in (ckpt.read_meta(best).get("sha256") or {}):
         return
     try:
-        display.note(f"calibration of {best.name}: {calibrate.calibrate_checkpoint(best, cfg.data).line()}")
+        if (best / ckpt.MODEL_FILE).is_file():
+            fitted = calibrate.calibrate_checkpoint(best, cfg.data)
+        else:  # only its record is here; the run's lease and lock are this driver's
+            fitted = calibrate.calibrate_stored(location.store(cfg.storage), cfg.name, best, cfg.data,
+                                                keep_weights=False)
+        display.note(f"calibration of {best.name}: {fitted.line()}")
     except calibrate.NotFitted as e:
         display.note(str(e))
     except ImgtrainError as e:
-        display.note(f"warning: calibration failed ({e}); run `imgtrain calibrate {cfg.name}` to try again")
+        again_with = f"imgtrain calibrate {cfg.name}" + (f" --storage {cfg.storage}" if remote.is_remote(cfg.storage) else "")
+        display.note(f"warning: calibration failed ({e}); run `{again_with}` to try again")
 
 
 def _checkpoint_records(cfg: TrainConfig, display) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from imgtrain.inference.export_formats.registry import ExportFormat, register
-from imgtrain.inference.export_record import INPUT_NAME, OUTPUT_NAME
+from imgtrain.inference.export_record import INPUT_NAME, LOGITS_NAME, OUTPUT_NAME
 
 ONNX_FILE = "model.onnx"
 ONNX_OPSET = 18
@@ -23,7 +23,8 @@ def write(model, path: Path, example: tuple, dynamic_shapes: dict) -> None:
 
     large = sum(t.numel() * t.element_size() for t in model.state_dict().values()) > ONNX_ONE_FILE_MAX
     torch.onnx.export(model, example, str(path), dynamo=True, opset_version=ONNX_OPSET,
-                      input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], external_data=large,
+                      input_names=[INPUT_NAME], output_names=[OUTPUT_NAME, LOGITS_NAME][:len(model.outputs)],
+                      external_data=large,
                       dynamic_shapes=dynamic_shapes, verbose=False)
 
 
@@ -56,5 +57,5 @@ def open_session(path: Path, threads: int):
 ONNX = register(ExportFormat(
     name="onnx", file=ONNX_FILE, runtime="onnxruntime", write=write, load=load,
     summary="ONNX Runtime, TensorRT, Triton", needs=("onnx", "onnxscript", "onnxruntime"), extra="export",
-    side_files=external_data, quantize=quantize, engine="onnxruntime", open=open_session,
+    side_files=external_data, quantize=quantize, engine="onnxruntime", open=open_session, logits=True,
 ))

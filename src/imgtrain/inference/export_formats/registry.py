@@ -51,7 +51,12 @@ class ExportFormat:
     """The ``--engine`` of predict, evaluate and serve that runs its export folders; "": none does."""
     open: Callable[[Path, int], Any] | None = None
     """(model file, threads; the folder checked) -> a model whose ``probabilities(images, tta)``
-    takes uint8 [B, H, W, C] and returns float32 [B, K]: what the engine runs."""
+    takes uint8 [B, H, W, C] and returns float32 [B, K]: what the engine runs (and, where it has
+    it, ``outputs(images, tta)``: those and the logits of the plain images, or None)."""
+    logits: bool = False
+    """The exported model also outputs the logits before the temperature (``export_record.LOGITS_NAME``,
+    its second output; a single-label model's): what its engine's out-of-distribution scores take.
+    ``write`` then gets a model returning (probabilities, logits)."""
 
     def missing(self) -> list[str]:
         """The modules of ``needs`` not installed."""
