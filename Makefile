@@ -49,14 +49,15 @@ browser:
 	    echo "note: no chromium; install it (e.g. sudo apt-get install chromium) or the browser tests skip" >&2; \
 	  fi
 
-# pytest exits 5 when it collected no test: that is a failure here, never a pass. Two pytest
+# pytest exits 5 when it collected no test: that is a failure here, never a pass. Three pytest
 # processes (pytest-xdist), each test file whole in one of them (its module fixtures trained once;
-# the files that read the session's shared runs all in one, tests/conftest.py):
-# much of a Ray test's time is waiting on Ray's timers and process starts, which the other fills
-# (688-737 s instead of 924-974 s on 2 cores, docs/NOTES.md "Two pytest processes").
-# Files in the order tests/conftest.py gives (those that start Ray first), not xdist's by test count.
+# the files that read the session's shared runs all in one, tests/conftest.py): much of a Ray
+# test's time is waiting on Ray's timers, process starts and signals, which the others fill
+# (docs/NOTES.md "Three pytest processes"). Files in the order tests/conftest.py gives (those
+# that start Ray first), not xdist's by test count.
+TEST_PROCESSES ?= 3
 test: install-dev browser
-	$(BIN)/python -m pytest -q -ra --durations=15 -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); \
+	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); \
 	  status=$$?; if [ $$status -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$status
 
 # Line coverage of src/imgtrain for the whole suite, the processes it starts included as far as
