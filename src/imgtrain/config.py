@@ -137,7 +137,8 @@ class TrainConfig:
                                   "labels (its outputs softened by --distill-temperature): a run (its name in "
                                   "--storage, or its folder), a checkpoint or an export folder, whose classes are "
                                   "the data set's (docs/training.md, \"Distillation\").", place=True,
-                                  metavar="RUN|PATH")
+                                  metavar="RUN|PATH", help="Distil from this teacher: a run, checkpoint or export "
+                                                           "whose softened outputs the student learns beside the labels.")
     distill_temperature: float = setting(4.0, "Distillation: the temperature both models' logits are divided by "
                                          "before their softmaxes are compared (Hinton et al. 2015; 4 is timm's and "
                                          "torchdistill's default for classification).", range="(0, 100]")
@@ -148,7 +149,10 @@ class TrainConfig:
                                 "computed once, stored beside the data set and looked up by row id), ``online`` "
                                 "(the teacher runs on every step's own images, in each worker) or ``auto``: "
                                 "online when --augment, --mixup or --cutmix make every step's images new, cached "
-                                "otherwise.", choices=("auto", "cached", "online"))
+                                "otherwise.", choices=("auto", "cached", "online"),
+                                help="Distillation: cached (the teacher's logits computed once, beside the data set), "
+                                     "online (the teacher at every step), or auto: online when the images are "
+                                     "augmented or mixed.")
     teacher_sha256: str = setting("", "The sha256 of the teacher's model file as the run began: a resumed run "
                                   "refuses a teacher changed since.", cli=False)
     distillation: str = setting("", "The teacher a distilled run learnt from: its location, checksum, mode, "

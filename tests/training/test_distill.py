@@ -152,3 +152,13 @@ def test_the_loss_is_hintons():
     signal.loss(s, teacher, hard).backward()
     expected = 4.0 * ((s / 4).softmax(1) - (teacher / 4).softmax(1))
     assert torch.allclose(s.grad, expected, atol=1e-5)
+
+
+def test_the_report_and_the_model_card_name_the_teacher():
+    from imgtrain.inference.model_card import RECIPE_KEYS
+    from imgtrain.inference.report import _model_line
+
+    identity = "big (sha256 0123456789abcdef), cached, T 4, weight 0.5"
+    line = _model_line({"architecture": STUDENT, "in_channels": 1, "num_classes": 10}, {"distillation": identity})
+    assert line.endswith(f", distilled from {identity}")
+    assert "distillation" in RECIPE_KEYS  # a row of the card's recipe, where not empty

@@ -75,8 +75,12 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool, ray_call
         cfg = dataclasses.replace(cfg, data=str(Path(cfg.data).expanduser().resolve()))
     if cfg.init_from:  # the workers do not run in this directory
         cfg = dataclasses.replace(cfg, init_from=str(Path(cfg.init_from).expanduser().resolve()))
-    if cfg.teacher and Path(cfg.teacher).expanduser().exists():  # a folder (not a run's name in --storage)
-        cfg = dataclasses.replace(cfg, teacher=str(Path(cfg.teacher).expanduser().resolve()))
+    if cfg.teacher:  # a folder, or a run's name in a local --storage: its folder, which the workers find anywhere
+        named = location.run_path(cfg.storage, cfg.teacher) if not remote.is_remote(cfg.storage) else None
+        found = Path(cfg.teacher).expanduser()
+        found = found if found.exists() else named if named is not None and ownership.is_run(named) else None
+        if found is not None:
+            cfg = dataclasses.replace(cfg, teacher=str(found.resolve()))
     if remote.is_remote(cfg.storage) and overwrite:
         raise ImgtrainError(f"--overwrite is not offered for runs in an object store ({cfg.storage}): delete the run "
                             f"with `imgtrain clean runs {cfg.name} --storage {cfg.storage}`, then train it again")
