@@ -59,28 +59,29 @@ def stat(values: list[float]) -> dict:
 
 
 def bench_one(label: str, data: Path, storage: Path, args) -> dict:
-    teacher, t_wall, t_epoch = train(data, storage, "teacher", args.teacher_model, args.teacher_epochs, 0)
+    teacher, t_wall, t_epoch = train(data, storage, "teacher", args.teacher_model, args.teacher_epochs, 0,
+                                     stem=args.teacher_stem)
     teacher_acc = test_accuracy(teacher)
     print(f"[{label}] teacher {args.teacher_model}: test {teacher_acc:.4f} ({t_wall:.0f} s)", flush=True)
-    alone, taught, seconds = [], [], {"alone": [], "online": []}
+    alone, taught, seconds = [], [], {"alone": [], "distilled": []}
     val = {"alone": [], "distilled": []}  # the best epoch's val accuracy: what a user could choose by
     for seed in args.seeds:
-        a, _, a_epoch = train(data, storage, f"alone-s{seed}", args.student, args.epochs, seed)
+        a, _, a_epoch = train(data, storage, f"alone-s{seed}", args.student, args.epochs, seed, augment=args.augment)
         d, _, d_epoch = train(data, storage, f"distilled-s{seed}", args.student, args.epochs, seed,
-                              teacher=str(teacher.path), distill_temperature=args.temperature,
+                              augment=args.augment, teacher=str(teacher.path), distill_temperature=args.temperature,
                               distill_weight=args.weight)
         val["alone"].append(max(r["val_accuracy"] for r in a.history))
         val["distilled"].append(max(r["val_accuracy"] for r in d.history))
         alone.append(test_accuracy(a))
         taught.append(test_accuracy(d))
         seconds["alone"].append(a_epoch)
-        seconds["online"].append(d_epoch)
+        seconds["distilled"].append(d_epoch)
         print(f"[{label}] seed {seed}: alone {alone[-1]:.4f}, distilled {taught[-1]:.4f} "
               f"({a_epoch:.1f} / {d_epoch:.1f} s an epoch)", flush=True)
     margins = [d - a for a, d in zip(alone, taught)]
     cost = None if args.skip_cost else cost_of_modes(data, storage, teacher, args)
     print(f"[{label}] cost: {cost}", flush=True)
-    return {"teacher": {"model": args.teacher_model, "epochs": args.teacher_epochs, "test_accuracy": teacher_acc,
+    return {"teacher": {"model": args.teacher_model, "stem": args.teacher_stem, "epochs": args.teacher_epochs, "test_accuracy": teacher_acc,
                         "train_s_per_epoch": t_epoch},
             "student": args.student, "epochs": args.epochs, "alone": stat(alone), "distilled": stat(taught),
             "margin": stat(margins), "val": {k: stat(v) for k, v in val.items()}, "train_s_per_epoch": {k: stat(v) for k, v in seconds.items()}, "cost": cost}
@@ -116,6 +117,9 @@ def main() -> None:
     parser.add_argument("--teacher-epochs", type=int, default=3)
     parser.add_argument("--teacher-model", default="resnet18")
     parser.add_argument("--student", default="timm:test_resnet")
+    parser.add_argument("--teacher-stem", default="auto", help="the teacher's --stem (small: a CIFAR ResNet's)")
+    parser.add_argument("--no-augment", dest="augment", action="store_false",
+                        help="the students without augmentation (so distilled from the cache)")
     parser.add_argument("--temperature", type=float, default=4.0)
     parser.add_argument("--weight", type=float, default=0.5)
     parser.add_argument("--skip-cost", action="store_true", help="leave out the cached-against-online runs")

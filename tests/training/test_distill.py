@@ -17,19 +17,19 @@ from tests.conftest import assert_one_line_error, cli_here, quiet_display, subse
 STUDENT = "timm:test_resnet"
 
 
-def _teacher(data, storage, name, seed=0):
+def _teacher(data, storage, name, seed=0, steps=4):
     """A tiny teacher: a few steps of the small timm ResNet, trained here on the local backend."""
     import imgtrain
 
     cfg = tiny_config(data, storage, name, backend="local", workers=1, model=STUDENT, epochs=1,
-                      limit_train_batches=4, bn_calibration=0, seed=seed)
+                      limit_train_batches=steps, bn_calibration=0, seed=seed)
     return imgtrain.train(cfg, display=quiet_display()).path
 
 
 @pytest.fixture(scope="module")
 def teachers(tiny_data, tmp_path_factory):
     storage = tmp_path_factory.mktemp("teachers")
-    return _teacher(tiny_data, storage, "t0"), _teacher(tiny_data, storage, "t1", seed=1)
+    return _teacher(tiny_data, storage, "t0"), _teacher(tiny_data, storage, "t1", seed=1, steps=1)
 
 
 def _student(data, storage, name, teacher, **more):

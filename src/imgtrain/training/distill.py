@@ -142,6 +142,14 @@ def resolved(cfg: TrainConfig, manifest: dict, stored: dict | None, note) -> Tra
     teacher = load(cfg)
     check_fits(teacher, manifest)
     mode = mode_for(cfg)
+    channels = teacher.loaded.preprocess.image_shape[2]
+    if mode == "online" and channels != manifest["image_shape"][2]:
+        raise ImgtrainError(f"--teacher {cfg.teacher} takes {channels}-channel images and this data set's have "
+                            f"{manifest['image_shape'][2]}: online it sees the student's own images; use "
+                            "--distill-mode cached (the teacher's logits of the stored images, converted as predict does)")
+    if mode == "cached" and mode_for(dataclasses.replace(cfg, distill_mode="auto")) == "online":
+        note("note: --distill-mode cached with augmentation or mixing: the teacher's logits are of the stored "
+             "images, not of each step's augmented ones")
     if stored and stored.get("teacher_sha256") and stored["teacher_sha256"] != teacher.sha256:
         raise ImgtrainError(f"--teacher {cfg.teacher} has changed since run {cfg.name!r} began (sha256 "
                             f"{stored['teacher_sha256'][:12]}... then, {teacher.sha256[:12]}... now): resuming would not "

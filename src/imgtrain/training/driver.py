@@ -24,7 +24,7 @@ from imgtrain.config import (AUTO_BATCH, AUTO_LR, DEFAULT_BATCH, FEW_STEPS, FIT_
 from imgtrain.data import staging
 from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
 from imgtrain.ops import remote
-from imgtrain.ops.files import check_writable
+from imgtrain.ops.files import check_writable, name_problem
 from imgtrain.storage import checkpoint as ckpt
 from imgtrain.storage import lease, location, mirror, ownership, runs
 from imgtrain.training import tracking
@@ -76,10 +76,10 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool, ray_call
     if cfg.init_from:  # the workers do not run in this directory
         cfg = dataclasses.replace(cfg, init_from=str(Path(cfg.init_from).expanduser().resolve()))
     if cfg.teacher:  # a folder, or a run's name in a local --storage: its folder, which the workers find anywhere
-        named = location.run_path(cfg.storage, cfg.teacher) if not remote.is_remote(cfg.storage) else None
         found = Path(cfg.teacher).expanduser()
-        found = found if found.exists() else named if named is not None and ownership.is_run(named) else None
-        if found is not None:
+        if not found.exists() and not remote.is_remote(cfg.storage) and not name_problem(cfg.teacher):
+            found = location.run_path(cfg.storage, cfg.teacher)
+        if found.exists():
             cfg = dataclasses.replace(cfg, teacher=str(found.resolve()))
     if remote.is_remote(cfg.storage) and overwrite:
         raise ImgtrainError(f"--overwrite is not offered for runs in an object store ({cfg.storage}): delete the run "
