@@ -81,6 +81,8 @@ def bench_one(label: str, data: Path, storage: Path, args) -> dict:
     margins = [d - a for a, d in zip(alone, taught)]
     cost = None if args.skip_cost else cost_of_modes(data, storage, teacher, args)
     print(f"[{label}] cost: {cost}", flush=True)
+    if not args.seeds:  # --cost-only
+        return {"teacher": {"model": args.teacher_model, "test_accuracy": teacher_acc}, "cost": cost}
     return {"teacher": {"model": args.teacher_model, "stem": args.teacher_stem, "epochs": args.teacher_epochs, "test_accuracy": teacher_acc,
                         "train_s_per_epoch": t_epoch},
             "student": args.student, "epochs": args.epochs, "alone": stat(alone), "distilled": stat(taught),
@@ -123,10 +125,11 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=4.0)
     parser.add_argument("--weight", type=float, default=0.5)
     parser.add_argument("--skip-cost", action="store_true", help="leave out the cached-against-online runs")
+    parser.add_argument("--cost-only", action="store_true", help="only the cached-against-online runs")
     parser.add_argument("--only", default="", help="one data set: mnist-sample or sklearn-digits-png")
     parser.add_argument("--root", default="", help="where data and runs go (default: a temporary folder)")
     args = parser.parse_args()
-    args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.seeds = [] if args.cost_only else [int(s) for s in args.seeds.split(",")]
     import torch
 
     torch.set_num_threads(1)
@@ -142,7 +145,7 @@ def main() -> None:
     payload = {"environment": environment(), "args": {k: v for k, v in vars(args).items()},
                "results": results, "total_s": time.perf_counter() - started}
     print(write_result("distill", payload))
-    for label, r in results.items():
+    for label, r in results.items() if args.seeds else ():
         print(f"{label}: teacher {r['teacher']['test_accuracy']:.4f}; alone {r['alone']['mean']:.4f} "
               f"({r['alone']['min']:.4f}-{r['alone']['max']:.4f}), distilled {r['distilled']['mean']:.4f} "
               f"({r['distilled']['min']:.4f}-{r['distilled']['max']:.4f}), margin {r['margin']['mean']:+.4f} "
