@@ -167,8 +167,9 @@ def test_the_lists_of_setting_names_come_from_each_settings_metadata():
                         "wandb", "wandb_entity")
     assert RECIPE_KEYS == ("model", "pretrained", "epochs", "batch_size", "lr", "optimizer", "schedule",
                            "weight_decay", "label_smoothing", "preset", "augment_policy", "mixup", "cutmix", "ema_decay",
-                           "average_last", "precision", "workers", "seed", "lr_source", "batch_source")
-    assert base.PLACE_SETTINGS == ("data", "storage", "init_from") and base.SECRET_SETTINGS == ("mlflow",)
+                           "average_last", "precision", "workers", "seed", "lr_source", "batch_source",
+                           "distillation")
+    assert base.PLACE_SETTINGS == ("data", "storage", "init_from", "teacher") and base.SECRET_SETTINGS == ("mlflow",)
     assert SWEEP_KEYS == {"trials": int, "scheduler": str, "metric": str, "mode": str, "max_concurrent": int}
     assert all(s.resumable for s in settings() if s.run_only)  # what a sweep may change, a run may too
     assert len({s.recipe for s in settings() if s.recipe}) == len(RECIPE_KEYS)  # one row each

@@ -133,6 +133,32 @@ class TrainConfig:
     backbone_lr_scale: float = setting(1.0, "The learning rate of every layer but the classifier, as a fraction of "
                                        "--lr (fine-tuning: 0.1 is usual).", range="(0, 1]")
 
+    teacher: str | None = setting(None, "Knowledge distillation: a teacher the student learns from, beside the "
+                                  "labels (its outputs softened by --distill-temperature): a run (its name in "
+                                  "--storage, or its folder), a checkpoint or an export folder, whose classes are "
+                                  "the data set's (docs/training.md, \"Distillation\").", place=True,
+                                  metavar="RUN|PATH", help="Distil from this teacher: a run, checkpoint or export "
+                                                           "whose softened outputs the student learns beside the labels.")
+    distill_temperature: float = setting(4.0, "Distillation: the temperature both models' logits are divided by "
+                                         "before their softmaxes are compared (Hinton et al. 2015; 4 is the usual choice of the image "
+                                         "classification benchmarks, e.g. CRD's on CIFAR-100; on this project's small "
+                                         "sets 1 did better: docs/training.md).", range="(0, 100]")
+    distill_weight: float = setting(0.5, "Distillation: the weight of the KL term (scaled by T^2, Hinton's rule, so "
+                                    "its gradients keep their size whatever T); the labels' cross-entropy gets "
+                                    "1 - this.", range="[0, 1]")
+    distill_mode: str = setting("auto", "Distillation: ``cached`` (the teacher's logits of every training image "
+                                "computed once, stored beside the data set and looked up by row id), ``online`` "
+                                "(the teacher runs on every step's own images, in each worker) or ``auto``: "
+                                "online when --augment, --mixup or --cutmix make every step's images new, cached "
+                                "otherwise.", choices=("auto", "cached", "online"),
+                                help="Distillation: cached (the teacher's logits computed once, beside the data set), "
+                                     "online (the teacher at every step), or auto: online when the images are "
+                                     "augmented or mixed.")
+    teacher_sha256: str = setting("", "The sha256 of the teacher's model file as the run began: a resumed run "
+                                  "refuses a teacher changed since.", cli=False)
+    distillation: str = setting("", "The teacher a distilled run learnt from: its location, checksum, mode, "
+                                "temperature and weight, as the run began; empty otherwise.", cli=False, recipe=21)
+
     epochs: int = setting(12, "Passes over the training split.", range="[1, 100000]", resumable=True, recipe=3)
     batch_size: int = setting(0, "Global batch size, split across workers; 0 (the default) chooses it from the "
                               "training split: 128, halved while an epoch would have fewer than 8 steps, not below "

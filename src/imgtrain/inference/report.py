@@ -390,7 +390,8 @@ def _model_line(args: dict, config: dict) -> str:
 
     line = describe({"architecture": args.get("architecture", "resnet18"), **args}).removeprefix("model ")
     start = config.get("init_from") or ("published weights" if config.get("pretrained") else None)
-    return line + (f", started from {start}" if start else "")
+    taught = f", distilled from {config['distillation']}" if config.get("distillation") else ""
+    return line + (f", started from {start}" if start else "") + taught
 
 
 def _page(result: runs.RunResult, ev, used: Path, used_meta: dict, out: Path, num_wrong: int, where: str) -> str:

@@ -47,6 +47,8 @@ class Backend:
     # this rank's share of the training images that calibrate BatchNorm, preprocessed as for
     # evaluation (--bn-calibration); None: no calibration
     calibration_batches: Callable[[], Iterable[Batch]] | None = None
+    # --distill-mode cached: the teacher's logits of the training rows, (ids sorted, logits [N, K])
+    teacher_logits: tuple | None = None
 
 
 def single_process_collectives() -> dict:

@@ -24,7 +24,7 @@ from imgtrain.config import (AUTO_BATCH, AUTO_LR, DEFAULT_BATCH, FEW_STEPS, FIT_
 from imgtrain.data import staging
 from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
 from imgtrain.ops import remote
-from imgtrain.ops.files import check_writable
+from imgtrain.ops.files import check_writable, name_problem
 from imgtrain.storage import checkpoint as ckpt
 from imgtrain.storage import lease, location, mirror, ownership, runs
 from imgtrain.training import tracking
@@ -75,6 +75,12 @@ def _train(cfg: TrainConfig, display: TrainingDisplay, overwrite: bool, ray_call
         cfg = dataclasses.replace(cfg, data=str(Path(cfg.data).expanduser().resolve()))
     if cfg.init_from:  # the workers do not run in this directory
         cfg = dataclasses.replace(cfg, init_from=str(Path(cfg.init_from).expanduser().resolve()))
+    if cfg.teacher:  # a folder, or a run's name in a local --storage: its folder, which the workers find anywhere
+        found = Path(cfg.teacher).expanduser()
+        if not found.exists() and not remote.is_remote(cfg.storage) and not name_problem(cfg.teacher):
+            found = location.run_path(cfg.storage, cfg.teacher)
+        if found.exists():
+            cfg = dataclasses.replace(cfg, teacher=str(found.resolve()))
     if remote.is_remote(cfg.storage) and overwrite:
         raise ImgtrainError(f"--overwrite is not offered for runs in an object store ({cfg.storage}): delete the run "
                             f"with `imgtrain clean runs {cfg.name} --storage {cfg.storage}`, then train it again")
@@ -179,6 +185,11 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
         # how they were chosen: records of the run's start, not settings to compare
         cfg = dataclasses.replace(cfg, lr_source=stored.get("lr_source", ""),
                                   batch_source=stored.get("batch_source", ""))
+        if cfg.teacher:  # the mode the run began with; the teacher's identity is checked below
+            cfg = dataclasses.replace(cfg, teacher_sha256=stored.get("teacher_sha256", ""),
+                                      distillation=stored.get("distillation", ""),
+                                      distill_mode=stored.get("distill_mode", cfg.distill_mode)
+                                      if cfg.distill_mode == "auto" else cfg.distill_mode)
         changed = changed_fields(stored, cfg.to_dict())
         if changed:
             diffs = ", ".join(f"{k}: {stored[k]!r} -> {getattr(cfg, k)!r}" for k in changed)
@@ -221,10 +232,17 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
         raise ImgtrainError(problem)
     if cfg.backend == "local" and cfg.use_gpu and not _cuda_available():
         raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
+    if cfg.teacher:
+        from imgtrain.training import distill
+
+        display.phase("loading the teacher")
+        cfg = distill.resolved(cfg, manifest, stored, display.note)
     lr_curve = None
     if stored is None:
         _check_model(cfg, manifest, display)
-        cfg, lr_curve = _autos(cfg, manifest, display)
+        # lr-find and the batch fit try the student's own steps, without the teacher
+        autos, lr_curve = _autos(dataclasses.replace(cfg, teacher=None), manifest, display)
+        cfg = dataclasses.replace(autos, teacher=cfg.teacher)
     display.note(_selection_note(cfg, manifest))  # every check passed: what the run's figures will mean
     return _Plan(cfg, manifest, stored, exists and overwrite, resume, lr_curve=lr_curve)
 

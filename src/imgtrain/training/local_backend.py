@@ -60,6 +60,12 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
             if cfg.bn_calibration else None
 
     fault = faults.parse(os.environ.get(faults.ENV_VAR))
+    teacher_logits = None
+    if cfg.teacher and cfg.distill_mode == "cached":
+        from imgtrain.training import teacher_cache
+
+        records.send(phase_record("computing the teacher's logits"))
+        teacher_logits = teacher_cache.ensure(cfg, manifest, records.display.note, on_ray=False)
 
     @contextlib.contextmanager
     def restored_checkpoint():
@@ -85,7 +91,7 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
     backend = Backend(
         rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device), damaged=resume.damaged,
         train_batches=train_batches, val_batches=val_batches, augment_in_step=in_memory,
-        calibration_batches=calibration,
+        calibration_batches=calibration, teacher_logits=teacher_logits,
         **single_process_collectives(), restored_checkpoint=restored_checkpoint, report=report, send=records.send,
         run_dir=run_dir, fault=fault, staging=staging,
     )

@@ -31,7 +31,7 @@ from imgtrain.data.tensors import affine_matrices, apply_affine, to_model_input
 from imgtrain.errors import ImgtrainError
 from imgtrain.models.zoo import build_from_args, model_args
 from imgtrain.storage import checkpoint as ckpt
-from imgtrain.training import faults, mechanics, mixing, multilabel
+from imgtrain.training import distill, faults, mechanics, mixing, multilabel
 from imgtrain.training.accounting import EpochTiming, Ledger, StepWindow
 from imgtrain.training.averaging import save_average
 from imgtrain.training.weight_window import WeightWindow
@@ -141,6 +141,7 @@ def setup(cfg: TrainConfig, manifest: dict, backend: Backend) -> tuple[Run, Resu
         memory_format=memory_format, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         step=resumed.step, history=list(resumed.history), ledger=None,
         scaler=mechanics.grad_scaler(cfg, backend.device, resumed.grad_scaler),
+        distill=distill.Signal(cfg, manifest, backend.device, backend.teacher_logits) if cfg.teacher else None,
     )
     if cfg.ledger and backend.run_dir:
         run.ledger = Ledger(backend, run.step)
@@ -251,10 +252,12 @@ def train_step(run: Run, batch: Batch, affine: torch.Tensor | None = None):
         x, target, counted = mixing.mixed(x, y, mix, run.manifest["num_classes"], backend, cfg.batch_size)
     if cfg.drop_path is not None:
         mechanics.seed_step_randomness(cfg.seed, run.step, backend.rank)
+    # the teacher's logits of these rows (cached) or of these very images (online), cut as they are
+    taught = (run.distill.logits(batch, x),) if run.distill is not None else ()
     run.optimizer.zero_grad(set_to_none=True)
     summed = correct = None
-    parts = mechanics.pieces(cfg.accumulate, x, target, counted)  # mixed as a whole, then cut
-    for k, (xk, target_k, counted_k) in enumerate(parts):
+    parts = mechanics.pieces(cfg.accumulate, x, target, counted, *taught)  # mixed as a whole, then cut
+    for k, (xk, target_k, counted_k, *teacher_k) in enumerate(parts):
         with mechanics.gradient_sync(run.model, sync=k == len(parts) - 1):
             backend.progress.enter("forward")
             with run.autocast:
@@ -263,7 +266,10 @@ def train_step(run: Run, batch: Batch, affine: torch.Tensor | None = None):
                 # makes that average the exact mean over the global batch even when ranks hold
                 # unequal shares (global batch not divisible by the number of workers). Each
                 # piece's summed loss is scaled the same: the pieces' gradients add up to it.
-                loss = run.criterion(logits, target_k) * (world / cfg.batch_size)
+                loss = run.criterion(logits, target_k)
+                if teacher_k:
+                    loss = run.distill.loss(logits, teacher_k[0], loss)
+                loss = loss * (world / cfg.batch_size)
             backend.progress.enter("backward")
             mechanics.backward(loss, run.scaler)
         with torch.no_grad():

@@ -59,10 +59,17 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callba
         display.note(f"run {cfg.name}: {run_dir}  (logs: {logs})")
         if cluster.dashboard_url:
             display.note(f"Ray dashboard: {cluster.dashboard_url}")
-        _fit(cfg, manifest, run_dir, records, resume, callbacks)
+        teacher_logits = None
+        if cfg.teacher and cfg.distill_mode == "cached":  # Ray Data batch inference, before the workers start
+            from imgtrain.training import teacher_cache
+
+            display.phase("computing the teacher's logits")
+            teacher_logits = teacher_cache.ensure(cfg, manifest, display.note, on_ray=True)
+        _fit(cfg, manifest, run_dir, records, resume, callbacks, teacher_logits)
 
 
-def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callbacks: Sequence) -> None:
+def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callbacks: Sequence,
+         teacher_logits=None) -> None:
     import ray
     import ray.train
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -79,7 +86,7 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callb
     watchdog = Watchdog(run_dir, cfg.stall_timeout_s, note=records.display.note)
     elastic = bool(cfg.min_workers and cfg.min_workers < cfg.workers)
     try:
-        trainer = _trainer(cfg, manifest, run_dir, monitor, resume, elastic, callbacks)
+        trainer = _trainer(cfg, manifest, run_dir, monitor, resume, elastic, callbacks, teacher_logits)
         with _forward_records(monitor, records, watchdog), _start_timeout(elastic), \
                 _ray_snapshot_in_place(run_dir, remote.is_remote(cfg.storage)):
             try:
@@ -166,7 +173,8 @@ def _interruptible(trainer_class):
     return Interruptible
 
 
-def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, elastic: bool, callbacks: Sequence):
+def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, elastic: bool, callbacks: Sequence,
+             teacher_logits=None):
     """The TorchTrainer of this run: its workers, checkpoints kept, failures retried, data."""
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -178,7 +186,9 @@ def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, e
         # the workers never see tracking credentials (meta.json stores this config)
         train_loop_config={"cfg": tracking.public_config(cfg), "manifest": manifest, "monitor": monitor,
                            "resume": resume.to_worker(), "run_dir": str(run_dir),
-                           "fault": os.environ.get(faults.ENV_VAR)},
+                           "fault": os.environ.get(faults.ENV_VAR),
+                           # (ids, logits): a few MB for 100,000 rows of 10 classes, through the object store
+                           "teacher_logits": teacher_logits},
         scaling_config=ray.train.ScalingConfig(
             num_workers=(cfg.min_workers, cfg.workers) if elastic else cfg.workers, use_gpu=cfg.use_gpu,
             resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})},

@@ -71,7 +71,7 @@ def train_loop_per_worker(config: dict) -> None:
         restored_checkpoint=restored_checkpoint, report=report, send=send,
         damaged=resume.get("damaged") or [], progress=progress,
         run_dir=Path(config["run_dir"]) if config.get("run_dir") else None, staging=staging,
-        fault=faults.parse(config.get("fault")),
+        fault=faults.parse(config.get("fault")), teacher_logits=config.get("teacher_logits"),
     )
     try:
         run_loop(cfg, manifest, backend)

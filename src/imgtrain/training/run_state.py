@@ -61,6 +61,7 @@ class Run:
     # --precision fp16: scales the loss so float16 gradients do not underflow, skips the steps
     # whose gradients overflow; None otherwise
     scaler: torch.amp.GradScaler | None = None
+    distill: object = None  # --teacher: where the step's teacher logits come from (``distill.Signal``)
 
     @property
     def evaluated(self) -> nn.Module:
