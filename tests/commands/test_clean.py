@@ -84,11 +84,13 @@ def test_a_status_naming_a_live_process_that_holds_no_lock_blocks_nothing(tmp_pa
 def test_a_data_set_loses_only_the_files_its_manifest_lists(tmp_path, tiny_data_copy):
     (tiny_data_copy / "README.txt").write_text("mine")
     (tiny_data_copy / "train" / "extra.parquet").write_text("mine too")
+    (tiny_data_copy / ".teacher-logits").mkdir()  # distillation's cache of a teacher's logits: imgtrain's
+    (tiny_data_copy / ".teacher-logits" / "0a00-6b85.npz").write_bytes(b"logits")
     plan = plan_dataset(tiny_data_copy)
     assert {p.name for p in plan.kept} == {"README.txt", "extra.parquet"}
     remove(plan)
     left = sorted(p.relative_to(tiny_data_copy).as_posix() for p in tiny_data_copy.rglob("*"))
-    assert left == ["README.txt", "train", "train/extra.parquet"]  # test/ emptied and removed
+    assert left == ["README.txt", "train", "train/extra.parquet"]  # test/ and .teacher-logits/ emptied and removed
 
 
 def test_a_folder_imgtrain_did_not_prepare_is_refused(tmp_path):

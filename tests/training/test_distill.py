@@ -27,6 +27,17 @@ def _teacher(data, storage, name, seed=0, steps=4):
 
 
 @pytest.fixture(scope="module")
+def tiny_data(tiny_data, tmp_path_factory):
+    """The session's tiny set, copied: cached distillation writes the teachers' logits beside the
+    data set, and the session's is read by every other test (test_clean lists its files)."""
+    import shutil
+
+    copy = tmp_path_factory.mktemp("distill-data") / "tiny"
+    shutil.copytree(tiny_data, copy)
+    return copy
+
+
+@pytest.fixture(scope="module")
 def teachers(tiny_data, tmp_path_factory):
     storage = tmp_path_factory.mktemp("teachers")
     return _teacher(tiny_data, storage, "t0"), _teacher(tiny_data, storage, "t1", seed=1, steps=1)

@@ -6,7 +6,8 @@ Only what imgtrain made is ever deleted:
     lock is taken and its status read again just before deleting. A status left "running" by
     a driver on another host that is gone can be overridden with ``--force``.
   * a data set: its ``manifest.json``, the Parquet files the manifest lists and its
-    ``dedupe.csv`` (``--dedupe``), then the folders they leave empty. Any other file in the
+    ``dedupe.csv`` (``--dedupe``) and the teachers' logits distillation cached beside it
+    (``.teacher-logits/*.npz``), then the folders they leave empty. Any other file in the
     folder stays where it is.
 Links inside a run (``logs/ray`` points at Ray's session logs) are removed as links, never
 followed, so nothing outside the run's own directory is touched. A run in an object store
@@ -86,6 +87,7 @@ def _refuse_if_running(run_dir: Path, force: bool, locked: bool = False) -> None
 def plan_dataset(data_dir: str | Path) -> Removal:
     """A prepared data set: its manifest and the files the manifest lists, nothing else."""
     from imgtrain.data.format import MANIFEST, load_manifest, side_files, split_files
+    from imgtrain.training import teacher_cache
 
     data_dir = Path(data_dir).absolute()
     if data_dir.is_symlink() or not data_dir.is_dir():
@@ -93,6 +95,8 @@ def plan_dataset(data_dir: str | Path) -> Removal:
     manifest = load_manifest(data_dir)  # refuses a folder imgtrain did not prepare
     files = [data_dir / MANIFEST] + [p for s in manifest["splits"] for p in split_files(data_dir, manifest, s) if p.is_file()]
     files += [data_dir / name for name in side_files(manifest) if (data_dir / name).is_file()]
+    # the teachers' logits that distillation cached beside the data set: derived from it, imgtrain's
+    files += sorted(p for p in (data_dir / teacher_cache.FOLDER).glob("*.npz") if p.is_file() and not p.is_symlink())
     inside = data_dir.resolve()
     for path in files:  # a linked split folder would make us delete what lies elsewhere
         if inside not in path.resolve().parents:
