@@ -263,13 +263,28 @@ def _show_image(ax, image: np.ndarray) -> None:
     ax.set_yticks([])
 
 
+def _nothing_to_show(path: Path, message: str) -> None:
+    """A figure that says there is nothing to plot: still an image, so the page and files keep one shape."""
+    fig = _figure(6, 1.5)
+    fig.text(0.5, 0.5, message, ha="center", va="center", fontsize=14, color=RIGHT)
+    fig.savefig(path)
+
+
+def _label_grid(n: int):
+    """(figure, its axes) for ``n`` multi-label pictures, GRID_SIDE a row, every axis off until drawn on."""
+    columns, used_rows = min(GRID_SIDE, n), -(-n // GRID_SIDE)
+    fig = _figure(2.4 * columns, 2.4 * used_rows)
+    axes = np.atleast_1d(fig.subplots(used_rows, columns)).ravel()
+    for ax in axes:
+        ax.axis("off")
+    return fig, axes
+
+
 def _image_grid(images: np.ndarray, rows, classes: list[str], path: Path, with_confidence: bool,
                 given: str = "true", empty: str = "No misclassified test images: nothing to show.") -> None:
     """Up to GRID_SIDE x GRID_SIDE images titled true (or ``given``) / pred; a red frame marks a mistake."""
-    if len(images) == 0:  # a perfect model: still an image, so the page and files keep one shape
-        fig = _figure(6, 1.5)
-        fig.text(0.5, 0.5, empty, ha="center", va="center", fontsize=14, color=RIGHT)
-        fig.savefig(path)
+    if len(images) == 0:  # a perfect model
+        _nothing_to_show(path, empty)
         return
     # As many cells as images (two errors: one row of two, not a 4x4 box of blanks)
     columns, rows_used = min(GRID_SIDE, len(images)), -(-min(len(images), GRID_SIDE**2) // GRID_SIDE)
@@ -622,15 +637,9 @@ def _wrong_label_maps(ev, sure: tuple, pictures: dict, path: Path) -> None:
         except ImgtrainError as e:  # a model with no map to place: said in the picture, the page still written
             rows, message = rows[:0], f"No maps: {e}"
     if not len(rows):
-        fig = _figure(6, 1.5)
-        fig.text(0.5, 0.5, message, ha="center", va="center", fontsize=14, color=RIGHT)
-        fig.savefig(path)
+        _nothing_to_show(path, message)
         return
-    columns, used_rows = min(GRID_SIDE, len(rows)), -(-len(rows) // GRID_SIDE)
-    fig = _figure(2.4 * columns, 2.4 * used_rows)
-    axes = np.atleast_1d(fig.subplots(used_rows, columns)).ravel()
-    for ax in axes:
-        ax.axis("off")
+    fig, axes = _label_grid(len(rows))
     for ax, image, cam, i, k in zip(axes, images, maps, rows, labels):
         ax.axis("on")
         _show_image(ax, overlay(image, cam))
@@ -642,16 +651,9 @@ def _wrong_label_maps(ev, sure: tuple, pictures: dict, path: Path) -> None:
 
 def _most_wrong_grid(ev, rows: np.ndarray, pictures: dict, path: Path) -> None:
     if len(rows) == 0:
-        fig = _figure(6, 1.5)
-        fig.text(0.5, 0.5, "Every label of every test image decided right: nothing to show.", ha="center",
-                 va="center", fontsize=14, color=RIGHT)
-        fig.savefig(path)
+        _nothing_to_show(path, "Every label of every test image decided right: nothing to show.")
         return
-    columns, used_rows = min(GRID_SIDE, len(rows)), -(-len(rows) // GRID_SIDE)
-    fig = _figure(2.4 * columns, 2.4 * used_rows)
-    axes = np.atleast_1d(fig.subplots(used_rows, columns)).ravel()
-    for ax in axes:
-        ax.axis("off")
+    fig, axes = _label_grid(len(rows))
     for ax, i in zip(axes, rows):
         ax.axis("on")
         _show_image(ax, pictures[int(ev.ids[i])])

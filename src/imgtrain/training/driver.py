@@ -176,20 +176,7 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
             raise ImgtrainError("--overwrite starts the run afresh: pass --data as well")
         stored = None if overwrite else runs.read_config(run_dir)
     if stored is not None:
-        if not cfg.data:  # `imgtrain train --name X` alone resumes X
-            cfg = dataclasses.replace(cfg, data=stored["data"])
-        if cfg.batch_size in (AUTO_BATCH, FIT_BATCH):  # the batch chosen when the run began, whatever the rule is now
-            cfg = dataclasses.replace(cfg, batch_size=stored.get("batch_size", DEFAULT_BATCH))
-        if cfg.lr == AUTO_LR:  # --lr auto: what the run chose when it began, never found again
-            cfg = dataclasses.replace(cfg, lr=stored.get("lr", TrainConfig.lr))
-        # how they were chosen: records of the run's start, not settings to compare
-        cfg = dataclasses.replace(cfg, lr_source=stored.get("lr_source", ""),
-                                  batch_source=stored.get("batch_source", ""))
-        if cfg.teacher:  # the mode the run began with; the teacher's identity is checked below
-            cfg = dataclasses.replace(cfg, teacher_sha256=stored.get("teacher_sha256", ""),
-                                      distillation=stored.get("distillation", ""),
-                                      distill_mode=stored.get("distill_mode", cfg.distill_mode)
-                                      if cfg.distill_mode == "auto" else cfg.distill_mode)
+        cfg = _as_it_began(cfg, stored)
         changed = changed_fields(stored, cfg.to_dict())
         if changed:
             diffs = ", ".join(f"{k}: {stored[k]!r} -> {getattr(cfg, k)!r}" for k in changed)
@@ -212,26 +199,12 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
         raise ImgtrainError("--data is required for a new run (a directory made by `imgtrain data prepare`)")
     display.phase("checking the data set")
     # numpy and pyarrow from here: a refusal before the data set is read never waits for them
-    from imgtrain.data import stream
     from imgtrain.data.format import verify_dataset
 
     # one in an object store: copied here first, each file checked against its sha256 as it came
     manifest = verify_dataset(staging.local_data(cfg.data), check_hashes=not remote.is_remote(cfg.data))
-    n_train = manifest["splits"]["train"]["num_samples"]
-    cfg = _batch_for(cfg, n_train, display)
-    if cfg.backend == "ray" and cfg.address:  # an unreachable cluster: say so before making the run
-        cluster_mod.check_joinable(cfg.address)
-    if cfg.data_on_device and not stream.in_memory(cfg, manifest):
-        raise ImgtrainError("--data-on-device holds a small data set in device memory; this one is streamed "
-                            "(encoded images, or too large): drop --data-on-device")
-    if (cfg.augment_policy != "none" or cfg.color_jitter or cfg.random_erasing) \
-            and stream.preset(cfg, manifest) != "photos":
-        raise ImgtrainError("--augment-policy, --color-jitter and --random-erasing augment photos; this data set "
-                            "trains with the digits preset: drop them, or pass --preset photos")
-    if problem := _label_problem(cfg, manifest):
-        raise ImgtrainError(problem)
-    if cfg.backend == "local" and cfg.use_gpu and not _cuda_available():
-        raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
+    cfg = _batch_for(cfg, manifest["splits"]["train"]["num_samples"], display)
+    _check_against_data(cfg, manifest)
     if cfg.teacher:
         from imgtrain.training import distill
 
@@ -245,6 +218,46 @@ def _plan(cfg: TrainConfig, run_dir: Path, overwrite: bool, display, held: conte
         cfg = dataclasses.replace(autos, teacher=cfg.teacher)
     display.note(_selection_note(cfg, manifest))  # every check passed: what the run's figures will mean
     return _Plan(cfg, manifest, stored, exists and overwrite, resume, lr_curve=lr_curve)
+
+
+def _as_it_began(cfg: TrainConfig, stored: dict) -> TrainConfig:
+    """``cfg`` of a run being resumed, with what the run chose when it began (``stored``): its
+    data when not given, the batch and LR that ``auto`` found, how they were chosen, and the
+    distillation mode; the teacher's identity is checked later (distill.resolved)."""
+    if not cfg.data:  # `imgtrain train --name X` alone resumes X
+        cfg = dataclasses.replace(cfg, data=stored["data"])
+    if cfg.batch_size in (AUTO_BATCH, FIT_BATCH):  # the batch chosen when the run began, whatever the rule is now
+        cfg = dataclasses.replace(cfg, batch_size=stored.get("batch_size", DEFAULT_BATCH))
+    if cfg.lr == AUTO_LR:  # --lr auto: what the run chose when it began, never found again
+        cfg = dataclasses.replace(cfg, lr=stored.get("lr", TrainConfig.lr))
+    # how they were chosen: records of the run's start, not settings to compare
+    cfg = dataclasses.replace(cfg, lr_source=stored.get("lr_source", ""),
+                              batch_source=stored.get("batch_source", ""))
+    if cfg.teacher:
+        cfg = dataclasses.replace(cfg, teacher_sha256=stored.get("teacher_sha256", ""),
+                                  distillation=stored.get("distillation", ""),
+                                  distill_mode=stored.get("distill_mode", cfg.distill_mode)
+                                  if cfg.distill_mode == "auto" else cfg.distill_mode)
+    return cfg
+
+
+def _check_against_data(cfg: TrainConfig, manifest: dict) -> None:
+    """The settings that this data set (or this machine) cannot train with, refused in one line."""
+    from imgtrain.data import stream
+
+    if cfg.backend == "ray" and cfg.address:  # an unreachable cluster: say so before making the run
+        cluster_mod.check_joinable(cfg.address)
+    if cfg.data_on_device and not stream.in_memory(cfg, manifest):
+        raise ImgtrainError("--data-on-device holds a small data set in device memory; this one is streamed "
+                            "(encoded images, or too large): drop --data-on-device")
+    if (cfg.augment_policy != "none" or cfg.color_jitter or cfg.random_erasing) \
+            and stream.preset(cfg, manifest) != "photos":
+        raise ImgtrainError("--augment-policy, --color-jitter and --random-erasing augment photos; this data set "
+                            "trains with the digits preset: drop them, or pass --preset photos")
+    if problem := _label_problem(cfg, manifest):
+        raise ImgtrainError(problem)
+    if cfg.backend == "local" and cfg.use_gpu and not _cuda_available():
+        raise ImgtrainError("--gpu asked for, but PyTorch sees no CUDA device here; use --cpu")
 
 
 def _autos(cfg: TrainConfig, manifest: dict, display):
