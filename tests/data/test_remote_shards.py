@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 import uuid
 from pathlib import Path
@@ -21,6 +20,7 @@ from imgtrain.errors import ImgtrainError
 from tests.conftest import cli_here
 from tests.conftest_data_helpers import read_back
 from tests.data.shard_files import gray_png, write_shard
+from tests.ports import unused_port
 
 NAMES = ["cat", "dog", "emu"]
 
@@ -118,10 +118,7 @@ def test_globs_skip_hidden_and_compressed_shards_and_out_of_reach_bad_buckets_an
         prepare("webdataset", tmp_path / "out", f"{bucket}/shards/*.tar")
     assert not list((tmp_path / "cache").rglob("train-*"))  # refused before the first byte
 
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))  # a port nothing listens on once closed
-    port = closed.getsockname()[1]
-    closed.close()
+    port = unused_port()  # a port nothing listens on
     monkeypatch.setenv("IMGTRAIN_S3_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     started = time.monotonic()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ import pytest
 from imgtrain.inference.options import InferenceOptions
 from imgtrain.storage import checkpoint as ckpt
 from tests.conftest import assert_one_line_error, cli_here, copy_run
+from tests.ports import unused_port
 
 LOCAL = InferenceOptions(backend="local")
 
@@ -244,9 +244,7 @@ def test_without_a_val_split_nothing_is_fitted_and_the_refusals_are_one_line(loc
     assert_one_line_error(cli_here(capsys, *predict, "--reject", "often"), "--reject must be auto or a number")
     assert_one_line_error(cli_here(capsys, *predict, "--ood-score", "mahalanobis"),
                           "--ood-score mahalanobis needs the class means")
-    with socket.socket() as free:  # a port serve's own check finds free
-        free.bind(("127.0.0.1", 0))
-        port = str(free.getsockname()[1])
+    port = str(unused_port())  # a port serve's own check finds free
     serve = cli_here(capsys, "serve", local_run.name, "--storage", str(storage), "--port", port, "--reject", "auto")
     assert_one_line_error(serve, "--reject auto", "imgtrain calibrate")  # before Ray starts
     shown = cli_here(capsys, "evaluate", local_run.name, "--storage", str(storage), "--backend", "local")

@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,15 +28,10 @@ import pytest
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.storage import runs
 from imgtrain.training.watchdog import read_workers
+from tests.ports import unused_port
 
 pytestmark = pytest.mark.integration
 RAY = str(Path(sys.executable).parent / "ray")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_line(log: Path, text: str, proc: subprocess.Popen, timeout: float = 90) -> None:
@@ -81,7 +75,7 @@ def two_nodes(tmp_path_factory):
                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
     # Short temp dirs (Unix socket paths are limited to 107 bytes), one per node.
     temp_dirs = [tempfile.mkdtemp(prefix=f"imgtrain-node{i}-", dir="/tmp") for i in (0, 1)]
-    port = free_port()
+    port = unused_port()
     address = f"127.0.0.1:{port}"
     masked = can_hide_a_folder()
     nodes = []

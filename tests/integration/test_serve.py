@@ -30,6 +30,7 @@ from imgtrain.inference.predictor import Predictor
 from imgtrain.inference.options import Limits
 from tests.browser import BrowserPage
 from tests.conftest import assert_one_line_error, cli_here, copy_run, run_cli, wait_for
+from tests.ports import unused_port
 
 # Training a model, then starting Ray, Serve and a replica on 2 busy cores: minutes, not seconds.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -59,12 +60,6 @@ def run_name(trained) -> str:
     return trained[1].parent.name
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def request(port: int, path: str, body=None, content_type=None, timeout=30, method=None):
     """(status, parsed JSON body) of one HTTP request; 4xx/5xx are returned, not raised."""
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method=method)
@@ -80,7 +75,7 @@ def request(port: int, path: str, body=None, content_type=None, timeout=30, meth
 @contextlib.contextmanager
 def serving(storage: Path, out_dir: Path, *options: str, run: str = "srv"):
     """The real ``imgtrain serve`` of ``run`` in a subprocess; yields once /healthz answers, kills it at the end."""
-    port = free_port()
+    port = unused_port()
     stdout, stderr = out_dir / "stdout.txt", out_dir / "stderr.txt"
     with open(stdout, "w") as out, open(stderr, "w") as err:
         proc = subprocess.Popen(
@@ -563,7 +558,7 @@ def test_sigterm_stops_cleanly_and_frees_the_port(server, trained):
 
 def test_unknown_run_fails_fast_in_one_line(tmp_path):
     started = time.monotonic()
-    proc = run_cli("serve", "no-such-run", "--storage", str(tmp_path), "--port", str(free_port()), timeout=120)
+    proc = run_cli("serve", "no-such-run", "--storage", str(tmp_path), "--port", str(unused_port()), timeout=120)
     assert_one_line_error(proc, "no-such-run")
     assert time.monotonic() - started < 60  # no Ray started; imports only
 
@@ -606,7 +601,7 @@ def test_through_rays_proxy_the_same_answers_and_a_clean_stop(ray_cluster, train
 
 def test_direct_ingress_is_refused_where_it_cannot_work(trained, capsys):
     proc = cli_here(capsys, "serve", run_name(trained), "--storage", str(trained[0]), "--ingress", "direct",
-                    "--replicas", "2", "--port", str(free_port()))
+                    "--replicas", "2", "--port", str(unused_port()))
     assert_one_line_error(proc, "--ingress direct", "--ingress proxy")
 
 

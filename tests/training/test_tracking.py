@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from imgtrain.training.tracking import metrics_of, open_trackers, public_config,
 from imgtrain.training.tracking.mlflow_tracker import MLFLOW_RUN_FILE, MLflowTracker
 from imgtrain.training.tracking.tensorboard_tracker import TensorBoardTracker
 from imgtrain.training.tracking.wandb_tracker import WANDB_RUN_FILE, WandbTracker
+from tests.ports import unused_port
 
 MANIFEST = {"name": "tiny", "splits": {"train": {"num_samples": 256}, "test": {"num_samples": 100}}}
 
@@ -119,9 +119,7 @@ def mlflow_server(tmp_path_factory):
     127.0.0.1 port, started once for the module; yields its URI. It has no authentication: the
     credentials of a URI are sent to it and ignored. A failure under CI=true, a skip elsewhere."""
     root = tmp_path_factory.mktemp("mlflow-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()
     uri = f"http://127.0.0.1:{port}"
     # its own session: SIGTERM reaches the uvicorn worker it starts; no job runner (needs huey)
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
@@ -200,9 +198,7 @@ def test_credentials_stay_out_of_errors_and_of_mlflow_log_lines(run_dir, tmp_pat
         "API request to http://host:5000/api failed; see http://h/x"
     # Nothing listens on the port: the first request fails, with MLflow's message quoting the URL.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unused_port()
     with pytest.raises(ImgtrainError) as failed:
         MLflowTracker(TrainConfig(name="t", data="/d", mlflow=f"http://someuser:{PASSWORD}@127.0.0.1:{port}"),
                       run_dir, MANIFEST)
