@@ -75,7 +75,8 @@ def test_an_elastic_run_shrinks_when_a_node_leaves_and_grows_back_when_one_joins
             [sys.executable, "-m", "imgtrain.cli", "train", "--data", str(tiny_data), "--name", "elastic",
              "--storage", str(tmp_path), "--address", cluster["address"], "--workers", "1-2", "--ingest", "torch",
              "--epochs", str(EPOCHS), "--batch-size", "16", "--checkpoint-every-steps", "8", "--max-failures", "3",
-             "--ledger", "--log-every-steps", "1", "--eval-batch-size", "50"],
+             "--ledger", "--log-every-steps", "1", "--eval-batch-size", "50",
+             "--model", "timm:test_resnet", "--threads-per-worker", "1"],  # the resizes are the point, not the model
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "COLUMNS": "200", START_TIMEOUT_ENV: str(PLACEMENT_WAIT_S)})
 

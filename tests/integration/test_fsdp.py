@@ -40,8 +40,11 @@ QUIET = quiet_display()
 # DDP's has (with --channels-last it is channels_last: the same weights, other rounding).
 # The torch DataLoader's ingest: what is proved is the sharding, and Ray Data's start-up costs
 # each of the five fits seconds (Ray Data ingest is proved in test_train, test_resume, test_streamed).
+# timm's test ResNet (0.4 M parameters, BatchNorm, blocks in stages as ResNet-18's): what is proved
+# is the sharding and its checkpoints, and ResNet-18's 135 MB checkpoints cost the four fits 40 s.
 SETTINGS = dict(strategy="fsdp", channels_last=False, workers=2, epochs=2, batch_size=32, eval_batch_size=50, ingest="torch",
-                log_every_steps=4, checkpoint_every_steps=4, deterministic=True, ledger=True, max_failures=0)
+                log_every_steps=4, checkpoint_every_steps=4, deterministic=True, ledger=True, max_failures=0,
+                model="timm:test_resnet", threads_per_worker=1)
 HISTORY_KEYS = ("epoch", "step", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "lr")
 
 
@@ -106,7 +109,7 @@ def bit_equal(a: dict, b: dict) -> bool:
 def test_the_ddp_reference_is_a_whole_two_worker_run_fed_by_the_torch_dataloader(ddp):
     # The suite's 2-worker run with the torch DataLoader's ingest (test_train's ``ray_run`` has Ray Data's)
     assert ddp.config["ingest"] == "torch" and ddp.config["workers"] == 2
-    assert_a_two_worker_run(ddp, ddp.path)
+    assert_a_two_worker_run(ddp, ddp.path, architecture="timm:test_resnet")
 
 
 def test_the_checkpoint_holds_a_plain_model_and_every_ranks_verified_shards(resumed):
@@ -160,11 +163,11 @@ def test_a_failed_fsdp_run_resumes_on_one_worker_from_the_resharded_state(ddp, f
     # Not the same numbers after the resume: BatchNorm now normalises over the 32 rows of a batch
     # on one rank, not 16 on each of two, so the forward pass itself differs (DDP alike). Epoch 0
     # comes back from the checkpoint unchanged, and epoch 1 continues the restored model: its
-    # loss stays near the 2-worker run's (a model restarted from scratch would be near ln 10).
+    # loss stays near the 2-worker run's (a model restarted from scratch would be near epoch 0's).
     grown, ref = history(again.path), history(ddp.path)
     assert grown[0] == ref[0]
     print("train loss of epoch 1, resumed on 1 worker / 2 workers:", grown[1]["train_loss"], ref[1]["train_loss"])
-    assert abs(grown[1]["train_loss"] - ref[1]["train_loss"]) < 0.3
+    assert abs(grown[1]["train_loss"] - ref[1]["train_loss"]) < 0.1  # 0.009 measured; epoch 0's 2.14 is 0.3 off
 
     # A resumed run keeps its strategy.
     changed = cli_here(capsys, "train", "--name", "cut", "--storage", str(storage), "--strategy", "ddp",
