@@ -44,7 +44,8 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("integration") is None)  # stable: files stay whole
 
 
-SHARED_RUNS = re.compile(r"\b(local_run|ray_run)\b")  # the session's runs (below), trained once per pytest process
+# A function taking one of the session's runs (below; trained once per pytest process) as a fixture
+SHARED_RUNS = re.compile(r"^\s*def \w+\([^)]*\b(local_run|ray_run)\b", re.MULTILINE)
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -53,7 +54,7 @@ def pytest_xdist_make_scheduler(config, log):
     processes, both trained ``ray_run`` (53 and 56 s) and ``local_run``. (xdist's own
     ``xdist_group`` marks do nothing under pytest 9: xdist 3.8 renames a node by an attribute
     pytest no longer reads.) The controller has the test ids only, so the file's text says
-    which fixtures it names."""
+    which fixtures its functions take (a file that only mentions one runs where xdist puts it)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
