@@ -47,6 +47,7 @@ def parse_workers(text: str) -> tuple[int, int]:
 
 AUTO = "auto"
 AUTO_LR = AUTO  # --lr auto: lr-find's suggestion (training/lr_find.py), decided before the run starts
+LR_GIVEN = "given"  # lr_source of an LR the user set (a flag or a config file): never scaled for them
 FIT_BATCH = AUTO  # --batch-size auto: the largest that fits the memory (training/batch_fit.py)
 
 
@@ -188,8 +189,9 @@ class TrainConfig:
                         "suggestion (``imgtrain lr-find``), run first on the training split; with --batch-size auto "
                         "and no --lr, the default scaled with the batch (docs/training.md).", range="(0, 10]",
                         recipe=5, metavar="LR|auto", parse=parse_lr)
-    lr_source: str = setting("", "How the run's LR was chosen when not given: ``lr-find ...`` (--lr auto) or "
-                             "``scaled ...`` (--batch-size auto); empty otherwise.", cli=False, recipe=19)
+    lr_source: str = setting("", "How the run's LR was chosen: ``lr-find ...`` (--lr auto), ``scaled ...`` "
+                             "(--batch-size auto, no --lr) or ``given`` (--lr, or ``lr`` in a config file: a "
+                             "library caller sets it to keep its LR as it is); empty otherwise.", cli=False, recipe=19)
     weight_decay: float = setting(0.05, "Weight decay: decoupled for AdamW, L2 for SGD (where about 5e-4 is "
                                   "usual).", range="[0, 10]", recipe=8)
     schedule: str = setting("onecycle", "LR schedule, stepped every optimizer step: ``onecycle`` (torch's "
@@ -556,7 +558,10 @@ def resolve(overrides: dict, stored: dict | None = None) -> TrainConfig:
     if unknown:
         raise ImgtrainError(f"unknown config field(s): {', '.join(unknown)}")
     base = {k: v for k, v in (stored or {}).items() if k in known}
-    return TrainConfig(**{**base, **{k: v for k, v in overrides.items() if v is not None}})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if given.get("lr") not in (None, AUTO_LR):  # kept as given, even at the default's value (--batch-size auto)
+        given["lr_source"] = LR_GIVEN
+    return TrainConfig(**{**base, **given})
 
 
 def changed_fields(old: dict, new: dict) -> list[str]:

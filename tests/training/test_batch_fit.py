@@ -86,3 +86,17 @@ def test_a_run_with_batch_size_auto_records_the_batch_and_scales_the_lr(tiny_dat
     assert chosen["batch_size"] == 32 and "MiB free" in chosen["batch_source"]
     assert chosen["lr"] == pytest.approx(TrainConfig.lr * (32 / 128) ** 0.5, rel=0.02)  # AdamW: square root
     assert chosen["lr_source"].startswith("scaled")
+
+
+@pytest.mark.integration
+def test_an_lr_given_with_batch_size_auto_is_kept_even_at_the_default_value(tiny_data, tmp_path, capsys):
+    from imgtrain.config import TrainConfig
+    from tests.conftest import cli_here
+
+    proc = cli_here(capsys, "train", "--data", str(tiny_data), "--storage", str(tmp_path), "--name", "given",
+                    "--backend", "local", "--workers", "1", "--model", SMALL, "--epochs", "1", "--batch-size", "auto",
+                    "--lr", str(TrainConfig.lr), "--limit-train-batches", "1", "--bn-calibration", "0")
+    assert proc.returncode == 0, proc.stderr
+    chosen = json.loads((tmp_path / "given" / "config.json").read_text())
+    assert chosen["batch_size"] == 32  # not the recipe's 128: scaling would have changed the LR
+    assert (chosen["lr"], chosen["lr_source"]) == (TrainConfig.lr, "given")

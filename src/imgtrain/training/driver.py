@@ -19,8 +19,8 @@ from pathlib import Path
 
 from imgtrain import cluster as cluster_mod
 from imgtrain import configfile
-from imgtrain.config import (AUTO_BATCH, AUTO_LR, DEFAULT_BATCH, FEW_STEPS, FIT_BATCH, TrainConfig, auto_batch_size,
-                             changed_fields, read_autos, steps_per_epoch, validate)
+from imgtrain.config import (AUTO_BATCH, AUTO_LR, DEFAULT_BATCH, FEW_STEPS, FIT_BATCH, LR_GIVEN, TrainConfig,
+                             auto_batch_size, changed_fields, read_autos, steps_per_epoch, validate)
 from imgtrain.data import staging
 from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
 from imgtrain.ops import remote
@@ -272,7 +272,7 @@ def _autos(cfg: TrainConfig, manifest: dict, display):
         fitted = batch_fit.fit(cfg, manifest)
         cfg = dataclasses.replace(cfg, batch_size=fitted.batch_size, batch_source=fitted.detail)
         display.note(fitted.note())
-        if cfg.lr == TrainConfig.lr:  # not given: the recipe's LR, for its batch, scaled to this one
+        if cfg.lr == TrainConfig.lr and cfg.lr_source != LR_GIVEN:  # the recipe's LR, for its batch, scaled to this one
             lr, rule = scaled_lr(cfg)
             cfg = dataclasses.replace(cfg, lr=lr, lr_source=rule)
             display.note(f"lr {lr:.3g}: {rule} (--lr sets it)")
