@@ -5,8 +5,8 @@ against the online one.
 For each data set: the teacher (``--teacher-model``, default resnet18) trained once, seed 0,
 ``--teacher-epochs`` epochs with imgtrain's defaults; then for each seed the student
 (``--student``, default timm's test_resnet, 0.4 M parameters) trained alone and distilled
-(``--teacher``, everything else the defaults: augmentation on, so the mode is online, T 4,
-weight 0.5), interleaved. Each run's best checkpoint (chosen on the val split) is scored on the
+(``--teacher``, everything else the defaults: augmentation on, so the mode is online, T 1,
+weight 0.5; ``--also T:W,...`` adds other recipes beside them, reported apart), interleaved. Each run's best checkpoint (chosen on the val split) is scored on the
 test split, which nothing was tuned on. The cost: seed 0 again with ``--no-augment``, distilled
 in each mode (the cached run reading a table computed just before, timed on its own: the cache
 pass), seconds per training epoch.
@@ -15,7 +15,9 @@ pass), seconds per training epoch.
 
 Data sets: the embedded digits (`data prepare mnist-sample`, written under ``--root``: the cache
 goes beside the data set; 3,500 train / 500 val / 1,000 test) and scikit-learn's 1,797 8x8 digits written as
-32x32 PNG class folders (a photo set: 1,259 train / 179 val / 359 test). One torch thread, every
+32x32 PNG class folders (1,259 train / 179 val / 359 test), and a photo set: 32x32 crops of ten of
+scikit-image's photographs, labelled by photograph, each split from its own band of every
+photograph (bench/photo_crops.py: 2,000 train / 500 val / 1,000 test). One torch thread, every
 run in this process, one at a time.
 """
 
@@ -32,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_result  # noqa: E402
 from lr_find import prepare  # noqa: E402 - the same two data sets
+from photo_crops import prepare as prepare_photos  # noqa: E402 - a photo set: crops of scikit-image's photographs
 
 def train(data: Path, storage: Path, name: str, model: str, epochs: int, seed: int, **more):
     import imgtrain
@@ -45,6 +48,12 @@ def train(data: Path, storage: Path, name: str, model: str, epochs: int, seed: i
     wall = time.perf_counter() - started
     train_s = [r["train_samples"] / r["images_per_s"] for r in result.history]
     return result, wall, statistics.mean(train_s)
+
+
+def recipe(args) -> dict:
+    """The distillation settings the command line names; the others are imgtrain's defaults."""
+    named = {"distill_temperature": args.temperature, "distill_weight": args.weight}
+    return {k: v for k, v in named.items() if v is not None}
 
 
 def test_accuracy(result) -> float:
@@ -65,11 +74,11 @@ def bench_one(label: str, data: Path, storage: Path, args) -> dict:
     print(f"[{label}] teacher {args.teacher_model}: test {teacher_acc:.4f} ({t_wall:.0f} s)", flush=True)
     alone, taught, seconds = [], [], {"alone": [], "distilled": []}
     val = {"alone": [], "distilled": []}  # the best epoch's val accuracy: what a user could choose by
+    also = {}
     for seed in args.seeds:
         a, _, a_epoch = train(data, storage, f"alone-s{seed}", args.student, args.epochs, seed, augment=args.augment)
         d, _, d_epoch = train(data, storage, f"distilled-s{seed}", args.student, args.epochs, seed,
-                              augment=args.augment, teacher=str(teacher.path), distill_temperature=args.temperature,
-                              distill_weight=args.weight)
+                              augment=args.augment, teacher=str(teacher.path), **recipe(args))
         val["alone"].append(max(r["val_accuracy"] for r in a.history))
         val["distilled"].append(max(r["val_accuracy"] for r in d.history))
         alone.append(test_accuracy(a))
@@ -78,7 +87,16 @@ def bench_one(label: str, data: Path, storage: Path, args) -> dict:
         seconds["distilled"].append(d_epoch)
         print(f"[{label}] seed {seed}: alone {alone[-1]:.4f}, distilled {taught[-1]:.4f} "
               f"({a_epoch:.1f} / {d_epoch:.1f} s an epoch)", flush=True)
+        for t, w in args.also:  # other recipes beside the defaults, reported apart (never used to choose them)
+            o, _, _ = train(data, storage, f"also-T{t:g}-w{w:g}-s{seed}", args.student, args.epochs, seed,
+                            augment=args.augment, teacher=str(teacher.path), distill_temperature=t, distill_weight=w)
+            row = also.setdefault(f"T {t:g}, weight {w:g}", {"test": [], "val": []})
+            row["test"].append(test_accuracy(o))
+            row["val"].append(max(r["val_accuracy"] for r in o.history))
+            print(f"[{label}] seed {seed}: T {t:g}, weight {w:g}: {row['test'][-1]:.4f}", flush=True)
     margins = [d - a for a, d in zip(alone, taught)]
+    also = {k: {"test": stat(v["test"]), "val": stat(v["val"]),
+                "margin": stat([d - a for a, d in zip(alone, v["test"])])} for k, v in also.items()}
     cost = None if args.skip_cost else cost_of_modes(data, storage, teacher, args)
     print(f"[{label}] cost: {cost}", flush=True)
     if not args.seeds:  # --cost-only
@@ -86,7 +104,7 @@ def bench_one(label: str, data: Path, storage: Path, args) -> dict:
     return {"teacher": {"model": args.teacher_model, "stem": args.teacher_stem, "epochs": args.teacher_epochs, "test_accuracy": teacher_acc,
                         "train_s_per_epoch": t_epoch},
             "student": args.student, "epochs": args.epochs, "alone": stat(alone), "distilled": stat(taught),
-            "margin": stat(margins), "val": {k: stat(v) for k, v in val.items()}, "train_s_per_epoch": {k: stat(v) for k, v in seconds.items()}, "cost": cost}
+            "margin": stat(margins), "val": {k: stat(v) for k, v in val.items()}, "train_s_per_epoch": {k: stat(v) for k, v in seconds.items()}, "also": also, "cost": cost}
 
 
 def cost_of_modes(data: Path, storage: Path, teacher, args) -> dict:
@@ -122,27 +140,37 @@ def main() -> None:
     parser.add_argument("--teacher-stem", default="auto", help="the teacher's --stem (small: a CIFAR ResNet's)")
     parser.add_argument("--no-augment", dest="augment", action="store_false",
                         help="the students without augmentation (so distilled from the cache)")
-    parser.add_argument("--temperature", type=float, default=4.0)
-    parser.add_argument("--weight", type=float, default=0.5)
+    parser.add_argument("--temperature", type=float, default=None, help="default: imgtrain's --distill-temperature")
+    parser.add_argument("--weight", type=float, default=None, help="default: imgtrain's --distill-weight")
+    parser.add_argument("--also", default="", help="other recipes run beside the defaults: T:weight,...")
     parser.add_argument("--skip-cost", action="store_true", help="leave out the cached-against-online runs")
     parser.add_argument("--cost-only", action="store_true", help="only the cached-against-online runs")
-    parser.add_argument("--only", default="", help="one data set: mnist-sample or sklearn-digits-png")
+    parser.add_argument("--only", default="", help="one data set: mnist-sample, sklearn-digits-png or photo-crops")
     parser.add_argument("--root", default="", help="where data and runs go (default: a temporary folder)")
     args = parser.parse_args()
     args.seeds = [] if args.cost_only else [int(s) for s in args.seeds.split(",")]
+    args.also = [tuple(float(v) for v in r.split(":")) for r in args.also.split(",") if r]
     import torch
 
     torch.set_num_threads(1)
     root = Path(args.root or tempfile.mkdtemp(prefix="distill-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     sets = prepare(root)  # in root: the teacher's table is written beside each
+    if args.only in ("", "photo-crops"):
+        sets["photo-crops"] = prepare_photos(root)
     started = time.perf_counter()
     results = {}
-    for label in ("sklearn-digits-png", "mnist-sample"):
+    for label in ("sklearn-digits-png", "mnist-sample", "photo-crops"):
         if args.only and label != args.only:
             continue
         results[label] = bench_one(label, sets[label], root / "runs" / label, args)
+    from imgtrain.config import TrainConfig
+
+    defaults = TrainConfig()
+    distilled_recipe = {"distill_temperature": defaults.distill_temperature, "distill_weight": defaults.distill_weight,
+                        **recipe(args)}
     payload = {"environment": environment(), "args": {k: v for k, v in vars(args).items()},
+               "distilled_recipe": distilled_recipe,
                "results": results, "total_s": time.perf_counter() - started}
     print(write_result("distill", payload))
     for label, r in results.items() if args.seeds else ():

@@ -165,6 +165,25 @@ def test_the_loss_is_hintons():
     assert torch.allclose(s.grad, expected, atol=1e-5)
 
 
+def test_the_defaults_teach_the_teachers_own_probabilities():
+    """By default (T 1, weight 0.5) the student is pulled towards half its label and half the
+    teacher's own probabilities, unflattened: the loss's gradient is softmax(student) -
+    (onehot(label) + softmax(teacher)) / 2, row by row. The former T 4 pulled towards the teacher's
+    flattened distribution (its most probable class at 0.43 where it was 0.90 at T 1, on the
+    digits) and a 3-epoch student 13 points under its teacher lost 10 points to the same student
+    alone (docs/training.md, "Distillation"; measured in training by bench/distill_diagnose.py)."""
+    cfg = TrainConfig()
+    signal = distill.Signal.__new__(distill.Signal)
+    signal.temperature, signal.weight = cfg.distill_temperature, cfg.distill_weight
+    generator = torch.Generator().manual_seed(0)
+    student = torch.randn(6, 10, generator=generator).requires_grad_(True)
+    teacher, labels = torch.randn(6, 10, generator=generator) * 3, torch.arange(6)
+    hard = torch.nn.functional.cross_entropy(student, labels, reduction="sum")
+    signal.loss(student, teacher, hard).backward()
+    target = (torch.nn.functional.one_hot(labels, 10) + teacher.softmax(1)) / 2
+    assert torch.allclose(student.grad, student.softmax(1) - target, atol=1e-6)
+
+
 def test_the_report_and_the_model_card_name_the_teacher():
     from imgtrain.inference.model_card import RECIPE_KEYS
     from imgtrain.inference.report import _model_line
