@@ -5,13 +5,15 @@ modes, the mode chosen from the augmentation, and the refusals."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
-from imgtrain.training import distill, teacher_cache
+from imgtrain.training import distill, logits_table, teacher_cache
 from tests.conftest import assert_one_line_error, cli_here, quiet_display, subset, tiny_config
 
 STUDENT = "timm:test_resnet"
@@ -100,8 +102,10 @@ def test_the_teacher_logits_are_reused_and_recomputed_when_the_teacher_or_the_da
     def table(data, teacher):
         cfg = TrainConfig(data=str(data), teacher=str(teacher), eval_batch_size=100)
         cfg = distill.resolved(cfg, load_manifest(data), None, lambda _: None)
-        ids, logits = teacher_cache.ensure(cfg, load_manifest(data), notes.append, on_ray=False)
-        return teacher_cache.path_for(cfg, load_manifest(data)), ids, logits
+        ref = teacher_cache.ensure(cfg, load_manifest(data), notes.append, on_ray=False)
+        assert ref == teacher_cache.ref_for(cfg, load_manifest(data))
+        assert len(json.dumps(ref.to_dict())) < 1000  # what the train loop's config carries: where, not the numbers
+        return Path(ref.logits), np.load(ref.ids, allow_pickle=False), np.load(ref.logits, allow_pickle=False)
 
     first, ids, logits = table(data, teachers[0])
     assert first.parent == data / teacher_cache.FOLDER and "stored in" in notes[-1]
@@ -114,9 +118,11 @@ def test_the_teacher_logits_are_reused_and_recomputed_when_the_teacher_or_the_da
     assert other_teacher != first and "stored in" in notes[-1] and not (logits3 == logits).all()
     other_set, ids4, _ = table(other_data, teachers[0])
     assert other_set.parent == other_data / teacher_cache.FOLDER and "stored in" in notes[-1] and ids4.shape == (200,)
-    first.write_bytes(b"cut short")  # a damaged table is computed again, never read
+    with open(first, "r+b") as f:  # a damaged table is computed again, never read
+        f.truncate(first.stat().st_size - 1)
     table(data, teachers[0])
-    assert "stored in" in notes[-1] and teacher_cache.read(first, load_manifest(data)) is not None
+    assert "stored in" in notes[-1] and logits_table.read(logits_table.Ref(str(first).replace(".logits.", ".ids."),
+                                                                             str(first), 256, 10)) is not None
     assert not list(first.parent.glob("*.tmp"))
 
 
