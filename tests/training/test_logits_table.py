@@ -149,3 +149,37 @@ def test_the_table_is_written_and_read_in_a_batchs_memory_not_the_tables(tmp_pat
     assert (tmp_path / "t.logits.npy").stat().st_size > 160_000_000
     assert peaks["written"] - peaks["before"] < 24 << 20, peaks
     assert peaks["looked_up"] - peaks["before"] < 24 << 20, peaks
+
+
+def test_a_table_beside_a_data_set_in_an_object_store_is_fetched_once_by_each_node(s3_server, monkeypatch, tmp_path):
+    """Uploaded beside the data set by the driver; a worker on another node (a cache of its own)
+    fetches its copy once and reads the same rows; a table deleted from the bucket is said in one line."""
+    import uuid
+
+    from imgtrain.errors import ImgtrainError
+
+    for name, value in s3_server.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("IMGTRAIN_CACHE", str(tmp_path / "driver"))
+    ids = _ids(200)
+    driver = _ref(tmp_path / "driver" / "teacher-logits", 200)
+    logits_table.write(driver, ids, _batches(ids, 64, seed=6))
+    beside = f"s3://imgtrain/{uuid.uuid4().hex[:8]}/data/.teacher-logits"
+    published = logits_table.publish(driver, beside)
+    assert published.uri == beside and logits_table.publish(driver, beside) == published  # once
+
+    monkeypatch.setenv("IMGTRAIN_CACHE", str(tmp_path / "node2"))
+    table = logits_table.fetch(logits_table.Ref(**published.to_dict()))
+    copy = tmp_path / "node2" / "teacher-logits" / "key.logits.npy"
+    assert table.ref.logits == str(copy) and np.array_equal(table.rows_of(ids[::7]), _logits_of(ids[::7]))
+    stamp = copy.stat().st_mtime_ns
+    logits_table.fetch(published).close()
+    assert copy.stat().st_mtime_ns == stamp  # the node's copy, not fetched again
+
+    from imgtrain.ops import remote
+
+    fs, root = remote.split(beside)
+    fs.delete_file(f"{root}/key.logits.npy")
+    monkeypatch.setenv("IMGTRAIN_CACHE", str(tmp_path / "node3"))
+    with pytest.raises(ImgtrainError, match=f"{beside}/key.logits.npy is missing"):
+        logits_table.fetch(published)

@@ -203,7 +203,7 @@ def _opened(found: dict):
     from imgtrain.training import logits_table
 
     ref = logits_table.Ref(**found)
-    table = logits_table.read(ref)
+    table = logits_table.fetch(ref) if ref.uri else logits_table.read(ref)
     if table is None:
         raise ImgtrainError(f"--distill-mode cached: the teacher's logits {ref.logits} cannot be read on this node "
                             "(absent, or not whole); on a cluster they are kept beside the data set, which every "

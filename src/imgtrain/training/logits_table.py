@@ -32,9 +32,19 @@ class Ref:
     logits: str
     rows: int
     classes: int
+    uri: str | None = None  # a data set in an object store: the folder beside it the table was uploaded to
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def on_this_node(self) -> Ref:
+        """A published table's copy in this node's cache (``fetch`` makes it); else the table itself."""
+        if not self.uri:
+            return self
+        from imgtrain.ops import remote
+
+        folder = remote.cache_root() / "teacher-logits"
+        return dataclasses.replace(self, ids=str(folder / Path(self.ids).name), logits=str(folder / Path(self.logits).name))
 
 
 def _header(f, path: str) -> tuple[tuple, np.dtype, int]:
@@ -173,3 +183,66 @@ class _Positions:
         if len(self.ids) == 0 or not np.array_equal(self.ids[at], ids):
             raise ImgtrainError("--teacher: the teacher's pass returned a row the training split does not have")
         return at
+
+
+# ---------------------------------------------------------------- a data set in an object store
+
+
+def publish(ref: Ref, folder_uri: str) -> Ref:
+    """The table uploaded to ``folder_uri`` (beside a data set in an object store) unless it is
+    there at its size, the ids last; the Ref every node fetches it from. The store refusing (a
+    read-only bucket) raises ImgtrainError."""
+    import pyarrow.fs as pafs
+
+    from imgtrain.ops import remote
+
+    fs, root = remote.split(folder_uri)
+    st = remote.Store(uri=folder_uri, root=root, local=Path(ref.logits).parent)
+    try:
+        for path in (ref.logits, ref.ids):
+            target = f"{root}/{Path(path).name}"
+            info = fs.get_file_info(target)
+            if info.type == pafs.FileType.File and info.size == os.path.getsize(path):
+                continue  # the same key: the same data set and teacher, uploaded by an earlier run
+            with open(path, "rb") as src, fs.open_output_stream(target) as dst:
+                while chunk := src.read(8 << 20):
+                    dst.write(chunk)
+    except OSError as e:
+        raise remote.where(e, st, "--data") from None
+    return dataclasses.replace(ref, uri=folder_uri)
+
+
+def fetch(ref: Ref) -> Table:
+    """A published table opened on this node: its copy in this node's cache, fetched once (the
+    node's processes take turns on a lock; a whole copy found is kept), as a data set's shards are."""
+    import fcntl
+
+    import pyarrow.fs as pafs
+
+    from imgtrain.ops import remote
+
+    here = ref.on_this_node()
+    folder = Path(here.logits).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    fs, root = remote.split(ref.uri)
+    st = remote.Store(uri=ref.uri, root=root, local=folder)
+    with open(folder / f".{Path(here.logits).name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = read(here)
+        if found is not None:
+            return found
+        for path in (here.logits, here.ids):
+            name = remote.check_key(Path(path).name)
+            try:
+                info = fs.get_file_info(f"{root}/{name}")
+            except OSError as e:
+                raise remote.where(e, st, "--data") from None
+            if info.type != pafs.FileType.File:
+                raise ImgtrainError(f"{ref.uri}/{name} is missing: the teacher's logits were deleted from the bucket "
+                                    "since this run began; run it again")
+            remote.copy_down(fs, f"{root}/{name}", Path(path), st, (info.size, info.mtime.timestamp() if info.mtime
+                                                                    else None), what="--data")
+    found = read(here)
+    if found is None:
+        raise ImgtrainError(f"{ref.uri}: the teacher's logits there are not whole; delete that folder and run again")
+    return found

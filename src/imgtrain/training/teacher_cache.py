@@ -25,6 +25,7 @@ deletes both.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,7 +37,8 @@ import numpy as np
 
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
-from imgtrain.training.logits_table import Ref, read, write
+from imgtrain.ops import remote
+from imgtrain.training.logits_table import Ref, fetch, publish, read, write
 
 FOLDER = ".teacher-logits"
 SUFFIXES = (".npy", ".npz", ".tmp")  # its tables, older versions' tables, a writer's temporaries: imgtrain's
@@ -53,8 +55,6 @@ def data_fingerprint(manifest: dict) -> str:
 def ref_for(cfg: TrainConfig, manifest: dict) -> Ref:
     """Where the table of this data set and teacher lives: beside the data set where that folder
     is writable, else under imgtrain's cache."""
-    from imgtrain.ops import remote
-
     key = f"{data_fingerprint(manifest)[:20]}-{cfg.teacher_sha256[:20]}"
     data = Path(cfg.data)
     if not remote.is_remote(cfg.data) and os.access(data, os.W_OK):
@@ -70,17 +70,32 @@ def ensure(cfg: TrainConfig, manifest: dict, note, on_ray: bool) -> Ref:
     from imgtrain.data.staging import local_data
 
     ref = ref_for(cfg, manifest)
-    found = read(ref)
+    beside = f"{cfg.data.rstrip('/')}/{FOLDER}" if remote.is_remote(cfg.data) else None
+    found = read(ref) or (_uploaded(ref, beside) if beside else None)
     if found is not None:
         found.close()
         note(f"teacher logits: reusing {ref.logits}")
-        return ref
-    started = time.perf_counter()
-    data = local_data(cfg.data)
-    write(ref, training_ids(data, manifest), (_on_ray if on_ray else _here)(cfg, data))
-    note(f"teacher logits: {ref.rows:,} training images in {time.perf_counter() - started:.1f} s, "
-         f"stored in {ref.logits}")
+    else:
+        started = time.perf_counter()
+        data = local_data(cfg.data)
+        write(ref, training_ids(data, manifest), (_on_ray if on_ray else _here)(cfg, data))
+        note(f"teacher logits: {ref.rows:,} training images in {time.perf_counter() - started:.1f} s, "
+             f"stored in {ref.logits}")
+    if beside:  # every node fetches it from beside the data set, as it fetches the data set's files
+        try:
+            return publish(ref, beside)
+        except ImgtrainError as e:
+            note(f"note: the teacher's logits could not be uploaded beside the data set ({e}): only this node's "
+                 "workers can read them")
     return ref
+
+
+def _uploaded(ref: Ref, beside: str):
+    """The table an earlier run uploaded beside the data set, fetched into this node's cache."""
+    try:
+        return fetch(dataclasses.replace(ref, uri=beside))
+    except ImgtrainError:
+        return None
 
 
 def training_ids(data: str, manifest: dict) -> np.ndarray:
