@@ -179,3 +179,41 @@ def test_the_report_and_the_model_card_name_the_teacher():
     line = _model_line({"architecture": STUDENT, "in_channels": 1, "num_classes": 10}, {"distillation": identity})
     assert line.endswith(f", distilled from {identity}")
     assert "distillation" in RECIPE_KEYS  # a row of the card's recipe, where not empty
+
+
+@pytest.mark.integration
+def test_a_data_set_in_an_object_store_gets_its_teacher_logits_beside_it_for_every_node(
+        teachers, tiny_data, s3_server, monkeypatch, tmp_path):
+    """Computed once by the driver and uploaded beside the data set; a driver on another machine
+    (a cache of its own) finds them there, and its workers read the same rows from their copy."""
+    import shutil
+    import uuid
+
+    import pyarrow.fs as pafs
+
+    from imgtrain.data.format import load_manifest
+    from imgtrain.ops import remote
+
+    for name, value in s3_server.items():
+        monkeypatch.setenv(name, value)
+    data = f"s3://imgtrain/{uuid.uuid4().hex[:8]}/tiny"
+    fs, root = remote.split(data)
+    clean = tmp_path / "tiny"  # without the tables other tests cached beside it
+    shutil.copytree(tiny_data, clean, ignore=shutil.ignore_patterns(teacher_cache.FOLDER))
+    pafs.copy_files(str(clean), root, destination_filesystem=fs)
+    manifest = load_manifest(tiny_data)
+    cfg = distill.resolved(TrainConfig(data=data, teacher=str(teachers[0]), eval_batch_size=100, distill_mode="cached"),
+                           manifest, None,
+                           lambda _: None)
+    notes, refs = [], []
+    for machine in ("first", "second"):
+        monkeypatch.setenv("IMGTRAIN_CACHE", str(tmp_path / machine))
+        refs.append(teacher_cache.ensure(cfg, manifest, notes.append, on_ray=False))
+    assert "stored in" in notes[0] and notes[1].startswith("teacher logits: reusing")
+    assert refs[1].on_this_node() == refs[1] and refs[0].uri == refs[1].uri == f"{data}/{teacher_cache.FOLDER}"
+    rows = [np.load(tmp_path / machine / "teacher-logits" / Path(refs[0].logits).name) for machine in ("first", "second")]
+    assert np.array_equal(rows[0], rows[1])
+    monkeypatch.setenv("IMGTRAIN_CACHE", str(tmp_path / "worker"))  # a worker on a third node
+    signal = distill.Signal(cfg, manifest, "cpu", refs[0].to_dict())
+    ids = np.load(tmp_path / "first" / "teacher-logits" / Path(refs[0].ids).name)
+    assert torch.equal(signal.logits({"id": torch.from_numpy(ids[::5])}, None), torch.from_numpy(rows[0][::5]))
