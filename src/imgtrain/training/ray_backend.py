@@ -64,7 +64,9 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callba
             from imgtrain.training import teacher_cache
 
             display.phase("computing the teacher's logits")
-            teacher_logits = teacher_cache.ensure(cfg, manifest, display.note, on_ray=True).to_dict()
+            table = teacher_cache.ensure(cfg, manifest, display.note, on_ray=True)
+            teacher_cache.require_on_every_node(table, run_dir)
+            teacher_logits = table.to_dict()
         _fit(cfg, manifest, run_dir, records, resume, callbacks, teacher_logits)
 
 

@@ -98,6 +98,23 @@ def _uploaded(ref: Ref, beside: str):
         return None
 
 
+def require_on_every_node(ref: Ref, run_dir: Path) -> None:
+    """On a cluster of several nodes, refuse in one line a table some node cannot read: one under
+    this machine's cache, the data set's folder not being writable (a table uploaded beside a data
+    set in an object store is fetched by each node instead)."""
+    import ray
+
+    from imgtrain import cluster
+
+    if ref.uri or len([n for n in ray.nodes() if n.get("Alive")]) < 2:
+        return
+    problems = cluster.check_shared_paths(run_dir, [ref.ids, ref.logits])
+    if problems:
+        raise ImgtrainError(f"the teacher's logits {ref.logits} are not on every node of the cluster: "
+                            f"{'; '.join(problems)}; make the data set's folder writable (they are kept beside it, "
+                            "where every node reads it) or use --distill-mode online")
+
+
 def training_ids(data: str, manifest: dict) -> np.ndarray:
     """The training split's row ids, sorted: int64 [N], 8 bytes a row (10 MB for ImageNet-1k, as an
     epoch's order holds), read from the id column alone."""
