@@ -67,7 +67,7 @@ def test_rows_are_looked_up_by_id_in_any_order_and_a_missing_or_cut_table_is_not
     table = logits_table.read(ref)
     wanted = np.random.default_rng(3).choice(ids, 300)  # repeats, neighbours and gaps
     assert np.array_equal(table.rows_of(wanted), _logits_of(wanted))
-    with pytest.raises(ValueError, match="no row for id 8"):
+    with pytest.raises(ValueError, match=r"no row for one of the ids \[7, 8\]"):
         table.rows_of(np.array([7, 8]))
     table.close()
     with open(ref.logits, "r+b") as f:
@@ -76,13 +76,15 @@ def test_rows_are_looked_up_by_id_in_any_order_and_a_missing_or_cut_table_is_not
     assert logits_table.read(_ref(tmp_path, 501)) is None  # another data set's shape
 
 
-def test_a_pass_missing_a_row_or_returning_one_twice_publishes_nothing(tmp_path):
+def test_a_pass_missing_a_row_or_returning_one_twice_or_a_foreign_one_publishes_nothing(tmp_path):
     from imgtrain.errors import ImgtrainError
 
     ids = _ids(100)
     ref = _ref(tmp_path, 100)
     with pytest.raises(ImgtrainError, match="99 of the training split's 100 images"):
         logits_table.write(ref, ids, [(ids[:99], _logits_of(ids[:99]))])
+    with pytest.raises(ImgtrainError, match="a row the training split does not have"):
+        logits_table.write(ref, ids, [(ids[:1] + 1, _logits_of(ids[:1]))])
     with pytest.raises(ImgtrainError, match="twice"):
         logits_table.write(ref, ids, [(ids, _logits_of(ids)), (ids[:1], _logits_of(ids[:1]))])
     assert not list(tmp_path.iterdir())

@@ -74,7 +74,7 @@ class Table:
         self.fd = os.open(ref.logits, os.O_RDONLY)
         self.close = weakref.finalize(self, os.close, self.fd)  # closed with the table, or at once by close()
         try:
-            with open(ref.logits, "rb") as f:
+            with open(self.fd, "rb", closefd=False) as f:  # the file opened, whatever is renamed onto its name since
                 shape, dtype, self.offset = _header(f, ref.logits)
             self.row_bytes = 4 * ref.classes
             size = os.fstat(self.fd).st_size
@@ -86,10 +86,9 @@ class Table:
 
     def positions(self, ids: np.ndarray) -> np.ndarray:
         """The rows of ``ids`` in the table; a ValueError for an id it does not have."""
-        ids = np.asarray(ids, np.int64)
-        at = np.searchsorted(self.ids, ids).clip(max=self.ref.rows - 1)
-        if not np.array_equal(np.asarray(self.ids[at]), ids):
-            raise ValueError(f"{self.ref.ids}: no row for id {int(ids[np.asarray(self.ids[at]) != ids][0])}")
+        at = _found(self.ids, ids)
+        if at is None:
+            raise ValueError(f"{self.ref.ids}: no row for one of the ids {np.asarray(ids)[:8].tolist()}...")
         return at
 
     def rows_of(self, ids: np.ndarray) -> np.ndarray:
@@ -102,6 +101,14 @@ class Table:
                 raise ValueError(f"{self.ref.logits}: cut short")
             out[where] = np.frombuffer(data, np.float32).reshape(count, -1)[at[where] - first]
         return out
+
+
+def _found(ids: np.ndarray, wanted: np.ndarray) -> np.ndarray | None:
+    """The positions of ``wanted`` in the sorted ``ids`` (a binary search, touching a few of their
+    pages when they are memory-mapped); None if one is not there."""
+    wanted = np.asarray(wanted, np.int64)
+    at = np.searchsorted(ids, wanted).clip(max=max(len(ids) - 1, 0))
+    return at if len(ids) and np.array_equal(np.asarray(ids[at]), wanted) else None
 
 
 def _runs(at: np.ndarray):
@@ -148,10 +155,11 @@ def write(ref: Ref, ids: np.ndarray, batches: Iterable[tuple[np.ndarray, np.ndar
                                                      "fortran_order": False, "shape": (ref.rows, ref.classes)})
             offset, row_bytes = f.tell(), 4 * ref.classes
             f.truncate(offset + ref.rows * row_bytes)  # sparse until written
-            table = _Positions(ids)
             written = np.zeros(ref.rows, bool)
             for batch_ids, logits in batches:
-                at = table.positions(batch_ids)
+                at = _found(ids, batch_ids)
+                if at is None:
+                    raise ImgtrainError("--teacher: the teacher's pass returned a row the training split does not have")
                 if written[at].any() or len(np.unique(at)) != len(at):
                     raise ImgtrainError("--teacher: the teacher's pass returned a training row twice")
                 logits = np.ascontiguousarray(logits, np.float32).reshape(len(at), ref.classes)
@@ -169,20 +177,6 @@ def write(ref: Ref, ids: np.ndarray, batches: Iterable[tuple[np.ndarray, np.ndar
     finally:
         for tmp in temporaries:
             Path(tmp).unlink(missing_ok=True)
-
-
-class _Positions:
-    """``Table.positions`` over ids held here (the cache pass's)."""
-
-    def __init__(self, ids: np.ndarray):
-        self.ids = ids
-
-    def positions(self, ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(ids, np.int64)
-        at = np.searchsorted(self.ids, ids).clip(max=max(len(self.ids) - 1, 0))
-        if len(self.ids) == 0 or not np.array_equal(self.ids[at], ids):
-            raise ImgtrainError("--teacher: the teacher's pass returned a row the training split does not have")
-        return at
 
 
 # ---------------------------------------------------------------- a data set in an object store
