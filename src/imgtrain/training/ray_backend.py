@@ -189,7 +189,7 @@ def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, e
         train_loop_config={"cfg": tracking.public_config(cfg), "manifest": manifest, "monitor": monitor,
                            "resume": resume.to_worker(), "run_dir": str(run_dir),
                            "fault": os.environ.get(faults.ENV_VAR),
-                           # where the table is (teacher_cache.Ref), never its numbers: each worker reads its rows
+                           # where the table is (logits_table.Ref), never its numbers: each worker reads its rows
                            "teacher_logits": teacher_logits},
         scaling_config=ray.train.ScalingConfig(
             num_workers=(cfg.min_workers, cfg.workers) if elastic else cfg.workers, use_gpu=cfg.use_gpu,
