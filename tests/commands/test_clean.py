@@ -85,7 +85,8 @@ def test_a_data_set_loses_only_the_files_its_manifest_lists(tmp_path, tiny_data_
     (tiny_data_copy / "README.txt").write_text("mine")
     (tiny_data_copy / "train" / "extra.parquet").write_text("mine too")
     (tiny_data_copy / ".teacher-logits").mkdir()  # distillation's cache of a teacher's logits: imgtrain's
-    (tiny_data_copy / ".teacher-logits" / "0a00-6b85.npz").write_bytes(b"logits")
+    for name in ("0a00-6b85.npz", "0a00-6b85.ids.npy", "0a00-6b85.logits.npy", ".0a00-6b85.logits.npy.k2x.tmp"):
+        (tiny_data_copy / ".teacher-logits" / name).write_bytes(b"logits")  # older, today's, a writer cut short
     plan = plan_dataset(tiny_data_copy)
     assert {p.name for p in plan.kept} == {"README.txt", "extra.parquet"}
     remove(plan)

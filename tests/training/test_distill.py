@@ -5,13 +5,15 @@ modes, the mode chosen from the augmentation, and the refusals."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
-from imgtrain.training import distill, teacher_cache
+from imgtrain.training import distill, logits_table, teacher_cache
 from tests.conftest import assert_one_line_error, cli_here, quiet_display, subset, tiny_config
 
 STUDENT = "timm:test_resnet"
@@ -100,8 +102,10 @@ def test_the_teacher_logits_are_reused_and_recomputed_when_the_teacher_or_the_da
     def table(data, teacher):
         cfg = TrainConfig(data=str(data), teacher=str(teacher), eval_batch_size=100)
         cfg = distill.resolved(cfg, load_manifest(data), None, lambda _: None)
-        ids, logits = teacher_cache.ensure(cfg, load_manifest(data), notes.append, on_ray=False)
-        return teacher_cache.path_for(cfg, load_manifest(data)), ids, logits
+        ref = teacher_cache.ensure(cfg, load_manifest(data), notes.append, on_ray=False)
+        assert ref == teacher_cache.ref_for(cfg, load_manifest(data))
+        assert len(json.dumps(ref.to_dict())) < 1000  # what the train loop's config carries: where, not the numbers
+        return Path(ref.logits), np.load(ref.ids, allow_pickle=False), np.load(ref.logits, allow_pickle=False)
 
     first, ids, logits = table(data, teachers[0])
     assert first.parent == data / teacher_cache.FOLDER and "stored in" in notes[-1]
@@ -114,9 +118,11 @@ def test_the_teacher_logits_are_reused_and_recomputed_when_the_teacher_or_the_da
     assert other_teacher != first and "stored in" in notes[-1] and not (logits3 == logits).all()
     other_set, ids4, _ = table(other_data, teachers[0])
     assert other_set.parent == other_data / teacher_cache.FOLDER and "stored in" in notes[-1] and ids4.shape == (200,)
-    first.write_bytes(b"cut short")  # a damaged table is computed again, never read
+    with open(first, "r+b") as f:  # a damaged table is computed again, never read
+        f.truncate(first.stat().st_size - 1)
     table(data, teachers[0])
-    assert "stored in" in notes[-1] and teacher_cache.read(first, load_manifest(data)) is not None
+    assert "stored in" in notes[-1] and logits_table.read(logits_table.Ref(str(first).replace(".logits.", ".ids."),
+                                                                             str(first), 256, 10)) is not None
     assert not list(first.parent.glob("*.tmp"))
 
 
@@ -192,3 +198,41 @@ def test_the_report_and_the_model_card_name_the_teacher():
     line = _model_line({"architecture": STUDENT, "in_channels": 1, "num_classes": 10}, {"distillation": identity})
     assert line.endswith(f", distilled from {identity}")
     assert "distillation" in RECIPE_KEYS  # a row of the card's recipe, where not empty
+
+
+@pytest.mark.integration
+def test_a_data_set_in_an_object_store_gets_its_teacher_logits_beside_it_for_every_node(
+        teachers, tiny_data, s3_server, monkeypatch, tmp_path):
+    """Computed once by the driver and uploaded beside the data set; a driver on another machine
+    (a cache of its own) finds them there, and its workers read the same rows from their copy."""
+    import shutil
+    import uuid
+
+    import pyarrow.fs as pafs
+
+    from imgtrain.data.format import load_manifest
+    from imgtrain.ops import remote
+
+    for name, value in s3_server.items():
+        monkeypatch.setenv(name, value)
+    data = f"s3://imgtrain/{uuid.uuid4().hex[:8]}/tiny"
+    fs, root = remote.split(data)
+    clean = tmp_path / "tiny"  # without the tables other tests cached beside it
+    shutil.copytree(tiny_data, clean, ignore=shutil.ignore_patterns(teacher_cache.FOLDER))
+    pafs.copy_files(str(clean), root, destination_filesystem=fs)
+    manifest = load_manifest(tiny_data)
+    cfg = distill.resolved(TrainConfig(data=data, teacher=str(teachers[0]), eval_batch_size=100, distill_mode="cached"),
+                           manifest, None,
+                           lambda _: None)
+    notes, refs = [], []
+    for machine in ("first", "second"):
+        monkeypatch.setenv("IMGTRAIN_CACHE", str(tmp_path / machine))
+        refs.append(teacher_cache.ensure(cfg, manifest, notes.append, on_ray=False))
+    assert "stored in" in notes[0] and notes[1].startswith("teacher logits: reusing")
+    assert refs[1].on_this_node() == refs[1] and refs[0].uri == refs[1].uri == f"{data}/{teacher_cache.FOLDER}"
+    rows = [np.load(tmp_path / machine / "teacher-logits" / Path(refs[0].logits).name) for machine in ("first", "second")]
+    assert np.array_equal(rows[0], rows[1])
+    monkeypatch.setenv("IMGTRAIN_CACHE", str(tmp_path / "worker"))  # a worker on a third node
+    signal = distill.Signal(cfg, manifest, "cpu", refs[0].to_dict())
+    ids = np.load(tmp_path / "first" / "teacher-logits" / Path(refs[0].ids).name)
+    assert torch.equal(signal.logits({"id": torch.from_numpy(ids[::5])}, None), torch.from_numpy(rows[0][::5]))

@@ -7,8 +7,8 @@ Only what imgtrain made is ever deleted:
     a driver on another host that is gone can be overridden with ``--force``.
   * a data set: its ``manifest.json``, the Parquet files the manifest lists and its
     ``dedupe.csv`` (``--dedupe``) and the teachers' logits distillation cached beside it
-    (``.teacher-logits/*.npz``), then the folders they leave empty. Any other file in the
-    folder stays where it is.
+    (``.teacher-logits/*.npy``, older versions' ``.npz``, a writer's ``.tmp``), then the folders
+    they leave empty. Any other file in the folder stays where it is.
 Links inside a run (``logs/ray`` points at Ray's session logs) are removed as links, never
 followed, so nothing outside the run's own directory is touched. A run in an object store
 (``--storage s3://...``) is judged on its working copy, then deleted there and in the store.
@@ -96,7 +96,8 @@ def plan_dataset(data_dir: str | Path) -> Removal:
     files = [data_dir / MANIFEST] + [p for s in manifest["splits"] for p in split_files(data_dir, manifest, s) if p.is_file()]
     files += [data_dir / name for name in side_files(manifest) if (data_dir / name).is_file()]
     # the teachers' logits that distillation cached beside the data set: derived from it, imgtrain's
-    files += sorted(p for p in (data_dir / teacher_cache.FOLDER).glob("*.npz") if p.is_file() and not p.is_symlink())
+    files += sorted(p for p in (data_dir / teacher_cache.FOLDER).iterdir() if p.suffix in teacher_cache.SUFFIXES
+                    and p.is_file() and not p.is_symlink()) if (data_dir / teacher_cache.FOLDER).is_dir() else []
     inside = data_dir.resolve()
     for path in files:  # a linked split folder would make us delete what lies elsewhere
         if inside not in path.resolve().parents:

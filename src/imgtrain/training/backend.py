@@ -47,8 +47,8 @@ class Backend:
     # this rank's share of the training images that calibrate BatchNorm, preprocessed as for
     # evaluation (--bn-calibration); None: no calibration
     calibration_batches: Callable[[], Iterable[Batch]] | None = None
-    # --distill-mode cached: the teacher's logits of the training rows, (ids sorted, logits [N, K])
-    teacher_logits: tuple | None = None
+    # --distill-mode cached: where the teacher's logits of the training rows are (teacher_cache.Ref's dict)
+    teacher_logits: dict | None = None
 
 
 def single_process_collectives() -> dict:

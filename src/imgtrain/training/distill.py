@@ -179,19 +179,15 @@ class Signal:
         else:
             if table is None:
                 raise RuntimeError("--distill-mode cached: the backend was handed no teacher logits")
-            ids, logits = table
-            self.ids, self.table = torch.from_numpy(ids), torch.from_numpy(logits)  # sorted by id, on the CPU
+            self.table = _opened(table)  # its path: each step reads its own rows
             self.device = device
 
     def logits(self, batch: dict, x: torch.Tensor) -> torch.Tensor:
         """The teacher's logits [B, K] of the step's rows (``batch["id"]``) or images (``x``)."""
         if self.teacher is not None:
             return self.teacher.logits_of_inputs(x, self.mean, self.std)
-        ids = batch["id"].cpu()
-        at = torch.searchsorted(self.ids, ids).clamp(max=len(self.ids) - 1)
-        if not torch.equal(self.ids[at], ids):  # the cache was checked against the data set: unexpected
-            raise RuntimeError("a training row has no teacher logits in the cache")
-        return self.table[at].to(self.device, non_blocking=True)
+        # looked up by id: the same rows whatever the world size, the rank or the resume
+        return torch.from_numpy(self.table.rows_of(batch["id"].cpu().numpy())).to(self.device, non_blocking=True)
 
     def loss(self, student: torch.Tensor, teacher: torch.Tensor, hard: torch.Tensor) -> torch.Tensor:
         """The rows' summed distillation loss, from the summed cross-entropy ``hard``."""
@@ -199,3 +195,17 @@ class Signal:
         soft = F.kl_div(F.log_softmax(student.float() / t, 1), F.log_softmax(teacher.float() / t, 1),
                         reduction="sum", log_target=True)
         return (1.0 - self.weight) * hard + self.weight * t * t * soft
+
+
+def _opened(found: dict):
+    """The cache's table (``found``: its ``logits_table.Ref`` as a dict), refused in one line where
+    this node cannot read it whole."""
+    from imgtrain.training import logits_table
+
+    ref = logits_table.Ref(**found)
+    table = logits_table.fetch(ref) if ref.uri else logits_table.read(ref)
+    if table is None:
+        raise ImgtrainError(f"--distill-mode cached: the teacher's logits {ref.logits} cannot be read on this node "
+                            "(absent, or not whole); on a cluster they are kept beside the data set, which every "
+                            "node must read at the same path, or use --distill-mode online")
+    return table

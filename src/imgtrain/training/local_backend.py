@@ -65,7 +65,7 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume) -> Non
         from imgtrain.training import teacher_cache
 
         records.send(phase_record("computing the teacher's logits"))
-        teacher_logits = teacher_cache.ensure(cfg, manifest, records.display.note, on_ray=False)
+        teacher_logits = teacher_cache.ensure(cfg, manifest, records.display.note, on_ray=False).to_dict()
 
     @contextlib.contextmanager
     def restored_checkpoint():

@@ -64,7 +64,9 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callba
             from imgtrain.training import teacher_cache
 
             display.phase("computing the teacher's logits")
-            teacher_logits = teacher_cache.ensure(cfg, manifest, display.note, on_ray=True)
+            table = teacher_cache.ensure(cfg, manifest, display.note, on_ray=True)
+            teacher_cache.require_on_every_node(table, run_dir)
+            teacher_logits = table.to_dict()
         _fit(cfg, manifest, run_dir, records, resume, callbacks, teacher_logits)
 
 
@@ -187,7 +189,7 @@ def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, e
         train_loop_config={"cfg": tracking.public_config(cfg), "manifest": manifest, "monitor": monitor,
                            "resume": resume.to_worker(), "run_dir": str(run_dir),
                            "fault": os.environ.get(faults.ENV_VAR),
-                           # (ids, logits): a few MB for 100,000 rows of 10 classes, through the object store
+                           # where the table is (logits_table.Ref), never its numbers: each worker reads its rows
                            "teacher_logits": teacher_logits},
         scaling_config=ray.train.ScalingConfig(
             num_workers=(cfg.min_workers, cfg.workers) if elastic else cfg.workers, use_gpu=cfg.use_gpu,
