@@ -30,6 +30,7 @@ class Cluster:
     started_here: bool
     dashboard_url: str | None
     session_logs: Path | None
+    private: bool = False  # a new local cluster, started by this process: it ends with it
 
 
 GPU_PROCESS_THREADS = 2
@@ -150,7 +151,8 @@ def start_or_join(address: str | None, min_cpus: float, dashboard: bool = False)
     except ConnectionError as e:
         raise ImgtrainError(f"could not join the Ray cluster at {address}: {e}") from None
     url = getattr(ctx, "dashboard_url", None)
-    return Cluster(True, f"http://{url}" if url else None, _session_logs())
+    return Cluster(True, f"http://{url}" if url else None, _session_logs(),
+                   private=address in (None, "", "local"))
 
 
 def check_joinable(address: str, timeout_s: float = 5.0) -> None:

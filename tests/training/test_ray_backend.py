@@ -45,3 +45,34 @@ def test_rays_snapshot_is_where_ray_reads_it_during_a_fit_and_hidden_between_fit
     with _ray_snapshot_in_place(tmp_path, in_store=True):  # a working copy's is left as it is
         ray_name.write_text("in the bucket")
     assert ray_name.is_file()
+
+
+def _cleaners(private: bool) -> list:
+    import ray.train
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from imgtrain.training.ray_backend import _lighter
+
+    trainer = _lighter(TorchTrainer, private)(
+        lambda config: None, scaling_config=ray.train.ScalingConfig(num_workers=1),
+        run_config=ray.train.RunConfig(name="lighter", storage_path="/nonexistent"))
+    callbacks = trainer._create_default_callbacks()
+    assert callbacks, "Ray Train's other default callbacks are kept"
+    return [c for c in callbacks if isinstance(c, PlacementGroupCleanerCallback)]
+
+
+def test_a_private_cluster_runs_no_placement_group_cleaner_and_a_joined_one_keeps_rays():
+    # issue 51: the cleaner asks the GCS every second, for the whole run, whether the controller
+    # lives; a private cluster, its placement groups with it, ends with the command
+    assert _cleaners(private=True) == []
+    (joined,) = _cleaners(private=False)
+    assert joined._check_interval_s == 1.0  # Ray's own: its stop waits out one interval at a run's end
+
+
+def test_the_driver_polls_the_monitor_no_faster_than_the_ranks_heartbeat():
+    # records and heartbeats leave the ranks once a heartbeat: a faster poll found nothing new
+    from imgtrain.training.health import HEARTBEAT_S
+    from imgtrain.training.ray_backend import POLL_S
+
+    assert POLL_S >= HEARTBEAT_S

@@ -24,12 +24,16 @@ from imgtrain.ops.files import disk_full, link_dir
 from imgtrain.storage import checkpoint as ckpt
 from imgtrain.storage import location, mirror, runs
 from imgtrain.training import faults, tracking
+from imgtrain.training.health import HEARTBEAT_S
 
 if TYPE_CHECKING:
     from imgtrain.training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-POLL_S = 0.5
+# How often the driver drains the monitor (records, heartbeats) and runs the watchdog: the
+# ranks' step records and heartbeats arrive once a heartbeat (health.py), so a faster poll only
+# woke the driver and the monitor actor for nothing (issue 51).
+POLL_S = HEARTBEAT_S
 POLL_FAILING_S = 30.0  # a poll failing this long is reported on the terminal
 
 
@@ -67,11 +71,12 @@ def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callba
             table = teacher_cache.ensure(cfg, manifest, display.note, on_ray=True)
             teacher_cache.require_on_every_node(table, run_dir)
             teacher_logits = table.to_dict()
-        _fit(cfg, manifest, run_dir, records, resume, callbacks, teacher_logits)
+        _fit(cfg, manifest, run_dir, records, resume, callbacks, teacher_logits, private=cluster.private)
 
 
 def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callbacks: Sequence,
-         teacher_logits=None) -> None:
+         teacher_logits=None, private: bool = False) -> None:
+    """``private``: the Ray cluster was started by this command (it ends with it)."""
     import ray
     import ray.train
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -88,7 +93,7 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callb
     watchdog = Watchdog(run_dir, cfg.stall_timeout_s, note=records.display.note)
     elastic = bool(cfg.min_workers and cfg.min_workers < cfg.workers)
     try:
-        trainer = _trainer(cfg, manifest, run_dir, monitor, resume, elastic, callbacks, teacher_logits)
+        trainer = _trainer(cfg, manifest, run_dir, monitor, resume, elastic, callbacks, teacher_logits, private)
         with _forward_records(monitor, records, watchdog), _start_timeout(elastic), \
                 _ray_snapshot_in_place(run_dir, remote.is_remote(cfg.storage)):
             try:
@@ -175,15 +180,42 @@ def _interruptible(trainer_class):
     return Interruptible
 
 
+def _lighter(trainer_class, private: bool):
+    """``trainer_class`` without Ray Train's placement-group cleaner on a ``private`` cluster.
+
+    The cleaner (Ray 2.60 ``PlacementGroupCleanerCallback``) is a detached actor that asks the
+    GCS every second, for the whole run, whether the Train controller still lives, to free its
+    placement groups if it died without doing so (issue 51: the cleaner and the GCS were among
+    the largest CPU users beside the worker). A private cluster, its placement groups with it,
+    ends with this command, so there is nothing for it to clean. A joined cluster keeps it as
+    Ray made it: a slower check would also slow every run's end, as its stop waits out one
+    check interval."""
+    if not private:
+        return trainer_class
+
+    class Lighter(trainer_class):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            try:
+                from ray.train.v2._internal.callbacks.placement_group_callback import (
+                    PlacementGroupCleanerCallback,
+                )
+            except ImportError:  # another Ray version: its own defaults
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, PlacementGroupCleanerCallback)]
+
+    return Lighter
+
+
 def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, elastic: bool, callbacks: Sequence,
-             teacher_logits=None):
+             teacher_logits=None, private: bool = False):
     """The TorchTrainer of this run: its workers, checkpoints kept, failures retried, data."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
     from imgtrain.training.ray_worker import train_loop_per_worker
 
-    return _interruptible(TorchTrainer)(
+    return _lighter(_interruptible(TorchTrainer), private)(
         train_loop_per_worker,
         # the workers never see tracking credentials (meta.json stores this config)
         train_loop_config={"cfg": tracking.public_config(cfg), "manifest": manifest, "monitor": monitor,
