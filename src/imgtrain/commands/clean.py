@@ -95,9 +95,10 @@ def plan_dataset(data_dir: str | Path) -> Removal:
     manifest = load_manifest(data_dir)  # refuses a folder imgtrain did not prepare
     files = [data_dir / MANIFEST] + [p for s in manifest["splits"] for p in split_files(data_dir, manifest, s) if p.is_file()]
     files += [data_dir / name for name in side_files(manifest) if (data_dir / name).is_file()]
-    # the teachers' logits that distillation cached beside the data set: derived from it, imgtrain's
-    files += sorted(p for p in (data_dir / teacher_cache.FOLDER).iterdir() if p.suffix in teacher_cache.SUFFIXES
-                    and p.is_file() and not p.is_symlink()) if (data_dir / teacher_cache.FOLDER).is_dir() else []
+    cached = data_dir / teacher_cache.FOLDER  # the teachers' logits distillation cached beside it: imgtrain's
+    if cached.is_dir():
+        files += sorted(p for p in cached.iterdir()
+                        if p.suffix in teacher_cache.SUFFIXES and p.is_file() and not p.is_symlink())
     inside = data_dir.resolve()
     for path in files:  # a linked split folder would make us delete what lies elsewhere
         if inside not in path.resolve().parents:

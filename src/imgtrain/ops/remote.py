@@ -165,6 +165,13 @@ class ObjectChanged(ImgtrainError):
     """An object that is not as it was listed any more: replaced, grown or cut short since."""
 
 
+def copy_up(src, fs, target: str) -> None:
+    """An open local file's bytes, from where it stands, to the object ``target``, 8 MiB at a time."""
+    with fs.open_output_stream(target) as dst:
+        while chunk := src.read(8 << 20):
+            dst.write(chunk)
+
+
 def copy_down(fs, source: str, target: Path, st: Store, listed: tuple[int, float | None],
               what: str = "storage") -> None:
     """One object to a local file, complete or not at all: written under a name of its own

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from imgtrain.checkpoint_policy import POLICY, PREFIX, RAY_SNAPSHOT_FILE
 from imgtrain.errors import ImgtrainError, ImgtrainWarning, one_line
-from imgtrain.ops.remote import ObjectChanged, Store, UnsafeKey, check_key, copy_down, local_file, where
+from imgtrain.ops.remote import ObjectChanged, Store, UnsafeKey, check_key, copy_down, copy_up, local_file, where
 from imgtrain.storage import ledger, ownership
 from imgtrain.storage.lease import HEARTBEAT_FILE, beat, lease_holder
 from imgtrain.storage.ledger import META_FILE, SYNCED_FILE
@@ -330,9 +330,7 @@ def _upload(fs, path: Path, target: str, sent: tuple[int, int] | None, st: Store
             if (before.st_size, before.st_mtime_ns) == sent:
                 return None
             try:
-                with fs.open_output_stream(target) as dst:
-                    while chunk := src.read(8 << 20):
-                        dst.write(chunk)
+                copy_up(src, fs, target)
                 stored = fs.get_file_info(target).mtime
             except OSError as e:  # the store's
                 raise where(e, st) from None

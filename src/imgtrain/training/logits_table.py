@@ -198,9 +198,8 @@ def publish(ref: Ref, folder_uri: str) -> Ref:
             info = fs.get_file_info(target)
             if info.type == pafs.FileType.File and info.size == os.path.getsize(path):
                 continue  # the same key: the same data set and teacher, uploaded by an earlier run
-            with open(path, "rb") as src, fs.open_output_stream(target) as dst:
-                while chunk := src.read(8 << 20):
-                    dst.write(chunk)
+            with open(path, "rb") as src:
+                remote.copy_up(src, fs, target)
     except OSError as e:
         raise remote.where(e, st, "--data") from None
     return dataclasses.replace(ref, uri=folder_uri)
