@@ -396,62 +396,6 @@ def _session_logs() -> Path | None:
         return None
 
 
-# Ray's processes that serve a private cluster but never train. Ray starts its daemons (GCS,
-# raylet, agents, dashboard, log monitor) at nice 0 and its worker processes at 15; the training
-# workers of a private cluster run at 0 (ray_backend.TRAINING_WORKER_ENV), as the local backend
-# does. On a 2-core machine the daemons' wakeups preempted the worker's torch threads, and an
-# intra-op parallel region waits for its slowest thread (issue 51). Niced, they run when a core
-# is free and still get their share under load (CFS weights, never SCHED_IDLE). The raylet is
-# not among them: every worker it forks later (a restarted rank, Ray Data's tasks) would inherit
-# its nice value, and an unprivileged process cannot lower it again.
-HELPER_NICE = 10
-HELPER_DAEMONS = ("gcs_server", "dashboard/dashboard.py", "dashboard/agent.py", "runtime_env/agent/main.py",
-                  "log_monitor.py", "autoscaler/_private/monitor.py")
-HELPER_ACTORS = ("DashboardAgent", "RuntimeEnvAgent", "TrainController", "SynchronizationActor", "DatasetManager", "PlacementGroupCleaner",
-                 "Monitor", "_StatsActor", "_AutoscalingCoordinatorActor")
-
-
-def is_helper(argv: list[str]) -> bool:
-    """Whether a process with this command line is one of Ray's helpers above. An actor's
-    process keeps its actor for life (``ray::TrainController.run``); an idle pool worker
-    (``ray::IDLE``) may become a training worker, so it is never one. Only the program and its
-    script are read: the raylet's arguments name the agents it starts."""
-    if argv and argv[0].startswith("ray::"):
-        return argv[0][5:].split(" ", 1)[0].split(".", 1)[0] in HELPER_ACTORS
-    return any(arg == daemon or arg.endswith("/" + daemon)
-               for arg in argv[:3] if not arg.startswith("-") for daemon in HELPER_DAEMONS)
-
-
-def descendants(root: int) -> dict[int, list[str]]:
-    """Every process under ``root`` (Linux /proc), with its command line; empty elsewhere."""
-    parents, argvs = {}, {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (entry / "stat").read_text()
-            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
-            argvs[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except (OSError, ValueError):  # gone meanwhile, or not ours to read
-            continue
-    under, frontier = {}, {root}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in under}
-        under.update((pid, argvs[pid]) for pid in frontier)
-    return under
-
-
-def deprioritize_helpers(root: int | None = None, done: set[int] | None = None) -> set[int]:
-    """Nice (``HELPER_NICE``) every helper process of the private cluster under ``root`` (this
-    process) not in ``done``; returns the pids niced so far. Called again as actors start."""
-    done = set() if done is None else done
-    for pid, argv in descendants(os.getpid() if root is None else root).items():
-        if pid in done or not is_helper(argv):
-            continue
-        with contextlib.suppress(OSError):  # gone meanwhile
-            os.setpriority(os.PRIO_PROCESS, pid, max(HELPER_NICE, os.getpriority(os.PRIO_PROCESS, pid)))
-            done.add(pid)
-    return done
-
-
 def shutdown(cluster: Cluster) -> None:
     import ray
 

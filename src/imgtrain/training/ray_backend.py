@@ -35,14 +35,6 @@ log = logging.getLogger(__name__)
 # woke the driver and the monitor actor for nothing (issue 51).
 POLL_S = HEARTBEAT_S
 POLL_FAILING_S = 30.0  # a poll failing this long is reported on the terminal
-# Ray starts every worker process at nice 15 (its ``worker_niceness``), below its own daemons
-# (raylet, GCS, agents at 0), so that they win the cores; the local backend trains at 0. On a
-# 2-core machine each of the daemons' wakeups then preempted a torch thread of the training
-# worker, and an intra-op parallel region waits for its slowest thread (issue 51). On a private
-# cluster the training workers run at 0 as the local backend does, and Ray's helpers give way
-# (``cluster.deprioritize_helpers``); a joined cluster keeps Ray's priorities (other users' work).
-TRAINING_WORKER_ENV = {"RAY_worker_niceness": "0"}
-HELPER_SCAN_S = 10.0  # how often Ray's newly started helper processes are looked for, to be niced
 
 
 def fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callbacks: Sequence = ()) -> None:
@@ -102,7 +94,7 @@ def _fit(cfg: TrainConfig, manifest: dict, run_dir: Path, records, resume, callb
     elastic = bool(cfg.min_workers and cfg.min_workers < cfg.workers)
     try:
         trainer = _trainer(cfg, manifest, run_dir, monitor, resume, elastic, callbacks, teacher_logits, private)
-        with _forward_records(monitor, records, watchdog, private), _start_timeout(elastic), \
+        with _forward_records(monitor, records, watchdog), _start_timeout(elastic), \
                 _ray_snapshot_in_place(run_dir, remote.is_remote(cfg.storage)):
             try:
                 trainer.fit()
@@ -242,7 +234,6 @@ def _trainer(cfg: TrainConfig, manifest: dict, run_dir: Path, monitor, resume, e
             # as the local backend's retention, by the run's --select-metric
             checkpoint_config=POLICY.for_metric(cfg.select_metric).keeping(cfg.num_to_keep).ray_config(),
             callbacks=list(callbacks),
-            worker_runtime_env={"env_vars": dict(TRAINING_WORKER_ENV)} if private else {},
         ),
         datasets=_datasets(cfg, manifest),
         # Every worker gets the whole data set and takes its rows of each global batch
@@ -326,21 +317,12 @@ def _root_cause(error: Exception, skip_ranks: set[int] = frozenset()) -> str:
 
 
 @contextlib.contextmanager
-def _forward_records(monitor, records, watchdog, private: bool = False):
+def _forward_records(monitor, records, watchdog):
     """While training runs, move records from the monitor actor to metrics.jsonl, the display
-    and the trackers, and heartbeats to the watchdog; on a ``private`` cluster, nice Ray's
-    helper processes as they start (``cluster.deprioritize_helpers``)."""
+    and the trackers, and heartbeats to the watchdog."""
     import ray
 
     stop = threading.Event()
-    niced: set[int] = set()
-    next_scan = time.monotonic()
-
-    def deprioritize():
-        nonlocal next_scan
-        if private and time.monotonic() >= next_scan:  # a scan of /proc: a few ms, not every poll
-            next_scan = time.monotonic() + HELPER_SCAN_S
-            cluster_mod.deprioritize_helpers(done=niced)
 
     def deliver():
         sent, beats = ray.get(monitor.drain.remote(), timeout=30)
@@ -354,7 +336,6 @@ def _forward_records(monitor, records, watchdog, private: bool = False):
             try:
                 deliver()
                 watchdog.check()
-                deprioritize()
                 failing_since = None
             except ray.exceptions.RayActorError as e:  # the mailbox is gone: say so once
                 if not warned:
