@@ -11,6 +11,8 @@ Rows (each run ``--repeats`` times, interleaved, so that drift hits every row al
                ray-1 (``--rows local-ray-up,ray-1``) the two alternate, so their ratio is what the
                Ray backend adds around the same loop
   ray-1        imgtrain train --workers 1, Ray Data ingest, Ray already running
+  ray-1-private  imgtrain train --workers 1 as users run it: a private Ray cluster started (and
+               ended) by the command; with local (``--rows local,ray-1-private``) the two alternate
   ray-1-torch  the same with --ingest torch
   ray-2        imgtrain train --workers 2, Ray already running
   ray-2-tracked  the same, logging to MLflow (sqlite) and TensorBoard: what tracking costs, with a
@@ -67,11 +69,11 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 WARMUP_STEPS = 2  # steps at the start of each epoch left out of the steady state
 BATCH = 128
-ROWS = ("raw", "local", "demo", "tutorial", "raw-ray-up", "local-ray-up", "ray-1", "ray-1-torch", "ray-2", "ray-2-tracked", "ingest",
+ROWS = ("raw", "local", "demo", "tutorial", "raw-ray-up", "local-ray-up", "ray-1", "ray-1-private", "ray-1-torch", "ray-2", "ray-2-tracked", "ingest",
         "to-accuracy")
 NEEDS_CLUSTER = ("raw-ray-up", "local-ray-up", "ray-1", "ray-1-torch", "ray-2", "ray-2-tracked", "ingest", "to-accuracy")
 GPU_FLAGS = ["--gpu", "--precision", "bf16", "--data-on-device"]
-WORKERS = {"to-accuracy": 1, "raw": 1, "raw-ray-up": 1, "local": 1, "local-ray-up": 1, "demo": 2, "tutorial": 2, "ray-1": 1, "ray-1-torch": 1, "ray-2": 2,
+WORKERS = {"to-accuracy": 1, "raw": 1, "raw-ray-up": 1, "local": 1, "local-ray-up": 1, "demo": 2, "tutorial": 2, "ray-1": 1, "ray-1-private": 1, "ray-1-torch": 1, "ray-2": 2,
            "ray-2-tracked": 2}
 
 
@@ -211,6 +213,7 @@ def imgtrain_row(row: str, opts, tmp: Path, k: int) -> dict:
         cmd += ["--limit-train-batches", str(opts.limit_steps)]
     cmd += {"local": ["--backend", "local"], "local-ray-up": ["--backend", "local"], "demo": ["--workers", "2"],
             "ray-1": ["--workers", "1", "--address", "auto"],
+            "ray-1-private": ["--workers", "1"],
             "ray-1-torch": ["--workers", "1", "--address", "auto", "--ingest", "torch"],
             "ray-2": ["--workers", "2", "--address", "auto"],
             "ray-2-tracked": ["--workers", "2", "--address", "auto", "--tensorboard",
@@ -431,6 +434,8 @@ def main() -> None:
     checks = targets(results, runs)
     if {"local-ray-up", "ray-1"} <= runs.keys():
         results["ray-1-vs-local"] = ray_cost(runs["local-ray-up"], runs["ray-1"])
+    if {"local", "ray-1-private"} <= runs.keys():
+        results["ray-1-private-vs-local"] = ray_cost(runs["local"], runs["ray-1-private"])
     payload = {
         "environment": environment(),
         "config": {"data": str(opts.data), "epochs": opts.epochs, "gpu": opts.gpu,
@@ -450,9 +455,11 @@ def main() -> None:
         s = results["to-accuracy"]
         print(f"time to {opts.time_to_accuracy:.1%} test accuracy: {fmt(s['to_accuracy_s'], 1)} s "
               f"(best {fmt(s['best_accuracy'], 4)})")
-    if "ray-1-vs-local" in results:
-        s = results["ray-1-vs-local"]
-        print(f"ray-1 / local-ray-up, pair by pair: {fmt(s['ratio'], 3)}; Ray adds {fmt(s['step_us'])} us per step")
+    for key in ("ray-1-vs-local", "ray-1-private-vs-local"):
+        if key not in results:
+            continue
+        s = results[key]
+        print(f"{key}, pair by pair: {fmt(s['ratio'], 3)}; Ray adds {fmt(s['step_us'])} us per step")
         print(f"CPU ms per step of the training process: local {fmt(s['cpu_ms_per_step']['local'], 2)}, "
               f"ray-1's worker {fmt(s['cpu_ms_per_step']['ray'], 2)}; local / ray-1 pair by pair {fmt(s['cpu_ratio'], 3)}")
     print(f"\nn = {opts.repeats} per row, median (min-max); {time.time() - began:.0f} s; results: {path}")
