@@ -67,7 +67,12 @@ def piece_cap(cfg: TrainConfig, n_train: int) -> tuple[int, str]:
 
 
 def fit(cfg: TrainConfig, manifest: dict) -> Fit:
-    """The batch of ``--batch-size auto`` for the run ``cfg`` on ``manifest``'s data set."""
+    """The batch of ``--batch-size auto`` for the run ``cfg`` on ``manifest``'s data set (tried on a
+    worker's GPU where this process has none: ``on_worker``)."""
+    from imgtrain.training import on_worker
+
+    if on_worker.wanted(cfg):
+        return on_worker.call(fit, cfg, manifest)
     n_train = manifest["splits"]["train"]["num_samples"]
     cap, limit = piece_cap(cfg, n_train)
     if cap < 1:
@@ -136,7 +141,8 @@ def _try_on_cuda(cfg: TrainConfig, manifest: dict, cap: int) -> tuple[int, str, 
 
     if not torch.cuda.is_available():
         raise ImgtrainError("--batch-size auto with --gpu tries batches on the GPU of this machine, and PyTorch sees "
-                            "none here: run it where the GPU is, or set --batch-size")
+                            "none here: run it where the GPU is, join a cluster with GPUs (--address: it is tried on a worker's), "
+                            "or set --batch-size")
     device = torch.device("cuda")
     total = torch.cuda.get_device_properties(device).total_memory
     good, piece, peak_good, stopped = 0, 1, 0, False

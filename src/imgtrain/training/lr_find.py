@@ -87,14 +87,18 @@ def suggest(lrs: list[float], smoothed: list[float], skip_begin: int = SKIP_BEGI
 def range_test(cfg: TrainConfig, manifest: dict, steps: int = STEPS, start_lr: float = START_LR,
                end_lr: float = END_LR) -> Curve:
     """Run the test for the run ``cfg`` would train (its global batch decided) on ``manifest``'s
-    data set (local); see the module's doc."""
+    data set (local; on a worker's GPU where this process has none: ``on_worker``); see the module's doc."""
     import torch
 
+    from imgtrain.training import on_worker
     from imgtrain.training.local_backend import process_settings_restored
+
+    if on_worker.wanted(cfg):
+        return on_worker.call(range_test, cfg, manifest, steps, start_lr, end_lr)
 
     if cfg.use_gpu and not torch.cuda.is_available():
         raise ImgtrainError("the learning-rate range test runs on this machine's GPU with --gpu, and PyTorch sees none "
-                            "here: run `imgtrain lr-find` where the GPU is and pass its suggestion as --lr")
+                            "here: run it where the GPU is, or join a cluster with GPUs (--address: it runs on a worker's)")
     device = torch.device("cuda" if cfg.use_gpu else "cpu")
     with process_settings_restored(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         from imgtrain.cluster import threads_for
