@@ -333,8 +333,9 @@ def _train_interrupted(cfg, signum: int) -> None:
     sys.exit(128 + signum)
 
 
-# the settings of a run's place and trackers: lr-find makes no run
-_NOT_A_RUN = frozenset({"name", "storage", "address", "dashboard", "mlflow", "mlflow_experiment", "tensorboard",
+# the settings of a run's place and trackers: lr-find makes no run (--address stays: a --gpu test joins
+# the cluster to run on a worker's GPU, training/on_worker.py)
+_NOT_A_RUN = frozenset({"name", "storage", "dashboard", "mlflow", "mlflow_experiment", "tensorboard",
                         "wandb", "wandb_entity", "max_failures", "stall_timeout_s", "num_to_keep",
                         "checkpoint_every_steps", "ledger"})
 

@@ -10,6 +10,7 @@ import pytest
 from imgtrain.config import TrainConfig
 from imgtrain.errors import ImgtrainError
 from imgtrain.training import batch_fit, lr_find, on_worker
+from tests.conftest import assert_one_line_error, cli_here
 
 SMALL = "timm:test_resnet"
 
@@ -46,14 +47,20 @@ def test_the_probes_on_a_worker_give_what_they_give_here(ray_cluster, tiny_data)
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("probe", ["lr-find", "batch fit"])
-def test_a_gpu_probe_on_a_cluster_without_gpus_is_refused_in_seconds(ray_cluster, tiny_data, probe):
+def test_a_gpu_range_test_on_a_cluster_without_gpus_is_refused_in_seconds(ray_cluster, tiny_data):
     from imgtrain.data.format import verify_dataset
 
-    manifest = verify_dataset(tiny_data)
     cfg = TrainConfig(data=str(tiny_data), name="x", backend="ray", address=ray_cluster, workers=1, model=SMALL,
                       batch_size=8, use_gpu=True)
     started = time.monotonic()
     with pytest.raises(ImgtrainError, match=r"the Ray cluster has 0 GPU\(s\); drop --gpu"):
-        lr_find.range_test(cfg, manifest, steps=12) if probe == "lr-find" else batch_fit.fit(cfg, manifest)
+        lr_find.range_test(cfg, verify_dataset(tiny_data), steps=12)
     assert time.monotonic() - started < 30  # refused, not waiting for a GPU that is not there
+
+
+@pytest.mark.integration
+def test_lr_find_joins_the_cluster_given_and_a_gpu_batch_fit_there_is_refused_in_one_line(
+        capsys, ray_cluster, tiny_data, tmp_path):
+    shown = cli_here(capsys, "lr-find", "--data", str(tiny_data), "--model", SMALL, "--backend", "ray",
+                     "--address", ray_cluster, "--gpu", "--batch-size", "auto", "--out", str(tmp_path / "curve"))
+    assert_one_line_error(shown, "the Ray cluster has 0 GPU(s)", "drop --gpu")
