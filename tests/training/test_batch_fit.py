@@ -100,3 +100,14 @@ def test_an_lr_given_with_batch_size_auto_is_kept_even_at_the_default_value(tiny
     chosen = json.loads((tmp_path / "given" / "config.json").read_text())
     assert chosen["batch_size"] == 32  # not the recipe's 128: scaling would have changed the LR
     assert (chosen["lr"], chosen["lr_source"]) == (TrainConfig.lr, "given")
+
+
+@pytest.mark.integration
+def test_the_batch_is_fitted_before_lr_auto_has_found_the_lr(tiny_data):
+    # --lr auto --batch-size auto: the batch is fitted first, while the LR is still "auto"
+    from imgtrain.config import AUTO_LR, TrainConfig
+    from imgtrain.data.format import verify_dataset
+
+    cfg = TrainConfig(data=str(tiny_data), name="x", backend="local", workers=1, model="timm:test_resnet",
+                      lr=AUTO_LR, threads_per_worker=1)
+    assert batch_fit.fit(cfg, verify_dataset(tiny_data)).batch_size >= 1

@@ -27,7 +27,7 @@ import gc
 import resource
 from pathlib import Path
 
-from imgtrain.config import AUTO_MIN_STEPS, TrainConfig
+from imgtrain.config import AUTO_LR, AUTO_MIN_STEPS, TrainConfig
 from imgtrain.errors import ImgtrainError
 
 CAP = 1024  # the largest global batch auto picks: beyond it the default recipe's LR rules are untested
@@ -101,8 +101,10 @@ def _step_run(cfg: TrainConfig, manifest: dict, device, piece: int):
     from imgtrain.training import loop
     from imgtrain.training.backend import Backend, single_process_collectives
 
+    # --lr auto is found after the batch: the step's memory does not depend on the LR, the optimizer needs a number
+    lr = TrainConfig.lr if cfg.lr == AUTO_LR else cfg.lr
     probe = dataclasses.replace(cfg, batch_size=piece, accumulate=1, backend="local", workers=1, min_workers=0,
-                                compile=False, init_from=None, pretrained=False, ledger=False)
+                                compile=False, init_from=None, pretrained=False, ledger=False, lr=lr)
     backend = Backend(rank=0, world_size=1, device=device, prepare_model=lambda m: m.to(device),
                       train_batches=lambda e, s: iter(()), val_batches=lambda: iter(()),
                       **single_process_collectives(), restored_checkpoint=contextlib.nullcontext,
