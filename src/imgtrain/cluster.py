@@ -126,6 +126,12 @@ def ray_session(address: str | None, min_cpus: float, logs: Path, log_name: str,
             shutdown(cluster)
 
 
+def starts_its_own(address: str | None) -> bool:
+    """Whether ``address`` means a private cluster, started (and ended) by this command: none
+    given, or Ray's "local"."""
+    return address in (None, "", "local")
+
+
 def start_or_join(address: str | None, min_cpus: float, dashboard: bool = False) -> Cluster:
     """Join ``address``, or start a private local cluster with at least ``min_cpus`` logical CPUs."""
     import ray
@@ -152,7 +158,7 @@ def start_or_join(address: str | None, min_cpus: float, dashboard: bool = False)
         raise ImgtrainError(f"could not join the Ray cluster at {address}: {e}") from None
     url = getattr(ctx, "dashboard_url", None)
     return Cluster(True, f"http://{url}" if url else None, _session_logs(),
-                   private=address in (None, "", "local"))
+                   private=starts_its_own(address))
 
 
 def check_joinable(address: str, timeout_s: float = 5.0) -> None:

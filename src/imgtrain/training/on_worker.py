@@ -23,9 +23,11 @@ def wanted(cfg: TrainConfig, cuda_here: Callable[[], bool] | None = None,
     """Whether ``cfg``'s probe must run on a worker: a Ray run on GPUs of a cluster it joins (its
     ``--address``, or the one this process is in already), from a process where PyTorch sees no
     CUDA device."""
-    if cfg.backend != "ray" or not cfg.use_gpu or cfg.address == "local":  # "local": a private cluster
+    from imgtrain.cluster import starts_its_own
+
+    if cfg.backend != "ray" or not cfg.use_gpu:
         return False
-    if not cfg.address and not (ray_joined or _ray_joined)():
+    if starts_its_own(cfg.address) and not (ray_joined or _ray_joined)():  # a private cluster is this machine
         return False
     return not (cuda_here or _cuda_here)()
 
