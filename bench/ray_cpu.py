@@ -185,6 +185,9 @@ def one_run(row: str, opts, tmp: Path, k: int, session: str, py_spy: float = 0.0
     steps = tt._steps(records)
     windows = windows_of(steps)
     seconds = sum(b - a for a, b in windows)
+    if not seconds:
+        raise SystemExit(f"{name}: no steady training window (each epoch needs more than {tt.WARMUP_STEPS + 1} "
+                         "steps): raise --limit-steps")
     n_steps = sum(e - s for s, e in ((next(x["step"] for x in steps if x["time"] == a),
                                       next(x["step"] for x in steps if x["time"] == b)) for a, b in windows))
     return {"images_per_s": tt.steady_rate(steps), "train_s": seconds, "steps": n_steps,
@@ -268,6 +271,10 @@ def main() -> None:
     opts.data = opts.data.resolve()
     ensure_data(opts.data)
     rows = opts.rows.split(",")
+    known = ("local-ray-up", "ray-1", "ray-1-own")
+    unknown = [r for r in rows if r.partition("@")[0] not in known]
+    if unknown:
+        parser.error(f"unknown row(s) {', '.join(unknown)}: choose from {', '.join(known)} (with @before for a --before-src tree)")
     runs: dict[str, list[dict]] = {r: [] for r in rows}
     began = time.time()
     with tempfile.TemporaryDirectory(prefix="imgtrain-raycpu-") as tmp, ray_head():

@@ -142,8 +142,7 @@ def start_or_join(address: str | None, min_cpus: float, dashboard: bool = False)
     kwargs = dict(log_to_driver=False, configure_logging=False, include_dashboard=dashboard)
     try:
         if address:
-            check_joinable(address)
-            ctx = ray.init(address=address, **kwargs)
+            ctx = ray.init(address=check_joinable(address), **kwargs)
         else:
             # Logical CPUs: enough for every worker plus ingest. Threads are set per worker,
             # so logical CPUs above the physical count do not oversubscribe the cores.
@@ -161,20 +160,24 @@ def start_or_join(address: str | None, min_cpus: float, dashboard: bool = False)
                    private=starts_its_own(address))
 
 
-def check_joinable(address: str, timeout_s: float = 5.0) -> None:
+def check_joinable(address: str, timeout_s: float = 5.0) -> str:
     """Fail in seconds when nothing answers at ``address`` (ray.init would wait for minutes) or
     when the cluster refuses this process (token authentication: ray.init retries for ~20 s).
+    Returns the address for ray.init: "auto" resolved to the cluster's HOST:PORT.
 
     ``ray start --head`` turns token authentication on by default since Ray 2.59, but a process
     that joins does not (until Ray 2.61). When the cluster asks for a token and this machine has
     one (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), token mode is turned on here;
-    only then: a client in token mode cannot run actors on a cluster without authentication.
+    only then: a client in token mode cannot run actors on a cluster without authentication
+    (they die as they start). That is why ray.init never gets "auto": given "auto", Ray 2.60
+    turns token mode on whenever ~/.ray/auth_token exists, and any private cluster (``make demo``)
+    leaves one there, so a cluster started without authentication could no longer be joined.
     """
     if address == "local":  # Ray's name for "start a new local cluster"
-        return
+        return address
     target = _reachable(address, timeout_s)
     if address.startswith("ray://"):  # Ray Client has its own handshake
-        return
+        return address
     try:
         from ray._private.authentication.authentication_token_setup import (
             maybe_enable_token_auth_if_token_available,
@@ -208,6 +211,7 @@ def check_joinable(address: str, timeout_s: float = 5.0) -> None:
             f"the Ray cluster at {address} requires token authentication and refused this process; set "
             "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the output of `ray get-auth-token` on its head node>"
         )
+    return target
 
 
 def _reachable(address: str, timeout_s: float) -> str:
