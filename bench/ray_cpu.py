@@ -124,7 +124,10 @@ class CpuSampler:
                 continue
             fields = stat[stat.rindex(")") + 2:].split()
             key = (pid, int(entry.name))
-            self.thread_names[key] = stat[stat.index("(") + 1:stat.rindex(")")].rstrip("0123456789")
+            name = stat[stat.index("(") + 1:stat.rindex(")")].rstrip("0123456789")
+            # torch's threads inherit the process's name: the main thread (an actor's task loop in a
+            # Ray worker, whose training runs in a thread of its own) is told apart by its id
+            self.thread_names[key] = f"{name} (main thread)" if key[1] == pid else name
             self.threads[key].append((now, (int(fields[11]) + int(fields[12])) / TICK))
 
     def used_by_thread(self, windows: list[tuple[float, float]]) -> dict[str, float]:
