@@ -161,6 +161,11 @@ def _at(samples: list, t: float) -> float:
     return c0 + (c1 - c0) * (t - t0) / max(t1 - t0, 1e-9)
 
 
+# each row's imgtrain train arguments
+ROW_ARGS = {"local-ray-up": ["--backend", "local"], "ray-1": ["--workers", "1", "--address", "auto"],
+            "ray-1-own": ["--workers", "1"]}
+
+
 def windows_of(steps: list[dict]) -> list[tuple[float, float]]:
     by_epoch: dict[int, list[dict]] = {}
     for s in steps:
@@ -173,8 +178,7 @@ def one_run(row: str, opts, tmp: Path, k: int, session: str, py_spy: float = 0.0
     cmd = tt.imgtrain_cmd(opts, tmp, name, "--epochs", str(opts.epochs), "--seed", "0")
     cmd += ["--limit-train-batches", str(opts.limit_steps)] if opts.limit_steps else []
     base, _, tree = row.partition("@")
-    cmd += {"local-ray-up": ["--backend", "local"], "ray-1": ["--workers", "1", "--address", "auto"],
-            "ray-1-own": ["--workers", "1"]}[base]
+    cmd += ROW_ARGS[base]
     env = dict(os.environ, **({"PYTHONPATH": opts.before_src} if tree == "before" else {}))
     with open(tmp / f"{name}.log", "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=tmp, env=env)
@@ -274,10 +278,10 @@ def main() -> None:
     opts.data = opts.data.resolve()
     ensure_data(opts.data)
     rows = opts.rows.split(",")
-    known = ("local-ray-up", "ray-1", "ray-1-own")
-    unknown = [r for r in rows if r.partition("@")[0] not in known]
+    unknown = [r for r in rows if r.partition("@")[0] not in ROW_ARGS]
     if unknown:
-        parser.error(f"unknown row(s) {', '.join(unknown)}: choose from {', '.join(known)} (with @before for a --before-src tree)")
+        parser.error(f"unknown row(s) {', '.join(unknown)}: choose from {', '.join(ROW_ARGS)} "
+                     "(with @before for a --before-src tree)")
     runs: dict[str, list[dict]] = {r: [] for r in rows}
     began = time.time()
     with tempfile.TemporaryDirectory(prefix="imgtrain-raycpu-") as tmp, ray_head():

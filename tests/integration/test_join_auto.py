@@ -10,11 +10,10 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from pathlib import Path
 
 import pytest
 
-from tests.integration.test_multinode import RAY, processes_mentioning, wait_for_line
+from tests.integration.ray_nodes import RAY, processes_mentioning, wait_for_line
 from tests.ports import unused_port
 
 pytestmark = pytest.mark.integration

@@ -21,35 +21,16 @@ import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
 from imgtrain.checkpoint_policy import POLICY
 from imgtrain.storage import runs
 from imgtrain.training.watchdog import read_workers
+from tests.integration.ray_nodes import RAY, processes_mentioning, wait_for_line
 from tests.ports import unused_port
 
 pytestmark = pytest.mark.integration
-RAY = str(Path(sys.executable).parent / "ray")
-
-
-def wait_for_line(log: Path, text: str, proc: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in (log.read_text(errors="replace") if log.exists() else ""):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"no {text!r} from {proc.args} (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
-        time.sleep(0.3)
-
-
-def processes_mentioning(fragment: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if fragment.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-    return found
 
 
 def can_hide_a_folder() -> bool:
