@@ -69,6 +69,13 @@ def _started(pid: int) -> str | None:
     return None if fields[0] == "Z" else fields[19]
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def process_tree(root: int) -> set[tuple[int, str]]:
     """``root`` and every process below it now, as (pid, start time): a pid reused later is not one of them."""
     children: dict[int, list[int]] = {}
@@ -189,6 +196,8 @@ def test_a_closed_terminal_stops_a_ray_run_and_its_cluster(tiny_data, tmp_path, 
             Terminal(train_command(tiny_data, tmp_path, "hup", "ray"), cwd=tmp_path, columns=220, stderr=err) as term:
         wait_for_checkpoint(term, run_dir)
         tree = process_tree(term.proc.pid)
+        # a cluster of the command's own: no Ray Train preemption watcher (cluster.ONE_MACHINE_RAY_ENV)
+        assert not [pid for pid, _ in tree if b"PreemptionWatcher" in _cmdline(pid)], "a preemption watcher runs"
         term.hang_up()
         os.killpg(term.proc.pid, signal.SIGHUP)
         assert term.wait(timeout=120) == 129, err_file.read_text()
