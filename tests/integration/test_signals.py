@@ -70,6 +70,7 @@ def _started(pid: int) -> str | None:
 
 
 def _cmdline(pid: int) -> bytes:
+    """Process ``pid``'s command line, empty once it is gone."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -106,7 +107,7 @@ def run_workers(run_dir: Path) -> set[tuple[int, str]]:
 
 def assert_all_gone(tree: set[tuple[int, str]]) -> None:
     def left():
-        return [(pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:80]) for pid, start in tree if _started(pid) == start]
+        return [(pid, _cmdline(pid)[:80]) for pid, start in tree if _started(pid) == start]
 
     try:  # Ray's processes end as the driver stops them, before it exits; a moment for the kernel
         wait_for(lambda: not left(), 10, "the run's processes to end")
