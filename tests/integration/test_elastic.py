@@ -19,18 +19,18 @@ from tests.integration.ledger import global_batches
 pytestmark = pytest.mark.integration
 
 # 256 rows / batch 16: 16 steps an epoch. More epochs than the test ever waits for: how many
-# pass before the run grows back depends on Ray's timers against this machine's speed (about
-# 35 s from the new node's start: Ray Train sees the cluster as of up to 20 s ago and looks every
-# ELASTIC_CHECK_S; 8 epochs at one worker on a quiet machine, 2 on a busy one). A run sized to
+# pass before the run grows back depends on Ray's timers against this machine's speed (16-18 s
+# from the new node's start: Ray Train looks every ELASTIC_CHECK_S, at a view of the cluster the
+# helper's coordinator refreshes every 2 s; 7 epochs at one worker on a quiet machine). A run sized to
 # end just after growing back once ended before it (8 epochs), and on a busy machine trains on
 # for a minute after it (10 epochs); this one is stopped once the grown group has finished an
 # epoch. SIGKILL: how a run ends is other tests' business, and Ray Train takes SIGINT over
 # (the process then exits 1, the run marked failed).
 EPOCHS, STEPS_PER_EPOCH = 100, 16
-# After the loss Ray Train still counts the dead node (its view of the cluster is up to 20 s
-# old), asks for two workers and waits for their placement before trying with one: imgtrain's
-# 20 s for elastic runs, unless the user sets Ray's own variable, as this test does (the nodes
-# here are up at once: placing a worker takes milliseconds). 20 s of the test's minute and a half.
+# After the loss Ray Train may still count the dead node (its view of the cluster is refreshed
+# every 20 s by Ray, 2 s by the helper's), ask for two workers and wait for their placement
+# before trying with one: imgtrain's 20 s for elastic runs, unless the user sets Ray's own
+# variable, as this test does (the nodes here are up at once: placing a worker takes milliseconds).
 PLACEMENT_WAIT_S = 5
 
 

@@ -3,13 +3,16 @@
 Each runs the real training loop (local backend) for a few steps and is compared with the
 default float32 run on the same data and seed. torch.compile is the expensive part (each
 compiled graph costs tens of seconds of C++ compilation on 2 cores, MobileNet's about three
-times ResNet-18's): the compiled runs here are of the default ResNet-18, and another model
-family is trained in bfloat16 without compilation in test_models.py.
+times ResNet-18's): the compiled run here is of the default ResNet-18, and another model
+family is trained in bfloat16 without compilation in test_models.py. One compiled run: a second
+(--compile with --precision bf16) cost 26-32 s more in a clean clone (torch's compile cache is
+cold there) and showed nothing the two options' own tests do not: on this CPU its first loss came
+out bit-equal to float32's, so it could not tell that bfloat16 ran, and the weights it saved
+are the float32 parameters whatever the forward pass computes in.
 """
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -67,15 +70,3 @@ def test_compile_gives_the_eager_losses(tiny_data, tmp_path, fp32):
     # the gradient's sign at first), so later steps agree only as far as the CPU's kernels do.
     assert ours[0] == pytest.approx(reference[0], rel=1e-4)
     assert ours[-1] < ours[0]
-
-
-def test_compile_with_bf16_trains_and_saves_float32_weights(tiny_data, tmp_path, fp32):
-    # Both GPU-path options at once. On this CPU the compiled bfloat16 graph's first loss came out
-    # bit-equal to a float32 run's (contiguous layout), so unlike eager bfloat16 above nothing
-    # here can show that bfloat16 ran: it trains, and saves float32 weights.
-    steps, epoch = run(tiny_data, tmp_path, "compiled-bf16", compile=True, precision="bf16")
-    ours, reference = [s["loss"] for s in steps], [s["loss"] for s in fp32[0]]
-    assert ours[0] == pytest.approx(reference[0], rel=0.02)  # as eager bfloat16's (above)
-    assert all(math.isfinite(loss) for loss in ours) and ours[-1] < ours[0]
-    weights = ckpt.load_model_state(location.run_path(str(tmp_path), "compiled-bf16") / epoch["checkpoint"], "cpu")
-    assert all(t.dtype == torch.float32 for t in weights.values() if t.is_floating_point())
