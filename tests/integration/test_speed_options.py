@@ -13,7 +13,6 @@ are the float32 parameters whatever the forward pass computes in.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
