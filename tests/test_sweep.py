@@ -162,3 +162,43 @@ def test_a_stopped_trials_epochs_come_back_from_its_latest_whole_checkpoint(tmp_
     assert status["status"] == "stopped" and "ASHA after epoch 1 of 2" in status["reason"]
     _mark_stopped(sweep_dir, SimpleNamespace(scheduler="asha", base=SimpleNamespace(epochs=2)))
     assert len(runs.epoch_history(run_dir)) == 1  # once
+
+
+def test_a_resumed_asha_sweep_judges_its_trials_against_the_epochs_recorded_before(tmp_path, monkeypatch):
+    # Tune rebuilds the scheduler on a restore with empty rungs: a trial resumed after Ctrl-C was
+    # trained to the end, its epoch-1 accuracy 0.07 against the finished trial's 0.95. Here the
+    # restored scheduler is handed the trials as Tune hands them over: the finished one first.
+    from ray.tune.schedulers import TrialScheduler
+
+    from imgtrain.storage import ownership, runs
+    from imgtrain.sweep.driver import Asha
+    from imgtrain.sweep.trial import EPOCHS_DONE
+
+    finished = tmp_path / "trial-00000"
+    finished.mkdir()
+    ownership.claim(finished)
+    for e, accuracy in enumerate([0.95, 0.97]):
+        runs.MetricsLog(finished).append({"kind": "epoch", "epoch": e, "step": 8 * (e + 1), "val_accuracy": accuracy})
+    monkeypatch.setattr(Asha, "trials_dir", tmp_path)
+
+    def restored() -> Asha:
+        asha = Asha(2)
+        asha.set_search_properties("val_accuracy", "max")
+        for i in (0, 1):  # the resumed trial has no run yet, or one without an epoch: nothing to give
+            asha.on_trial_add(None, _Trial(i))
+        return asha
+
+    weak = {EPOCHS_DONE: 1, "val_accuracy": 0.07}
+    assert restored().on_trial_result(None, _Trial(1), weak) == TrialScheduler.STOP
+    monkeypatch.setattr(Asha, "trials_dir", None)  # as before: nothing recorded reaches the rungs
+    assert restored().on_trial_result(None, _Trial(1), weak) == TrialScheduler.CONTINUE
+
+
+class _Trial:
+    """What the scheduler reads of a Tune trial: its id, and its name (the run's folder)."""
+
+    def __init__(self, i: int):
+        self.trial_id, self.name = f"id{i}", f"trial-0000{i}"
+
+    def __str__(self) -> str:
+        return self.name

@@ -28,7 +28,7 @@ from imgtrain.storage import location, ownership, runs
 from imgtrain.sweep import state as st
 from imgtrain.sweep.request import SWEEP_KEYS, SweepRequest
 from imgtrain.sweep.space import METRICS, SCHEDULERS
-from imgtrain.sweep.trial import EPOCHS_DONE, run_trial
+from imgtrain.sweep.trial import EPOCHS_DONE, run_trial, to_tune
 from imgtrain.training import faults, tracking
 
 # A trial's own CPU reservation in Ray: Tune refuses 0, and its workers hold the real CPUs.
@@ -205,6 +205,7 @@ def _fit(req: SweepRequest, sweep_dir: Path, concurrency: int, say):
     trainable = tune.with_resources(tune.with_parameters(run_trial, sweep=sweep), {"cpu": TRIAL_CPU})
     set_output(say)
     Trials.cap = concurrency
+    Asha.trials_dir = sweep_dir / st.TRIALS_DIR
     experiment = sweep_dir / st.TUNE_DIR
     if tune.Tuner.can_restore(str(experiment)):
         tuner = tune.Tuner.restore(str(experiment), trainable=trainable, resume_unfinished=True, resume_errored=True)
@@ -233,11 +234,30 @@ def _fit(req: SweepRequest, sweep_dir: Path, concurrency: int, say):
 class Asha(AsyncHyperBandScheduler):
     """ASHA, except at the last epoch: ASHA stops a trial that reaches max_t (and may put a rung
     there: max_t 4, reduction 4), and Tune then ends the trial's process before its run writes
-    that it finished (status.json would stay "running"). The run ends by itself there."""
+    that it finished (status.json would stay "running"). The run ends by itself there.
+
+    And with its rungs whole after a resume: Tune saves the searcher and the callbacks with the
+    experiment, never the scheduler, and a restore rebuilds it as first built, rungs empty (a
+    trial resumed after Ctrl-C was then trained to the end, its epoch-1 accuracy 0.07 against
+    the finished trial's 0.95). Each trial Tune adds, the restored ones too, is given the epochs
+    its run has recorded, as if Tune had just reported them. (A rung its run passed as the sweep
+    stopped, before Tune heard of it, is recorded, not judged: such a trial goes on.)"""
+
+    trials_dir: Path | None = None  # set in this process before every fit (a class attribute: never pickled)
 
     def __init__(self, epochs: int):
         super().__init__(time_attr=EPOCHS_DONE, max_t=epochs, grace_period=1)
         self.epochs = epochs
+
+    def on_trial_add(self, tune_controller, trial):
+        super().on_trial_add(tune_controller, trial)
+        run_dir = Asha.trials_dir / str(trial) if Asha.trials_dir else None
+        if run_dir is None or not ownership.is_run(run_dir):
+            return  # a new trial
+        bracket = self._trial_info[trial.trial_id]
+        for result in map(to_tune, runs.epoch_history(run_dir)):
+            if self._metric in result:
+                bracket.on_result(trial, result[EPOCHS_DONE], self._metric_op * result[self._metric])
 
     def on_trial_result(self, tune_controller, trial, result):
         action = super().on_trial_result(tune_controller, trial, result)
