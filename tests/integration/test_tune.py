@@ -38,40 +38,76 @@ def show(capsys, storage, name) -> dict:
     return json.loads(proc.stdout)
 
 
-@pytest.fixture(scope="module")
-def asha_sweep(ray_cluster, tiny_data, tmp_path_factory):
-    storage = tmp_path_factory.mktemp("sweeps")
-    args = sweep_args(tiny_data, storage, "s", ray_cluster, *ASHA)
-    started = time.monotonic()
-    proc = run_cli(*args, timeout=300)
-    return proc, storage, args, time.monotonic() - started
+def checkpointed(run_dir: Path) -> bool:
+    """The run's driver has the record of a checkpoint."""
+    return any(r.get("checkpoint") for r in runs.read_metrics(run_dir))
 
 
-def test_asha_sweep_trials_are_imgtrain_runs(asha_sweep, capsys):
-    proc, storage, _, took = asha_sweep
-    assert proc.returncode == 0, proc.stderr
+def events(stdout: str) -> list[tuple[str, str]]:
+    """(trial, what happened) for each state change the sweep printed."""
+    found = [re.match(r"\d\d:\d\d:\d\d (trial-\d{5}): (\w+)", line) for line in stdout.splitlines()]
+    return [m.groups() for m in found if m]
+
+
+def test_an_interrupted_asha_sweep_resumes_its_trials_as_imgtrain_runs(tiny_data, tmp_path, ray_cluster, capsys):
+    # One sweep, stopped by Ctrl-C and run again twice. The first trial (lr 0.003) finishes; the
+    # second (lr 1e-6) stops for good before its step 6 (rank 0 hangs: IMGTRAIN_INJECT_FAULT, for
+    # that trial only), after its step-4 checkpoint, so the Ctrl-C always finds the first trial
+    # done and the second one training, with a checkpoint to resume from. One at a time: the
+    # second starts once Tune is stopping the first, so by its first checkpoint (a Ray Train start
+    # later) Tune has long recorded the first as ended (two at once raced: the first's run had
+    # written "finished" while Tune, still stopping its process, saved it as running). The fault
+    # is in the first command's environment only: the sweep hands it to its trials, whose
+    # processes have the session cluster's environment, and the commands after it train on.
+    storage = tmp_path
+    args = sweep_args(tiny_data, storage, "s", ray_cluster, *ASHA, "--checkpoint-every-steps", "4")
     trials_dir = storage / "s" / "trials"
-    out = proc.stdout.splitlines()
+    proc = subprocess.Popen([sys.executable, "-m", "imgtrain.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, FAULT_ENV: "hang:0:6@trial-00001"})
+    try:
+        wait_for(lambda: checkpointed(trials_dir / "trial-00001"), timeout=240,
+                 what="the second trial's first checkpoint", proc=proc)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: Tune saves its state and stops the trial
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert err.startswith("interrupted; run the same command again"), err
     # one line per state change, no Ray or Tune output on the terminal
-    assert out[0].startswith("sweep s: 2 trial(s), 1 at a time, scheduler asha, metric val_accuracy (max)")
-    events = [line for line in out[1:] if re.match(r"\d\d:\d\d:\d\d trial-0000[01]: ", line)]
-    assert [e.split(": ", 1)[1].split()[0] for e in events] == [
-        "started", "epoch", "epoch", "finished", "started", "epoch", "stopped"], out
-    table_at = next(i for i, line in enumerate(out) if line.startswith("sweep s  status: finished"))
-    assert table_at == len(events) + 1, out  # nothing else between the events and the table
-    assert proc.stderr == ""
+    assert out.splitlines()[0].startswith("sweep s: 2 trial(s), 1 at a time, scheduler asha, metric val_accuracy (max)")
+    assert events(out) == [("trial-00000", "started"), ("trial-00000", "epoch"), ("trial-00000", "epoch"),
+                           ("trial-00000", "finished"), ("trial-00001", "started")], out
+    assert show(capsys, storage, "s")["status"] == "interrupted"
+    first = (trials_dir / "trial-00000" / runs.METRICS_FILE).read_text()
+
+    # Run again: the finished trial is not trained again, the second resumes from its checkpoint
+    # and ASHA, which Tune rebuilt empty, judges it against the first trial's recorded epochs: it
+    # stops the second on its first epoch's result, as an uninterrupted sweep does. Its workers,
+    # which do not wait for Tune's answer, may have trained the next epoch by the time the stop
+    # reaches them (a loaded machine): what is on disk is shown, whichever it is.
+    again = run_cli(*args, timeout=240)
+    assert again.returncode == 0, again.stderr
+    assert again.stderr == ""
+    assert events(again.stdout) == [("trial-00001", "started"), ("trial-00001", "epoch"),
+                                    ("trial-00001", "stopped")], again.stdout
+    lines = again.stdout.splitlines()
+    table_at = next(i for i, line in enumerate(lines) if line.startswith("sweep s  status: finished"))
+    assert re.match(r"\d\d:\d\d:\d\d trial-00001: stopped", lines[table_at - 1]), again.stdout  # nothing between
+    assert (trials_dir / "trial-00000" / runs.METRICS_FILE).read_text() == first
+    starts = [r for r in runs.read_metrics(trials_dir / "trial-00001") if r["kind"] == "start"]
+    assert [s["restored_from"] is None for s in starts] == [True, False] and starts[-1]["step"] == 4
 
     s = show(capsys, storage, "s")
     assert (s["status"], s["metric"], s["mode"], s["search"]) == ("finished", "val_accuracy", "max",
                                                                   {"lr": "grid(0.003, 1e-06)"})
     by_name = {t["name"]: t for t in s["trials"]}
-    # ASHA stops the second trial on its first epoch's result; its workers, which do not wait for
-    # Tune's answer, may have trained the next epoch by the time the stop reaches them (a loaded
-    # machine): what is on disk is shown, whichever it is.
     assert {n: (t["params"], t["status"]) for n, t in by_name.items()} == {
         "trial-00000": ({"lr": 0.003}, "finished"), "trial-00001": ({"lr": 1e-06}, "stopped")}
     assert by_name["trial-00000"]["epochs_done"] == 2 and by_name["trial-00001"]["epochs_done"] in (1, 2)
     assert by_name["trial-00001"]["epochs_done"] == len(runs.epoch_history(trials_dir / "trial-00001"))
+    stopped = runs.read_status(trials_dir / "trial-00001")
+    assert stopped["status"] == "stopped" and "ASHA after epoch 1 of 2" in stopped["reason"]
 
     # the best trial, from the runs' own metrics.jsonl
     best_of = {n: max(r["val_accuracy"] for r in runs.epoch_history(trials_dir / n)) for n in by_name}
@@ -89,67 +125,17 @@ def test_asha_sweep_trials_are_imgtrain_runs(asha_sweep, capsys):
     run = json.loads(shown.stdout)
     assert (run["status"], run["epochs_completed"]) == ("finished", 2)
     assert runs.read_config(trials_dir / "trial-00001")["lr"] == 1e-06
-    stopped = runs.read_status(trials_dir / "trial-00001")
-    assert stopped["status"] == "stopped" and "ASHA after epoch 1 of 2" in stopped["reason"]
     assert (storage / "s" / "logs" / "driver.log").is_file() and (storage / "s" / "logs" / "trial-00000.log").is_file()
-    print(f"2-trial ASHA sweep: {took:.1f} s")
 
-
-def test_rerun_of_a_finished_sweep_trains_nothing_and_other_settings_are_refused(asha_sweep, tiny_data, ray_cluster,
-                                                                                capsys):
-    proc, storage, args, _ = asha_sweep
-    assert proc.returncode == 0, proc.stderr
-    trials_dir = storage / "s" / "trials"
+    # A finished sweep run again trains nothing; other settings are refused.
     before = {p.name: p.read_text() for p in trials_dir.glob("*/metrics.jsonl")}
-    again = run_cli(*args, timeout=180)
-    assert again.returncode == 0, again.stderr
-    assert "resuming" in again.stdout and "started" not in again.stdout
+    third = run_cli(*args, timeout=180)
+    assert third.returncode == 0, third.stderr
+    assert "resuming" in third.stdout and "started" not in third.stdout
     assert {p.name: p.read_text() for p in trials_dir.glob("*/metrics.jsonl")} == before
-
-    other = cli_here(capsys, *sweep_args(tiny_data, storage, "s", ray_cluster, *ASHA[:-2], "--epochs", "3"))
+    other = cli_here(capsys, *sweep_args(tiny_data, storage, "s", ray_cluster, *ASHA[:-2], "--epochs", "3",
+                                         "--checkpoint-every-steps", "4"))
     assert_one_line_error(other, "sweep 's' already exists", "epochs: 2 -> 3")
-
-
-def test_interrupted_sweep_resumes_without_rerunning_finished_trials(tiny_data, tmp_path, ray_cluster, capsys):
-    # The second trial stops for good before its step 20 (rank 0 hangs: IMGTRAIN_INJECT_FAULT),
-    # after its epoch-1 checkpoint; the first, with twice the batch, has 16 steps in all and
-    # never gets there. So the Ctrl-C always finds the first trial done and the second one
-    # training, with a checkpoint to resume from (the first version of this test raced a trial
-    # to its end). One at a time: the second starts once Tune is stopping the first, so by its
-    # first epoch (a Ray Train start later) Tune has long recorded the first as ended. Two at
-    # once raced: the first's run had written "finished" while Tune, still stopping its process,
-    # saved it as running, and the resumed sweep started it again (seen once; its run then
-    # trained nothing). Both on the session's cluster: the sweep hands the fault in its
-    # environment to its trials, whose processes have the cluster's environment.
-    args = ["tune", "--data", str(tiny_data), "--name", "r", "--storage", str(tmp_path), "--search",
-            "batch_size=grid(32,16)", "--scheduler", "fifo", "--epochs", "2", "--workers", "1",
-            "--max-concurrent", "1", "--model", "timm:test_resnet", "--ingest", "torch", "--address", ray_cluster]
-    trials_dir = tmp_path / "r" / "trials"
-    proc = subprocess.Popen([sys.executable, "-m", "imgtrain.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, FAULT_ENV: "hang:0:20"})
-    try:
-        wait_for(lambda: any(r["kind"] == "epoch" for r in runs.read_metrics(trials_dir / "trial-00001")),
-                 timeout=240, what="the second trial's first epoch", proc=proc)
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: Tune saves its state and stops the trial
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, (out, err)
-    assert err.startswith("interrupted; run the same command again"), err
-    assert show(capsys, tmp_path, "r")["status"] == "interrupted"
-    first = (trials_dir / "trial-00000" / runs.METRICS_FILE).read_text()
-
-    again = run_cli(*args, timeout=240)
-    assert again.returncode == 0, again.stderr
-    assert "trial-00000: started" not in again.stdout and "trial-00001: started" in again.stdout
-    assert (trials_dir / "trial-00000" / runs.METRICS_FILE).read_text() == first  # not trained again
-    starts = [r for r in runs.read_metrics(trials_dir / "trial-00001") if r["kind"] == "start"]
-    assert starts[0]["restored_from"] is None
-    assert starts[-1]["restored_from"] is not None and starts[-1]["step"] == 16  # resumed from its checkpoint
-    s = show(capsys, tmp_path, "r")
-    assert s["status"] == "finished"
-    assert [(t["status"], t["epochs_done"]) for t in s["trials"]] == [("finished", 2), ("finished", 2)]
 
 
 def test_bad_sweeps_fail_in_seconds_with_one_line(ray_cluster, tiny_data, tmp_path, capsys):

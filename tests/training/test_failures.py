@@ -2,6 +2,8 @@
 
 import errno
 
+import pytest
+
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops.files import disk_full
 from imgtrain.training.ray_backend import _root_cause
@@ -52,3 +54,18 @@ def test_a_full_disk_is_found_however_deep_it_is_wrapped():
     except RuntimeError as chained:
         assert disk_full(chained)
     assert not disk_full(GroupFailed({0: Wrapped("ray", ValueError("nan loss"))}))
+
+
+def test_an_injected_fault_for_one_run_fires_in_that_run_only(tmp_path):
+    from imgtrain.training import faults
+
+    fault = faults.parse("raise:0:3:2@trial-00001")
+    assert (fault.kind, fault.rank, fault.step, fault.times, fault.run) == ("raise", 0, 3, 2, "trial-00001")
+    faults.maybe_fire(fault, 0, 3, tmp_path / "trial-00000")  # another trial of the sweep: nothing
+    assert not (tmp_path / "trial-00000" / ".faults").exists()
+    with pytest.raises(faults.InjectedFault):
+        faults.maybe_fire(fault, 0, 3, tmp_path / "trial-00001")
+    assert faults.parse("hang:0:20").run is None  # every run
+    for bad in ("raise:0:3@", "raise:0@trial", "bend:0:3@trial"):
+        with pytest.raises(ImgtrainError, match=r"KIND:RANK:STEP\[:TIMES\]\[@RUN\]"):
+            faults.parse(bad)

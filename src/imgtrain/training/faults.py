@@ -4,6 +4,8 @@
 exception (``raise``), stop making progress forever (``hang``) or SIGKILL its own process
 (``kill``), at most TIMES times over the whole run (default 1; counted with marker files in the
 run directory, so a retried or resumed attempt does not fail the same way again unless asked to).
+``@RUN`` at the end fires it in the run named RUN only: one trial of a sweep, whose trials all
+reach the same steps.
 
 The process can also be killed at named moments after step STEP: ``kill-saving`` (a checkpoint
 half copied into the run directory; local backend), ``kill-saved`` (the checkpoint is stored,
@@ -31,6 +33,7 @@ class Fault:
     rank: int
     step: int
     times: int = 1
+    run: str | None = None  # the run's name (its folder's) it fires in; None: every run
 
     @property
     def point(self) -> str:
@@ -45,18 +48,22 @@ class InjectedFault(RuntimeError):
 def parse(text: str | None) -> Fault | None:
     if not text:
         return None
-    parts = text.split(":")
+    spec, _, run = text.partition("@")
+    parts = spec.split(":")
     try:
         kind, numbers = parts[0], [int(p) for p in parts[1:]]
-        if kind not in KINDS or len(numbers) not in (2, 3):
+        if kind not in KINDS or len(numbers) not in (2, 3) or (_ and not run):
             raise ValueError
     except ValueError:
-        raise ImgtrainError(f"{ENV_VAR}={text!r} is not KIND:RANK:STEP[:TIMES] with KIND one of {', '.join(KINDS)}") from None
-    return Fault(kind, *numbers)
+        raise ImgtrainError(f"{ENV_VAR}={text!r} is not KIND:RANK:STEP[:TIMES][@RUN] with KIND one of "
+                            f"{', '.join(KINDS)}") from None
+    return Fault(kind, *numbers, run=run or None)
 
 
 def maybe_fire(fault: Fault | None, rank: int, step: int, run_dir: Path | None, point: str = "step") -> None:
     if fault is None or rank != fault.rank or step != fault.step or run_dir is None or point != fault.point:
+        return
+    if fault.run is not None and Path(run_dir).name != fault.run:
         return
     markers = Path(run_dir) / ".faults"
     markers.mkdir(parents=True, exist_ok=True)
