@@ -573,43 +573,22 @@ def test_port_in_use_is_one_clear_error(trained, capsys):
     assert_one_line_error(proc, f"127.0.0.1:{port}", "--port")
 
 
-def test_through_rays_proxy_the_same_answers_and_a_clean_stop(ray_cluster, trained, digit, tmp_path):
-    """``--ingress proxy``, what several replicas or a joined cluster use (here the session's, which
-    spares a Ray start): the same routes and answers; Ctrl-C stops it and leaves the cluster as it was."""
-    import ray
-    from ray import serve
-
-    pixels, predictor = digit
-    free_cpus = ray.available_resources().get("CPU")
-    try:
-        with serving(trained[0], tmp_path, "--ingress", "proxy", "--address", ray_cluster,
-                     run=run_name(trained)) as (proc, port, stdout, stderr):
-            assert "through Ray Serve's proxy" in stdout.read_text()
-            status, answer = request(port, "/predict", png_bytes(pixels), "image/png")
-            assert status == 200, answer
-            assert_prediction(answer, predictor.predict_proba(pixels[None])[0], predictor.loaded.preprocess.classes)
-            results = burst(port, [png_bytes(pixels)] * 8)
-            assert [r[0] for r in results] == [200] * 8
-            assert all(r[1]["index"] == answer["index"] for r in results)
-            proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, stderr.read_text()
-        wait_for(lambda: ray.available_resources().get("CPU") == free_cpus, STOP_TIMEOUT_S,
-                 "the replica's CPUs back in the session's cluster")
-    finally:  # a server killed mid-test leaves Serve in the session's cluster: not for the tests after
-        serve.shutdown()
-
-
 def test_direct_ingress_is_refused_where_it_cannot_work(trained, capsys):
     proc = cli_here(capsys, "serve", run_name(trained), "--storage", str(trained[0]), "--ingress", "direct",
                     "--replicas", "2", "--port", str(unused_port()))
     assert_one_line_error(proc, "--ingress direct", "--ingress proxy")
 
 
-def test_an_onnx_export_served_with_tta_flip_answers_as_the_pytorch_model(ray_cluster, trained, digit, tmp_path):
-    """``--engine onnxruntime --tta flip`` on an ONNX export of the run: the replica's
-    probabilities are the flip-averaged Predictor's on the same export, and within float error of
-    the PyTorch model's (joined to the session's cluster through the proxy, as above, to spare a Ray
-    start); the driver warns once that a digits model never saw a mirrored digit."""
+def test_an_onnx_export_through_rays_proxy_with_tta_flip_answers_as_the_pytorch_model_and_stops_cleanly(
+        ray_cluster, trained, digit, tmp_path):
+    """``--ingress proxy``, what several replicas or a joined cluster use (here the session's, which
+    spares a Ray start), serving an ONNX export of the run with ``--engine onnxruntime --tta flip``:
+    the same routes; the replica's probabilities are the flip-averaged Predictor's on the same
+    export, and within float error of the PyTorch model's; the driver warns once that a digits
+    model never saw a mirrored digit; Ctrl-C stops it and leaves the cluster as it was. One server
+    for both: each Serve application costs a controller, a proxy and a replica, processes that
+    import Ray Serve and torch."""
+    import ray
     from ray import serve
 
     from imgtrain.inference.export import export
@@ -618,9 +597,11 @@ def test_an_onnx_export_served_with_tta_flip_answers_as_the_pytorch_model(ray_cl
     exported = export(trained[1], "onnx", tmp_path / "export").out
     flipped = Predictor(exported, tta="flip", engine="onnxruntime")
     torch_flipped = Predictor(trained[1], tta="flip").predict_proba(pixels[None])[0]
+    free_cpus = ray.available_resources().get("CPU")
     try:
         with serving(trained[0], tmp_path, "--ingress", "proxy", "--address", ray_cluster, "--tta", "flip",
                      "--engine", "onnxruntime", run=str(exported)) as (proc, port, stdout, stderr):
+            assert "through Ray Serve's proxy" in stdout.read_text()
             health = request(port, "/healthz")[1]
             assert (health["tta"], health["engine"]) == ("flip", "onnxruntime")
             assert "warning: --tta flip" in stderr.read_text()
@@ -631,7 +612,12 @@ def test_an_onnx_export_served_with_tta_flip_answers_as_the_pytorch_model(ray_cl
             assert status == 200, answer
             assert_prediction(answer, flipped.predict_proba(pixels[None])[0], flipped.loaded.preprocess.classes)
             assert_prediction(answer, torch_flipped, flipped.loaded.preprocess.classes)
+            results = burst(port, [png_bytes(pixels)] * 8)
+            assert [r[0] for r in results] == [200] * 8
+            assert all(r[1]["index"] == answer["index"] for r in results)
             proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=STOP_TIMEOUT_S) == 0, stderr.read_text()
-    finally:
+        wait_for(lambda: ray.available_resources().get("CPU") == free_cpus, STOP_TIMEOUT_S,
+                 "the replica's CPUs back in the session's cluster")
+    finally:  # a server killed mid-test leaves Serve in the session's cluster: not for the tests after
         serve.shutdown()
