@@ -123,6 +123,8 @@ def two_nodes(tmp_path_factory):
         hidden = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
                   f'mount -t tmpfs none "{private}" && exec "$@"', "sh") if masked else ()
         worker = nodes.add_worker(wrapper=hidden)
+        # Ray's autoscaling coordinator with a 2 s refresh (cluster_helper.QuickTicks), created
+        # before a run creates Ray's own: what the elastic run sizes its worker group from
         coordinator = subprocess.run([sys.executable, "-m", "tests.integration.cluster_helper", nodes.address],
                                      env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=120)
         assert coordinator.returncode == 0, coordinator.stderr[-3000:]
