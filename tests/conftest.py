@@ -119,7 +119,7 @@ def ray_cluster(s3_server):
         os.environ.pop(FAULT_ENV, None)
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 4, "include_dashboard": False, "include_log_monitor": False,
-            "object_store_memory": 2 * 2**30})  # Cluster's own default, 150 MiB, is a test's of Ray's
+            "object_store_memory": 2 * 2**30})  # Cluster's default, 150 MiB, is sized for Ray's own tests
     # Cluster writes its address where a bare ray.init() looks for one (/tmp/ray/ray_current_cluster):
     # a process of a test that starts Ray of its own must not join this one instead
     with contextlib.suppress(FileNotFoundError):

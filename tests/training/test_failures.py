@@ -6,6 +6,7 @@ import pytest
 
 from imgtrain.errors import ImgtrainError
 from imgtrain.ops.files import disk_full
+from imgtrain.training import faults
 from imgtrain.training.ray_backend import _root_cause
 
 
@@ -57,8 +58,6 @@ def test_a_full_disk_is_found_however_deep_it_is_wrapped():
 
 
 def test_an_injected_fault_for_one_run_fires_in_that_run_only(tmp_path):
-    from imgtrain.training import faults
-
     fault = faults.parse("raise:0:3:2@trial-00001")
     assert (fault.kind, fault.rank, fault.step, fault.times, fault.run) == ("raise", 0, 3, 2, "trial-00001")
     faults.maybe_fire(fault, 0, 3, tmp_path / "trial-00000")  # another trial of the sweep: nothing

@@ -48,11 +48,11 @@ class InjectedFault(RuntimeError):
 def parse(text: str | None) -> Fault | None:
     if not text:
         return None
-    spec, _, run = text.partition("@")
+    spec, at, run = text.partition("@")
     parts = spec.split(":")
     try:
         kind, numbers = parts[0], [int(p) for p in parts[1:]]
-        if kind not in KINDS or len(numbers) not in (2, 3) or (_ and not run):
+        if kind not in KINDS or len(numbers) not in (2, 3) or (at and not run):
             raise ValueError
     except ValueError:
         raise ImgtrainError(f"{ENV_VAR}={text!r} is not KIND:RANK:STEP[:TIMES][@RUN] with KIND one of "
