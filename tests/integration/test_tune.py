@@ -16,6 +16,7 @@ import pytest
 from imgtrain.storage import runs
 from imgtrain.training.faults import ENV_VAR as FAULT_ENV
 from tests.conftest import assert_one_line_error, cli_here, run_cli, wait_for
+from tests.integration.test_signals import checkpointed
 
 pytestmark = pytest.mark.integration
 
@@ -36,11 +37,6 @@ def show(capsys, storage, name) -> dict:
     proc = cli_here(capsys, "tune", "show", name, "--storage", str(storage), "--json")
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
-
-
-def checkpointed(run_dir: Path) -> bool:
-    """The run's driver has the record of a checkpoint."""
-    return any(r.get("checkpoint") for r in runs.read_metrics(run_dir))
 
 
 def events(stdout: str) -> list[tuple[str, str]]:
