@@ -6,8 +6,9 @@ For each data set: the teacher (``--teacher-model``, default resnet18) trained o
 ``--teacher-epochs`` epochs with imgtrain's defaults; then for each seed the student
 (``--student``, default timm's test_resnet, 0.4 M parameters) trained alone and distilled
 (``--teacher``, everything else the defaults: augmentation on, so the mode is online, T 1,
-weight 0.5; ``--also T:W,...`` adds other recipes beside them, reported apart), interleaved. Each run's best checkpoint (chosen on the val split) is scored on the
-test split, which nothing was tuned on. The cost: seed 0 again with ``--no-augment``, distilled
+weight 0.5; ``--also T:W,...`` adds other recipes beside them, reported apart), interleaved;
+``--no-augment`` and ``--mixup ALPHA`` change every student alike. Each run's best checkpoint
+(chosen on the val split) is scored on the test split, which nothing was tuned on. The cost: seed 0 again with ``--no-augment``, distilled
 in each mode (the cached run reading a table computed just before, timed on its own: the cache
 pass), seconds per training epoch.
 
@@ -56,6 +57,11 @@ def recipe(args) -> dict:
     return {k: v for k, v in named.items() if v is not None}
 
 
+def students(args) -> dict:
+    """What every student run shares, alone or distilled: augmentation, and mixup where asked for."""
+    return {"augment": args.augment, "mixup": args.mixup}
+
+
 def test_accuracy(result) -> float:
     import imgtrain
     from imgtrain.inference.options import InferenceOptions
@@ -76,9 +82,9 @@ def bench_one(label: str, data: Path, storage: Path, args) -> dict:
     val = {"alone": [], "distilled": []}  # the best epoch's val accuracy: what a user could choose by
     also = {}
     for seed in args.seeds:
-        a, _, a_epoch = train(data, storage, f"alone-s{seed}", args.student, args.epochs, seed, augment=args.augment)
+        a, _, a_epoch = train(data, storage, f"alone-s{seed}", args.student, args.epochs, seed, **students(args))
         d, _, d_epoch = train(data, storage, f"distilled-s{seed}", args.student, args.epochs, seed,
-                              augment=args.augment, teacher=str(teacher.path), **recipe(args))
+                              **students(args), teacher=str(teacher.path), **recipe(args))
         val["alone"].append(max(r["val_accuracy"] for r in a.history))
         val["distilled"].append(max(r["val_accuracy"] for r in d.history))
         alone.append(test_accuracy(a))
@@ -89,7 +95,7 @@ def bench_one(label: str, data: Path, storage: Path, args) -> dict:
               f"({a_epoch:.1f} / {d_epoch:.1f} s an epoch)", flush=True)
         for t, w in args.also:  # other recipes beside the defaults, reported apart (never used to choose them)
             o, _, _ = train(data, storage, f"also-T{t:g}-w{w:g}-s{seed}", args.student, args.epochs, seed,
-                            augment=args.augment, teacher=str(teacher.path), distill_temperature=t, distill_weight=w)
+                            **students(args), teacher=str(teacher.path), distill_temperature=t, distill_weight=w)
             row = also.setdefault(f"T {t:g}, weight {w:g}", {"test": [], "val": []})
             row["test"].append(test_accuracy(o))
             row["val"].append(max(r["val_accuracy"] for r in o.history))
@@ -140,6 +146,8 @@ def main() -> None:
     parser.add_argument("--teacher-stem", default="auto", help="the teacher's --stem (small: a CIFAR ResNet's)")
     parser.add_argument("--no-augment", dest="augment", action="store_false",
                         help="the students without augmentation (so distilled from the cache)")
+    parser.add_argument("--mixup", type=float, default=0.0,
+                        help="the students' --mixup alpha (mixed images: the teacher's targets are soft)")
     parser.add_argument("--temperature", type=float, default=None, help="default: imgtrain's --distill-temperature")
     parser.add_argument("--weight", type=float, default=None, help="default: imgtrain's --distill-weight")
     parser.add_argument("--also", default="", help="other recipes run beside the defaults: T:weight,...")
