@@ -8,9 +8,9 @@ For each data set: the teacher (``--teacher-model``, default resnet18) trained o
 (``--teacher``, everything else the defaults: augmentation on, so the mode is online, T 1,
 weight 0.5; ``--also T:W,...`` adds other recipes beside them, reported apart), interleaved;
 ``--no-augment`` and ``--mixup ALPHA`` change every student alike. Each run's best checkpoint
-(chosen on the val split) is scored on the test split, which nothing was tuned on. The cost: seed 0 again with ``--no-augment``, distilled
-in each mode (the cached run reading a table computed just before, timed on its own: the cache
-pass), seconds per training epoch.
+(chosen on the val split) is scored on the test split, which nothing was tuned on. The cost:
+seed 0 again with ``--no-augment``, distilled in each mode (the cached run reading a table
+computed just before, timed on its own: the cache pass), seconds per training epoch.
 
     python bench/distill.py [--seeds 0,1,2] [--epochs 3] [--teacher-epochs 3]
 
